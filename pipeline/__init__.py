@@ -1,0 +1,1 @@
+"""jacobeam's command line and wiring: config -> plan -> Beam graph -> run."""

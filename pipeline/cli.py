@@ -1,0 +1,122 @@
+"""The ``jacobeam`` command (also ``python -m pipeline``): run, demo, inspect.
+
+Arguments after the config that jacobeam does not know are Beam ``PipelineOptions``
+(``--runner``, ``--direct_num_workers``, ``--temp_location``, ...), as in every Beam program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from transforms.errors import JacobeamError
+
+log = logging.getLogger("jacobeam")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jacobeam",
+        description="Per-sample Jacobians of a TensorFlow model for many input samples, stored as HDF5.",
+        epilog="Unknown options after the config are passed to Beam (e.g. --direct_num_workers 2 "
+        "--direct_running_mode multi_processing, --runner DataflowRunner ...).",
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and the final summary")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run the pipeline for a config file")
+    run.add_argument("config", help="YAML config file")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key (VALUE is YAML), e.g. --set output.path=out/")
+
+    demo = commands.add_parser("demo", help="generate seeded inputs and run the built-in CNN end to end")
+    demo.add_argument("--root", default=None, help="folder for the demo's inputs and output (default: jacobeam-demo)")
+    demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    inspect = commands.add_parser("inspect", help="describe an output folder and check it is complete")
+    inspect.add_argument("folder")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def _summary(result) -> str:
+    manifest, run = result.manifest, result.manifest["run"]
+    out = Path(manifest["config"]["output"]["path"]).resolve()
+    view = out / "jacobians.h5"
+    shapes = ", ".join(
+        f"{name} ({', '.join(str(d) for d in info['shape'])})" for name, info in manifest["datasets"].items()
+    )
+    metrics = ", ".join(f"{k}={v}" for k, v in sorted(result.metrics.items()) if not isinstance(v, dict))
+    return "\n".join(
+        [
+            f"done: {manifest['num_samples']:,} samples ({run['samples_computed']:,} computed, "
+            f"{run['samples_kept']:,} already complete) in {len(manifest['shards'])} shard(s), "
+            f"{run['wall_seconds']:.1f} s, {run['samples_per_second'] or 0:,.0f} samples/s",
+            f"metrics: {metrics}",
+            f"output: {out}",
+            f"  {view.name}: {shapes}",
+            "read it:",
+            "  import h5py",
+            f"  with h5py.File({str(view)!r}) as f:",
+            "      jac = f['jacobian'][:8]   # (8, *output_shape, *input_shape), ids 0..7",
+        ]
+    )
+
+
+def _run(config, beam_args: list[str], quiet: bool) -> int:
+    from pipeline import runner
+
+    result = runner.run(config, beam_args, show_progress=not quiet)
+    print(_summary(result))
+    return 0
+
+
+def _demo(args, beam_args: list[str]) -> int:
+    from pipeline import config as config_module
+    from pipeline import demo
+
+    root = args.root or demo.DEMO_ROOT
+    config = config_module.load(None, args.overrides, base=demo.demo_config(root))
+    paths = demo.write_inputs(Path(root) / "inputs")
+    log.info("demo inputs: %d files in %s", len(paths), Path(root, "inputs").resolve())
+    return _run(config, beam_args, args.quiet)
+
+
+def _inspect(args) -> int:
+    from pipeline.inspect_output import format_report, inspect
+
+    report = inspect(args.folder)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return 0 if report.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported, here or in workers
+    args, beam_args = _parser().parse_known_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,  # Beam logs while it is imported, which would otherwise fix the root config first
+    )
+    if args.command == "inspect" and beam_args:
+        _parser().error(f"unrecognized arguments: {' '.join(beam_args)}")
+    try:
+        if args.command == "run":
+            from pipeline import config as config_module
+
+            return _run(config_module.load(args.config, args.overrides), beam_args, args.quiet)
+        if args.command == "demo":
+            return _demo(args, beam_args)
+        return _inspect(args)
+    except (JacobeamError, FileNotFoundError) as err:
+        print(f"jacobeam: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""``jacobeam inspect OUT``: what an output folder holds, and whether it is complete and readable.
+
+A virtual dataset whose source file is missing silently reads fill values, so every source of
+``jacobians.h5`` is checked here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transforms.finalize import MANIFEST, VIEW
+from transforms.shards import SHARDS_DIR, is_temp_file
+
+
+@dataclass
+class Report:
+    folder: str
+    manifest: dict[str, Any] | None
+    shards_on_disk: list[str]
+    temp_files: list[str]
+    view: dict[str, dict[str, Any]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.manifest is not None and not self.problems
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "folder": self.folder,
+            "complete": self.ok,
+            "problems": self.problems,
+            "view": self.view,
+            "shards_on_disk": self.shards_on_disk,
+            "temp_files": self.temp_files,
+            "manifest": self.manifest,
+        }
+
+
+def _check_view(root: Path, report: Report) -> None:
+    import h5py
+
+    path = root / VIEW
+    if not path.exists():
+        report.problems.append(f"{VIEW} is missing")
+        return
+    with h5py.File(path, "r") as view:
+        for name, dataset in view.items():
+            report.view[name] = {"shape": list(dataset.shape), "dtype": dataset.dtype.name}
+            sources = {source.file_name for source in dataset.virtual_sources()} if dataset.is_virtual else set()
+            for source in sorted(sources):
+                if not (root / source).exists():
+                    report.problems.append(f"{VIEW}:{name} reads from {source}, which is missing")
+
+
+def inspect(folder: str) -> Report:
+    root = Path(folder)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{folder}: no such output folder")
+    shards = root / SHARDS_DIR
+    names = sorted(path.name for path in shards.iterdir()) if shards.is_dir() else []
+    manifest_path = root / MANIFEST
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+    report = Report(
+        folder=str(root.resolve()),
+        manifest=manifest,
+        shards_on_disk=[name for name in names if name.startswith("shard-")],
+        temp_files=[name for name in names if is_temp_file(name)],
+    )
+    if manifest is None:
+        report.problems.append(
+            f"no {MANIFEST}: the run did not finish ({len(report.shards_on_disk)} complete shard(s), "
+            f"{len(report.temp_files)} temporary file(s)); run the same command again to complete it"
+        )
+        return report
+    for shard in manifest["shards"]:
+        if not (root / shard["file"]).exists():
+            report.problems.append(f"{shard['file']} is listed in the manifest but missing")
+    _check_view(root, report)
+    return report
+
+
+def format_report(report: Report) -> str:
+    lines = [f"{report.folder}: {'complete' if report.ok else 'NOT COMPLETE'}"]
+    manifest = report.manifest
+    if manifest is not None:
+        run = manifest["run"]
+        lines += [
+            f"  samples     {manifest['num_samples']:,}, input {tuple(manifest['input_shape'])} "
+            f"-> output {tuple(manifest['output_shape'])}, {manifest['dtype']}",
+            f"  model       {manifest['config']['model']}  fingerprint {manifest['model_fingerprint'][:16]}",
+            f"  inputs      {len(manifest['inputs'])} file(s)",
+            f"  shards      {len(manifest['shards'])} in manifest, {len(report.shards_on_disk)} on disk",
+            f"  last run    {run['wall_seconds']:.1f} s, {run['samples_computed']:,} computed, "
+            f"{run['samples_kept']:,} kept, {run['samples_per_second'] or 0:,.0f} samples/s",
+            f"  written     {manifest['created_at']} by jacobeam {manifest['jacobeam_version']}",
+        ]
+    for name, info in report.view.items():
+        lines.append(f"  {VIEW}:{name:<10} shape {tuple(info['shape'])} {info['dtype']}")
+    lines += [f"  problem: {problem}" for problem in report.problems]
+    return "\n".join(lines)

@@ -1,0 +1,100 @@
+"""Turn a validated config into a job: resolve the input globs, check the files, fix the shard ranges.
+
+Everything here runs in the launching process before any output is touched, and imports no
+TensorFlow: a bad input or a foreign output folder fails here, with nothing written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from pipeline.config import Config, ConfigError, to_dict
+from transforms.errors import InputError
+from transforms.readers import SourceFile, assign_ids, check_consistent, describe
+from transforms.shards import SHARDS_DIR, read_attrs, shard_name
+from transforms.spec import JobSpec, ModelSource
+
+
+def resolve_inputs(patterns: list[str], key: str | None) -> list[SourceFile]:
+    """Every file the globs match (each file once), described and given its id range."""
+    from apache_beam.io.filesystems import FileSystems
+
+    paths: set[str] = set()
+    for pattern, match in zip(patterns, FileSystems.match(patterns)):
+        if not match.metadata_list:
+            raise InputError(f"input.paths: {pattern!r} matches no files")
+        paths.update(metadata.path for metadata in match.metadata_list)
+    files = assign_ids([describe(path, key) for path in paths])
+    check_consistent(files)
+    if files[-1].stop_id == 0:
+        raise InputError(f"input.paths: the {len(files)} matched file(s) hold no samples")
+    return files
+
+
+def _check_model(config: Config) -> None:
+    from apache_beam.io.filesystems import FileSystems
+
+    path = config.model.path
+    if path is not None and not FileSystems.exists(path):
+        raise ConfigError(f"model.path {path}: no such file or directory")
+
+
+def run_key(config: Config, files: list[SourceFile]) -> str:
+    """A hash of everything that decides the shards' contents (not of batch size or threads)."""
+    identity = {
+        "model": to_dict(config)["model"],
+        "inputs": [[f.path, f.key, f.num_samples, list(f.sample_shape), f.dtype] for f in files],
+        "samples_per_shard": config.output.samples_per_shard,
+        "jit_compile": config.jacobian.jit_compile,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_output_folder(spec: JobSpec) -> int:
+    """Refuse a folder holding shards of another run; returns how many samples are already complete."""
+    shards = Path(spec.output_dir) / SHARDS_DIR
+    if not shards.is_dir():
+        return 0
+    expected = {shard_name(r.start, r.stop): r for r in spec.ranges()}
+    done = 0
+    for path in sorted(shards.glob("shard-*.h5")):
+        shard = expected.get(path.name)
+        if shard is None:
+            raise ConfigError(
+                f"{path}: this shard does not belong to this run's id ranges (another input set or "
+                f"samples_per_shard?); use a new output.path"
+            )
+        found = read_attrs(path).get("run_key")
+        if found != spec.run_key:
+            raise ConfigError(
+                f"{path}: written by a different run (run key {found}, this run {spec.run_key}: the model, "
+                "inputs, samples_per_shard or jit_compile differ); use a new output.path"
+            )
+        done += shard.stop - shard.start
+    return done
+
+
+def make_job(config: Config, tf_threads: int | None = None) -> tuple[JobSpec, int]:
+    """The job for ``config`` and how many of its samples are already complete on disk."""
+    files = resolve_inputs(config.input.paths, config.input.key)
+    _check_model(config)
+    if "://" in config.output.path:
+        raise ConfigError(f"output.path {config.output.path}: only local output folders are supported so far")
+    output_dir = str(Path(config.output.path).resolve())
+    spec = JobSpec(
+        model=ModelSource(**to_dict(config)["model"]),
+        files=tuple(files),
+        output_dir=output_dir,
+        run_key=run_key(config, files),
+        batch_size=config.jacobian.batch_size,
+        jit_compile=config.jacobian.jit_compile,
+        samples_per_shard=config.output.samples_per_shard,
+        compression=config.output.compression,
+        tf_threads=tf_threads,
+        config=to_dict(config),
+        started_at=time.time(),
+    )
+    return spec, check_output_folder(spec)

@@ -1,0 +1,58 @@
+"""Progress of a local run, read from the output folder: a shard counts once its rename made it complete.
+
+Watching the folder works the same for every local running mode (in-process or worker processes),
+where Beam's own metrics only arrive when the run has finished.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TextIO
+
+from transforms.shards import SHARDS_DIR, shard_name
+from transforms.spec import JobSpec
+
+
+class ShardProgress:
+    """Context manager printing ``done/total samples, samples/s, ETA`` while the run is going."""
+
+    def __init__(self, spec: JobSpec, already_done: int, stream: TextIO = sys.stderr, every: float = 2.0):
+        self._sizes = {shard_name(r.start, r.stop): r.stop - r.start for r in spec.ranges()}
+        self._shards = Path(spec.output_dir) / SHARDS_DIR
+        self._total = spec.num_samples
+        self._baseline = already_done
+        self._stream = stream
+        self._every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="jacobeam-progress", daemon=True)
+
+    def done(self) -> int:
+        if not self._shards.is_dir():
+            return 0
+        return sum(self._sizes.get(path.name, 0) for path in self._shards.iterdir())
+
+    def line(self, done: int, elapsed: float) -> str:
+        rate = (done - self._baseline) / elapsed if elapsed > 0 else 0.0
+        eta = datetime.timedelta(seconds=round((self._total - done) / rate)) if rate > 0 else "?"
+        percent = 100.0 * done / self._total
+        return f"jacobeam: {done:,}/{self._total:,} samples ({percent:.0f}%), {rate:,.0f} samples/s, ETA {eta}"
+
+    def _watch(self) -> None:
+        began, shown = time.monotonic(), self._baseline
+        while not self._stop.wait(self._every):
+            done = self.done()
+            if done != shown:
+                print(self.line(done, time.monotonic() - began), file=self._stream, flush=True)
+                shown = done
+
+    def __enter__(self) -> ShardProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,98 @@
+"""Wiring: a planned job, Beam options -> the Beam graph from the named transforms -> a finished run."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
+
+from pipeline import plan
+from pipeline.config import Config
+from pipeline.progress import ShardProgress
+from transforms.compute import ComputeShards
+from transforms.finalize import MANIFEST, Finalize
+from transforms.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+# Since Beam 2.68 the plain DirectRunner first tries to download the Prism runner binary; on a machine
+# whose firewall drops packets that stalls. These names therefore get the in-process FnApiRunner.
+_LOCAL_RUNNERS = {None, "DirectRunner", "SwitchingDirectRunner", "FnApiRunner"}
+
+
+@dataclass
+class RunResult:
+    manifest: dict[str, Any]
+    metrics: dict[str, Any]
+
+
+def is_local(options: PipelineOptions) -> bool:
+    return options.view_as(StandardOptions).runner in _LOCAL_RUNNERS
+
+
+def local_worker_processes(options: PipelineOptions) -> int:
+    """How many worker processes share this machine's cores (1 unless ``multi_processing``)."""
+    direct = options.view_as(DirectOptions)
+    if not is_local(options) or direct.direct_running_mode != "multi_processing":
+        return 1
+    return direct.direct_num_workers or os.cpu_count() or 1
+
+
+def tf_threads(config: Config, options: PipelineOptions) -> int | None:
+    """TensorFlow threads per worker: the config's number, or the local cores split between workers."""
+    if config.jacobian.threads != "auto":
+        return config.jacobian.threads
+    if not is_local(options):
+        return None
+    return max(1, (os.cpu_count() or 1) // local_worker_processes(options))
+
+
+def build(pipeline: beam.Pipeline, spec: JobSpec):
+    """The whole job as a Beam graph: shard ranges -> shards -> manifest."""
+    return pipeline | "ComputeShards" >> ComputeShards(spec) | "Finalize" >> Finalize(spec)
+
+
+def _runner(options: PipelineOptions):
+    if is_local(options):
+        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+        return FnApiRunner()
+    return None  # Beam picks the runner named by --runner
+
+
+def _metrics(result) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    query = result.metrics().query()
+    for counter in query["counters"]:
+        found[counter.key.metric.name] = counter.committed
+    for dist in query["distributions"]:
+        value = dist.committed
+        if value is not None and value.count:
+            found[dist.key.metric.name] = {"count": value.count, "mean": value.mean, "max": value.max}
+    return found
+
+
+def run(config: Config, beam_args: list[str], show_progress: bool = True) -> RunResult:
+    """Plan, build and run the job; blocks until the manifest is written."""
+    options = PipelineOptions(beam_args)
+    spec, already_done = plan.make_job(config, tf_threads(config, options))
+    ranges = spec.ranges()
+    log.info(
+        "%d samples of shape %s in %d file(s) -> %d shard(s) in %s (%d samples already complete)",
+        spec.num_samples, spec.sample_shape, len(spec.files), len(ranges), spec.output_dir, already_done,
+    )
+    progress = ShardProgress(spec, already_done) if show_progress and is_local(options) else contextlib.nullcontext()
+    with progress:
+        pipeline = beam.Pipeline(runner=_runner(options), options=options)
+        build(pipeline, spec)
+        result = pipeline.run()
+        result.wait_until_finish()
+    manifest = json.loads((Path(spec.output_dir) / MANIFEST).read_text())
+    return RunResult(manifest=manifest, metrics=_metrics(result))

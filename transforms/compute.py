@@ -1,0 +1,172 @@
+"""The compute step: a DoFn that turns id ranges into complete HDF5 shards of Jacobians.
+
+Each worker process loads the model and builds the compiled Jacobian function once (``setup()``,
+shared between DoFn instances of the process through ``apache_beam.utils.shared``), then streams
+each range through ``tf.data`` into a shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+from apache_beam.utils import shared
+
+from transforms.errors import OutputError
+from transforms.readers import iter_batches
+from transforms.shards import ShardRecord, ShardWriter, read_attrs, sha256_file, shard_path
+from transforms.spec import JobSpec, ShardRange, version
+
+log = logging.getLogger(__name__)
+_NAMESPACE = "jacobeam"
+
+# Engines built in this process: lets tests (and the manifest) show that setup work happens once per
+# worker process, not per bundle or element.
+_engine_builds = 0
+_builds_lock = threading.Lock()
+
+
+def configure_tf_threads(threads: int | None) -> None:
+    """Set TensorFlow's thread pools before its first op; a no-op once TF is running with them."""
+    if threads is None:
+        return
+    import tensorflow as tf
+
+    threading_config = tf.config.threading
+    if threading_config.get_intra_op_parallelism_threads() == threads:
+        return
+    try:
+        threading_config.set_intra_op_parallelism_threads(threads)
+        threading_config.set_inter_op_parallelism_threads(threads)
+    except RuntimeError:  # TF already initialised in this process (e.g. by the caller): keep its pools.
+        log.warning("TensorFlow already initialised; cannot set its threads to %d", threads)
+
+
+def build_engine(spec: JobSpec):
+    """Load the model and build, trace and warm up the Jacobian function (once per process)."""
+    global _engine_builds
+    from transforms.engine import EngineOptions, JacobianEngine
+
+    configure_tf_threads(spec.tf_threads)
+    engine = JacobianEngine(
+        spec.model.load(),
+        spec.sample_shape,
+        EngineOptions(batch_size=spec.batch_size, jit_compile=spec.jit_compile),
+    )
+    with _builds_lock:
+        _engine_builds += 1
+    return engine
+
+
+class ComputeShardFn(beam.DoFn):
+    """``ShardRange -> ShardRecord``: computes and writes one shard, or keeps it if already complete."""
+
+    def __init__(self, spec: JobSpec):
+        self._spec = spec
+        self._shared = shared.Shared()
+        self._samples = Metrics.counter(_NAMESPACE, "samples")
+        self._batches = Metrics.counter(_NAMESPACE, "batches")
+        self._written = Metrics.counter(_NAMESPACE, "shards_written")
+        self._skipped = Metrics.counter(_NAMESPACE, "shards_skipped")
+        self._latency = Metrics.distribution(_NAMESPACE, "batch_latency_ms")
+
+    def setup(self) -> None:
+        self._engine = self._shared.acquire(lambda: build_engine(self._spec), tag=self._spec.run_key)
+
+    def process(self, shard: ShardRange) -> Iterator[ShardRecord]:
+        final = shard_path(self._spec.output_dir, shard.start, shard.stop)
+        if final.exists():
+            yield self._keep(final, shard)
+        else:
+            yield self._compute(shard)
+
+    def _keep(self, path, shard: ShardRange) -> ShardRecord:
+        attrs = read_attrs(path)
+        for name, expected in (("run_key", self._spec.run_key), ("model_fingerprint", self._engine.fingerprint)):
+            if attrs.get(name) != expected:
+                raise OutputError(
+                    f"{path}: complete shard from a different run ({name} {attrs.get(name)!r}, this run "
+                    f"{expected!r}); use a new output.path or remove that folder"
+                )
+        self._skipped.inc()
+        return ShardRecord(
+            file=str(path.relative_to(self._spec.output_dir)),
+            start=shard.start,
+            stop=shard.stop,
+            sha256=sha256_file(path),
+            model_fingerprint=self._engine.fingerprint,
+            computed=False,
+        )
+
+    def _batches_of(self, shard: ShardRange):
+        """tf.data over the shard's samples: read in slices, batch, and prefetch while computing."""
+        import tensorflow as tf
+
+        spec = self._spec
+
+        def batches():
+            for ids, samples in iter_batches(spec.files, shard.start, shard.stop, spec.batch_size):
+                yield ids, samples.astype("float32", copy=False)
+
+        signature = (
+            tf.TensorSpec((None,), tf.int64),
+            tf.TensorSpec((None, *spec.sample_shape), tf.float32),
+        )
+        return tf.data.Dataset.from_generator(batches, output_signature=signature).prefetch(2)
+
+    def _compute(self, shard: ShardRange) -> ShardRecord:
+        engine, spec = self._engine, self._spec
+        began = time.perf_counter()
+        attrs = {
+            "input_shape": spec.sample_shape,
+            "output_shape": engine.output_shape,
+            "dtype": "float32",
+            "model_fingerprint": engine.fingerprint,
+            "run_key": spec.run_key,
+            "jacobeam_version": version(),
+        }
+        with ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression) as writer:
+            for ids, samples in self._batches_of(shard):
+                tick = time.perf_counter()
+                result = engine(samples)
+                self._latency.update(int(1000 * (time.perf_counter() - tick)))
+                ids = ids.numpy()
+                writer.write(int(ids[0]), {**result, "sample_id": ids})
+                self._batches.inc()
+                self._samples.inc(len(ids))
+            checksum = writer.commit()
+        self._written.inc()
+        seconds = time.perf_counter() - began
+        log.info("shard %s: %d samples in %.2fs", writer.final_path.name, shard.stop - shard.start, seconds)
+        return ShardRecord(
+            file=str(writer.final_path.relative_to(spec.output_dir)),
+            start=shard.start,
+            stop=shard.stop,
+            sha256=checksum,
+            model_fingerprint=engine.fingerprint,
+            computed=True,
+            seconds=seconds,
+            worker_pid=os.getpid(),
+            engine_builds=_engine_builds,
+        )
+
+
+class ComputeShards(beam.PTransform):
+    """``PBegin -> PCollection[ShardRecord]``: every shard of the job, spread over the workers."""
+
+    def __init__(self, spec: JobSpec):
+        super().__init__()
+        self._spec = spec
+
+    def expand(self, pbegin):
+        return (
+            pbegin
+            | "ShardRanges" >> beam.Create(self._spec.ranges())
+            | "Spread" >> beam.Reshuffle()
+            | "ComputeShard" >> beam.ParDo(ComputeShardFn(self._spec))
+        )

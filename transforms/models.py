@@ -1,0 +1,138 @@
+"""Loading the model to differentiate: a Keras file, a SavedModel, a Python factory or a built-in.
+
+Imports TensorFlow, so only workers (in ``setup()``) and tests import this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from transforms.errors import ModelError
+
+BUILTIN_SEED = 0
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to call on a batch: ``call(x[n, *input_shape]) -> y[n, *output_shape]``."""
+
+    call: Callable[[tf.Tensor], tf.Tensor]
+    variables: list[tf.Variable]
+    source: str
+
+    def fingerprint(self) -> str:
+        """sha256 over the model's weights (shapes, dtypes and values, in the model's order)."""
+        digest = hashlib.sha256()
+        for variable in self.variables:
+            value = np.ascontiguousarray(variable.numpy())
+            digest.update(f"{value.dtype.str}{value.shape}".encode())
+            digest.update(value.tobytes())
+        return digest.hexdigest()
+
+
+def _rng_weights(model: keras.Model, seed: int) -> None:
+    """Deterministic weights from numpy, so every framework and run sees identical numbers."""
+    rng = np.random.default_rng(seed)
+    weights = []
+    for weight in model.get_weights():
+        if weight.ndim == 1:
+            weights.append(rng.normal(0.0, 0.1, weight.shape))
+        else:
+            fan_in = int(np.prod(weight.shape[:-1]))
+            weights.append(rng.normal(0.0, 1.0 / np.sqrt(fan_in), weight.shape))
+    model.set_weights([w.astype(model.dtype) for w in weights])
+
+
+def build_mlp(seed: int = BUILTIN_SEED, dtype: str = "float32") -> keras.Model:
+    """Workload W1: x[784] -> Dense 512 tanh -> Dense 512 tanh -> Dense 10."""
+    model = keras.Sequential(
+        [
+            keras.Input((784,), dtype=dtype),
+            keras.layers.Dense(512, activation="tanh", dtype=dtype),
+            keras.layers.Dense(512, activation="tanh", dtype=dtype),
+            keras.layers.Dense(10, dtype=dtype),
+        ],
+        name="builtin_mlp",
+    )
+    _rng_weights(model, seed)
+    return model
+
+
+def build_cnn(seed: int = BUILTIN_SEED, dtype: str = "float32") -> keras.Model:
+    """Workload W2: x[28, 28, 1] -> two 3x3 valid convs (32, 64, relu) -> maxpool 2 -> Dense 128 -> 10."""
+    model = keras.Sequential(
+        [
+            keras.Input((28, 28, 1), dtype=dtype),
+            keras.layers.Conv2D(32, 3, activation="relu", dtype=dtype),
+            keras.layers.Conv2D(64, 3, activation="relu", dtype=dtype),
+            keras.layers.MaxPooling2D(2, dtype=dtype),
+            keras.layers.Flatten(dtype=dtype),
+            keras.layers.Dense(128, activation="relu", dtype=dtype),
+            keras.layers.Dense(10, dtype=dtype),
+        ],
+        name="builtin_cnn",
+    )
+    _rng_weights(model, seed)
+    return model
+
+
+BUILTINS: dict[str, Callable[..., keras.Model]] = {"mlp": build_mlp, "cnn": build_cnn}
+
+
+def _from_object(obj: Any, source: str) -> LoadedModel:
+    if isinstance(obj, keras.Model):
+        return LoadedModel(lambda x: obj(x, training=False), list(obj.weights), source)
+    if callable(obj):
+        return LoadedModel(obj, list(getattr(obj, "variables", [])), source)
+    raise ModelError(f"{source}: expected a Keras model or a callable tf.Module, got {type(obj).__name__}")
+
+
+def _load_saved_model(path: str) -> LoadedModel:
+    loaded = tf.saved_model.load(path)
+    # Keras' ``model.export()`` saves a ``serve`` endpoint; ``tf.saved_model.save(module)`` keeps
+    # ``__call__`` when it was a tf.function; anything else is served through its signature.
+    fn = getattr(loaded, "serve", None) or (loaded if callable(loaded) else None)
+    if fn is not None:
+        return LoadedModel(fn, list(loaded.variables), path)
+    signature = loaded.signatures.get("serving_default")
+    if signature is None:
+        raise ModelError(f"{path}: SavedModel has no 'serve' function and no 'serving_default' signature")
+    inputs = signature.structured_input_signature[1]
+    outputs = signature.structured_outputs
+    if len(inputs) != 1 or len(outputs) != 1:
+        raise ModelError(
+            f"{path}: serving_default takes {sorted(inputs)} and returns {sorted(outputs)}; "
+            "expected one input and one output"
+        )
+    (input_name,), (output_name,) = inputs, outputs
+    return LoadedModel(lambda x: signature(**{input_name: x})[output_name], list(loaded.variables), path)
+
+
+def load(path: str | None = None, factory: str | None = None, builtin: str | None = None) -> LoadedModel:
+    """Load a model from exactly one source (see ``pipeline.config.ModelConfig``)."""
+    if builtin is not None:
+        return _from_object(BUILTINS[builtin](), f"builtin:{builtin}")
+    if factory is not None:
+        module_name, _, attr = factory.partition(":")
+        try:
+            build = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ModelError(f"model.factory {factory!r}: cannot import: {err}") from err
+        return _from_object(build(), f"factory:{factory}")
+    assert path is not None
+    if not tf.io.gfile.exists(path):
+        raise ModelError(f"model.path {path}: no such file or directory")
+    if path.endswith(".keras") or path.endswith(".h5"):
+        # safe_mode stays on: a model file must not run arbitrary code when loaded.
+        return _from_object(keras.models.load_model(path, compile=False), path)
+    if tf.io.gfile.isdir(path):
+        return _load_saved_model(path)
+    raise ModelError(f"model.path {path}: expected a .keras file or a SavedModel directory")

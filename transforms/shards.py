@@ -1,0 +1,127 @@
+"""HDF5 shards: one file per id range, written under a temporary name and renamed when complete.
+
+The rename is the only thing that marks a shard complete: an h5py writer killed mid-write can leave a
+file that opens and looks plausible, so nothing else may be trusted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SHARDS_DIR = "shards"
+_SHARD_NAME = re.compile(r"^shard-(\d{12})-(\d{12})\.h5$")
+_TEMP_NAME = re.compile(r"^\.shard-\d{12}-\d{12}\.h5\.tmp-[0-9a-f]+$")
+_CHUNK_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRecord:
+    """What a worker reports about one shard; the manifest lists these."""
+
+    file: str  # relative to the output folder
+    start: int
+    stop: int
+    sha256: str
+    model_fingerprint: str
+    computed: bool  # False when an existing complete shard was kept
+    seconds: float = 0.0
+    worker_pid: int = 0
+    engine_builds: int = 0  # engines built in that worker process so far
+
+    @property
+    def num_samples(self) -> int:
+        return self.stop - self.start
+
+
+def shard_name(start: int, stop: int) -> str:
+    return f"shard-{start:012d}-{stop:012d}.h5"
+
+
+def shard_path(output_dir: str, start: int, stop: int) -> Path:
+    return Path(output_dir) / SHARDS_DIR / shard_name(start, stop)
+
+
+def is_temp_file(name: str) -> bool:
+    return bool(_TEMP_NAME.match(name))
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_attrs(path: str | os.PathLike) -> dict[str, Any]:
+    import h5py
+
+    with h5py.File(path, "r") as h5:
+        return dict(h5.attrs)
+
+
+class ShardWriter:
+    """Write one shard of ``stop - start`` samples, batch by batch, then commit it atomically.
+
+    Datasets are created at the first ``write`` from the arrays' shapes: ``(stop - start, *rest)``,
+    chunked along samples. Leaving the ``with`` block without ``commit()`` deletes the temporary file.
+    """
+
+    def __init__(self, output_dir: str, start: int, stop: int, attrs: dict[str, Any], compression: str = "none"):
+        self.final_path = shard_path(output_dir, start, stop)
+        self.temp_path = self.final_path.with_name(f".{self.final_path.name}.tmp-{uuid.uuid4().hex[:12]}")
+        self.start, self.stop = start, stop
+        self._attrs = attrs
+        self._compression = None if compression == "none" else compression
+        self._h5 = None
+
+    def __enter__(self) -> ShardWriter:
+        import h5py
+
+        self.final_path.parent.mkdir(parents=True, exist_ok=True)
+        self._h5 = h5py.File(self.temp_path, "w")
+        self._h5.attrs.update(self._attrs)
+        self._h5.attrs.update(id_start=self.start, id_stop=self.stop)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._h5 is not None:
+            self._h5.close()
+            self._h5 = None
+        self.temp_path.unlink(missing_ok=True)
+
+    def _dataset(self, name: str, like: np.ndarray):
+        if name not in self._h5:
+            rows = self.stop - self.start
+            row_bytes = max(1, like[0].nbytes if len(like) else like.itemsize)
+            chunk_rows = max(1, min(rows, _CHUNK_BYTES // row_bytes))
+            self._h5.create_dataset(
+                name,
+                shape=(rows, *like.shape[1:]),
+                dtype=like.dtype,
+                chunks=(chunk_rows, *like.shape[1:]),
+                compression=self._compression,
+            )
+        return self._h5[name]
+
+    def write(self, first_id: int, arrays: dict[str, np.ndarray]) -> None:
+        """Write rows for sample ids ``first_id ...`` of every array in ``arrays``."""
+        offset = first_id - self.start
+        for name, values in arrays.items():
+            self._dataset(name, values)[offset : offset + len(values)] = values
+
+    def commit(self) -> str:
+        """Close, checksum and rename into place; returns the sha256 of the complete shard."""
+        self._h5.close()
+        self._h5 = None
+        checksum = sha256_file(self.temp_path)
+        os.replace(self.temp_path, self.final_path)
+        return checksum

@@ -1,0 +1,69 @@
+"""The plain, picklable description of a job that the transforms share.
+
+Beam pickles every DoFn and ships it to workers, so what they hold is plain data: this module
+imports neither TensorFlow nor Beam.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from importlib import metadata
+from typing import Any
+
+from transforms.readers import SourceFile
+
+
+def version() -> str:
+    try:
+        return metadata.version("jacobeam")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Exactly one of a model file/directory, a ``"pkg.module:callable"`` factory, or a built-in name."""
+
+    path: str | None = None
+    factory: str | None = None
+    builtin: str | None = None
+
+    def load(self):
+        from transforms import models
+
+        return models.load(path=self.path, factory=self.factory, builtin=self.builtin)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRange:
+    """Sample ids ``[start, stop)``: one Beam element, one shard."""
+
+    start: int
+    stop: int
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    model: ModelSource
+    files: tuple[SourceFile, ...]
+    output_dir: str
+    run_key: str  # identifies what the shards hold; shards from another run are never mixed in
+    batch_size: int = 256
+    jit_compile: bool = False
+    samples_per_shard: int = 4096
+    compression: str = "none"
+    tf_threads: int | None = None  # TensorFlow threads per worker process; None keeps TF's default
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the resolved config, for the manifest
+    started_at: float = 0.0
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        return self.files[0].sample_shape
+
+    @property
+    def num_samples(self) -> int:
+        return self.files[-1].stop_id
+
+    def ranges(self) -> list[ShardRange]:
+        step = self.samples_per_shard
+        return [ShardRange(lo, min(lo + step, self.num_samples)) for lo in range(0, self.num_samples, step)]
