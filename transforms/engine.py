@@ -45,9 +45,10 @@ class JacobianEngine:
         with tf.GradientTape() as tape:
             tape.watch(x)
             y = tf.cast(self.model.call(x), tf.float32)
-        if y.shape.rank == 1:  # a scalar per sample: batch_jacobian needs an output axis
-            return {"jacobian": tape.batch_jacobian(y[:, None], x)[:, 0], "output": y}
-        return {"jacobian": tape.batch_jacobian(y, x), "output": y}
+            scalar = y.shape.rank == 1
+            target = y[:, None] if scalar else y  # batch_jacobian needs an output axis
+        jacobian = tape.batch_jacobian(target, x)
+        return {"jacobian": jacobian[:, 0] if scalar else jacobian, "output": y}
 
     def _warm_up(self) -> tuple[int, ...]:
         batch = tf.zeros((self.options.batch_size, *self.input_shape), tf.float32)

@@ -125,6 +125,7 @@ def build_manifest(spec: JobSpec, records: Sequence[ShardRecord], fields: dict[s
                 "num_samples": record.num_samples,
                 "sha256": record.sha256,
                 "computed_in_this_run": record.computed,
+                **({"worker_pid": record.worker_pid, "engine_builds": record.engine_builds} if record.computed else {}),
             }
             for record in records
         ],

@@ -38,7 +38,7 @@ class LoadedModel:
         return digest.hexdigest()
 
 
-def _rng_weights(model: keras.Model, seed: int) -> None:
+def seeded_weights(model: keras.Model, seed: int) -> None:
     """Deterministic weights from numpy, so every framework and run sees identical numbers."""
     rng = np.random.default_rng(seed)
     weights = []
@@ -62,7 +62,7 @@ def build_mlp(seed: int = BUILTIN_SEED, dtype: str = "float32") -> keras.Model:
         ],
         name="builtin_mlp",
     )
-    _rng_weights(model, seed)
+    seeded_weights(model, seed)
     return model
 
 
@@ -80,7 +80,7 @@ def build_cnn(seed: int = BUILTIN_SEED, dtype: str = "float32") -> keras.Model:
         ],
         name="builtin_cnn",
     )
-    _rng_weights(model, seed)
+    seeded_weights(model, seed)
     return model
 
 
