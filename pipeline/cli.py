@@ -26,6 +26,7 @@ def _parser() -> argparse.ArgumentParser:
         "--direct_running_mode multi_processing, --runner DataflowRunner ...).",
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and the final summary")
+    parser.add_argument("-v", "--verbose", action="store_true", help="also Beam's own log messages")
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run the pipeline for a config file")
@@ -105,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command == "inspect" and beam_args:
         _parser().error(f"unrecognized arguments: {' '.join(beam_args)}")
+    if not args.verbose:
+        logging.getLogger("apache_beam").setLevel(logging.WARNING)
+        # Quiet workers by default; a later flag on the command line overrides these.
+        quiet_workers = ["--default_sdk_harness_log_level=WARNING", '--sdk_harness_log_level_overrides={"__main__": "ERROR"}']
+        beam_args = quiet_workers + beam_args
     try:
         if args.command == "run":
             from pipeline import config as config_module

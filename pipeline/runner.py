@@ -60,11 +60,16 @@ def build(pipeline: beam.Pipeline, spec: JobSpec):
 
 
 def _runner(options: PipelineOptions):
-    if is_local(options):
-        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+    if not is_local(options):
+        return None  # Beam picks the runner named by --runner
+    from apache_beam.portability.api import beam_provision_api_pb2
+    from apache_beam.runners.portability.fn_api_runner import fn_runner
+    from apache_beam.runners.portability.portable_runner import JobServiceHandle
 
-        return FnApiRunner()
-    return None  # Beam picks the runner named by --runner
+    # As Beam's DirectRunner does: hand the options to worker processes (log level, for one).
+    encoded = JobServiceHandle.encode_pipeline_options(options.get_all_options(drop_default=True))
+    provision = beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)
+    return fn_runner.FnApiRunner(provision_info=fn_runner.ExtendedProvisionInfo(provision))
 
 
 def _metrics(result) -> dict[str, Any]:

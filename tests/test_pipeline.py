@@ -211,6 +211,6 @@ def test_inspect_reports_complete_and_missing_sources(cnn_run, tmp_path, capsys)
 
 def test_rows_with_a_sample_shape_the_model_rejects(tmp_path):
     write_inputs(tmp_path / "data", (7,))
-    with pytest.raises(Exception, match=r"cannot compute Jacobians for samples of shape \(7,\)"):
+    with pytest.raises(Exception, match=r"factory:tests.models:small_cnn expects samples of shape \(8, 8, 1\); the inputs hold samples of shape \(7,\)"):
         run(job_config(str(tmp_path / "data" / "*.npy"), tmp_path / "out"))
     assert not (tmp_path / "out").exists()

@@ -36,6 +36,15 @@ class JacobianEngine:
         self.model = model
         self.fingerprint = model.fingerprint()
         self.input_shape = tuple(input_shape)
+        declared = model.input_shape
+        if declared is not None and (
+            len(declared) != len(self.input_shape)
+            or any(d is not None and d != s for d, s in zip(declared, self.input_shape))
+        ):
+            raise ModelError(
+                f"{model.source} expects samples of shape {tuple(declared)}; "
+                f"the inputs hold samples of shape {self.input_shape}"
+            )
         self.options = options
         spec = tf.TensorSpec((None, *self.input_shape), tf.float32, name="x")
         self._fn = tf.function(self._jacobian, input_signature=[spec], jit_compile=options.jit_compile)

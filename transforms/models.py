@@ -27,6 +27,7 @@ class LoadedModel:
     call: Callable[[tf.Tensor], tf.Tensor]
     variables: list[tf.Variable]
     source: str
+    input_shape: tuple[int | None, ...] | None = None  # per sample, where the model declares it
 
     def fingerprint(self) -> str:
         """sha256 over the model's weights (shapes, dtypes and values, in the model's order)."""
@@ -89,7 +90,10 @@ BUILTINS: dict[str, Callable[..., keras.Model]] = {"mlp": build_mlp, "cnn": buil
 
 def _from_object(obj: Any, source: str) -> LoadedModel:
     if isinstance(obj, keras.Model):
-        return LoadedModel(lambda x: obj(x, training=False), list(obj.weights), source)
+        declared = obj.input_shape if isinstance(obj.input_shape, tuple) else None  # one input only
+        return LoadedModel(
+            lambda x: obj(x, training=False), list(obj.weights), source, declared[1:] if declared else None
+        )
     if callable(obj):
         return LoadedModel(obj, list(getattr(obj, "variables", [])), source)
     raise ModelError(f"{source}: expected a Keras model or a callable tf.Module, got {type(obj).__name__}")
