@@ -83,6 +83,10 @@ def inspect(folder: str) -> Report:
     return report
 
 
+def _model_source(model: dict[str, str | None]) -> str:
+    return ", ".join(f"{key} {value}" for key, value in model.items() if value is not None)
+
+
 def format_report(report: Report) -> str:
     lines = [f"{report.folder}: {'complete' if report.ok else 'NOT COMPLETE'}"]
     manifest = report.manifest
@@ -91,7 +95,8 @@ def format_report(report: Report) -> str:
         lines += [
             f"  samples     {manifest['num_samples']:,}, input {tuple(manifest['input_shape'])} "
             f"-> output {tuple(manifest['output_shape'])}, {manifest['dtype']}",
-            f"  model       {manifest['config']['model']}  fingerprint {manifest['model_fingerprint'][:16]}",
+            f"  model       {_model_source(manifest['config']['model'])}, "
+            f"weights sha256 {manifest['model_fingerprint'][:16]}…",
             f"  inputs      {len(manifest['inputs'])} file(s)",
             f"  shards      {len(manifest['shards'])} in manifest, {len(report.shards_on_disk)} on disk",
             f"  last run    {run['wall_seconds']:.1f} s, {run['samples_computed']:,} computed, "

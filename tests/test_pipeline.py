@@ -37,13 +37,13 @@ def write_inputs(folder: Path, sample_shape, suffix=".npy", key="x", seed=0):
     return np.concatenate([arrays[name] for name in sorted(arrays)])
 
 
-def job_config(data: str, out: Path, factory="tests.models:small_cnn", key=None, **jacobian):
+def job_config(data: str, out: Path, factory="tests.models:small_cnn", key=None, compression="none"):
     return config.validate(
         {
             "model": {"factory": factory},
             "input": {"paths": [data], "key": key},
-            "jacobian": {"batch_size": 8, **jacobian},
-            "output": {"path": str(out), "samples_per_shard": 16},
+            "jacobian": {"batch_size": 8},
+            "output": {"path": str(out), "samples_per_shard": 16, "compression": compression},
         }
     )
 
@@ -66,15 +66,16 @@ def cnn_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "suffix, key, factory",
-    [(".npy", None, "small_cnn"), (".npz", "x", "grid_model"), (".h5", "x", "small_mlp")],
+    "suffix, key, factory, compression",
+    [(".npy", None, "small_cnn", "none"), (".npz", "x", "grid_model", "gzip"), (".h5", "x", "small_mlp", "lzf")],
 )
-def test_end_to_end_per_format(tmp_path, suffix, key, factory):
+def test_end_to_end_per_format(tmp_path, suffix, key, factory, compression):
     build = getattr(test_models, factory)
     model = build()
     samples = write_inputs(tmp_path / "data", model.input_shape[1:], suffix=suffix)
 
-    manifest = run(job_config(str(tmp_path / "data" / f"*{suffix}"), tmp_path / "out", f"tests.models:{factory}", key))
+    data = str(tmp_path / "data" / f"*{suffix}")
+    manifest = run(job_config(data, tmp_path / "out", f"tests.models:{factory}", key, compression))
 
     with h5py.File(tmp_path / "out" / "jacobians.h5") as view:
         np.testing.assert_array_equal(view["sample_id"][:], np.arange(40))
@@ -84,6 +85,8 @@ def test_end_to_end_per_format(tmp_path, suffix, key, factory):
         (f"a{suffix}", 0, 7), (f"b{suffix}", 7, 20), (f"c{suffix}", 20, 40)
     ]
     assert [(s["start"], s["stop"]) for s in manifest["shards"]] == [(0, 16), (16, 32), (32, 40)]
+    with h5py.File(tmp_path / "out" / manifest["shards"][0]["file"]) as shard:
+        assert shard["jacobian"].compression == (None if compression == "none" else compression)
 
 
 def test_shards_layout_and_manifest(cnn_run):

@@ -8,7 +8,7 @@ import pytest
 
 from transforms import readers
 from transforms.errors import InputError
-from transforms.readers import assign_ids, check_consistent, describe, iter_batches, open_rows
+from transforms.readers import assign_ids, check_consistent, describe, iter_slices, open_rows
 
 
 def _write(path, array, key="x"):
@@ -33,16 +33,16 @@ def test_slices_equal_the_array(tmp_path, rng, suffix, key):
         np.testing.assert_array_equal(rows.read(22, 23), array[22:23])
 
 
-def test_batches_cross_file_boundaries_in_sorted_path_order(tmp_path, rng):
+def test_slices_cover_a_range_across_files_in_sorted_path_order(tmp_path, rng):
     arrays = [rng.normal(size=(n, 4)).astype(np.float32) for n in (7, 2, 11)]
     paths = [_write(tmp_path / f"part-{i}.npy", a) for i, a in enumerate(arrays)]
     files = assign_ids([describe(p, None) for p in reversed(paths)])
     assert [(f.path, f.first_id, f.stop_id) for f in files] == [(paths[0], 0, 7), (paths[1], 7, 9), (paths[2], 9, 20)]
     everything = np.concatenate(arrays)
 
-    batches = list(iter_batches(files, 3, 19, batch_size=5))
+    batches = list(iter_slices(files, 3, 19, max_rows=5))
 
-    assert [len(ids) for ids, _ in batches] == [5, 5, 5, 1]
+    assert [len(ids) for ids, _ in batches] == [4, 2, 5, 5]
     ids = np.concatenate([ids for ids, _ in batches])
     np.testing.assert_array_equal(ids, np.arange(3, 19))
     np.testing.assert_array_equal(np.concatenate([x for _, x in batches]), everything[3:19])

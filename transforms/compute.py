@@ -18,7 +18,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.utils import shared
 
 from transforms.errors import OutputError
-from transforms.readers import iter_batches
+from transforms.readers import iter_slices
 from transforms.shards import ShardRecord, ShardWriter, read_attrs, sha256_file, shard_path
 from transforms.spec import JobSpec, ShardRange, version
 
@@ -104,20 +104,22 @@ class ComputeShardFn(beam.DoFn):
         )
 
     def _batches_of(self, shard: ShardRange):
-        """tf.data over the shard's samples: read in slices, batch, and prefetch while computing."""
+        """tf.data over the shard's samples: file slices, rebatched across file boundaries, prefetched
+        so that reading overlaps computing. Only the shard's last batch can be short."""
         import tensorflow as tf
 
         spec = self._spec
 
-        def batches():
-            for ids, samples in iter_batches(spec.files, shard.start, shard.stop, spec.batch_size):
+        def slices():
+            for ids, samples in iter_slices(spec.files, shard.start, shard.stop, spec.batch_size):
                 yield ids, samples.astype("float32", copy=False)
 
         signature = (
             tf.TensorSpec((None,), tf.int64),
             tf.TensorSpec((None, *spec.sample_shape), tf.float32),
         )
-        return tf.data.Dataset.from_generator(batches, output_signature=signature).prefetch(2)
+        dataset = tf.data.Dataset.from_generator(slices, output_signature=signature)
+        return dataset.rebatch(spec.batch_size).prefetch(2)
 
     def _compute(self, shard: ShardRange) -> ShardRecord:
         engine, spec = self._engine, self._spec

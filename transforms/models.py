@@ -95,8 +95,20 @@ def _from_object(obj: Any, source: str) -> LoadedModel:
             lambda x: obj(x, training=False), list(obj.weights), source, declared[1:] if declared else None
         )
     if callable(obj):
-        return LoadedModel(obj, list(getattr(obj, "variables", [])), source)
+        return LoadedModel(obj, _variables(obj), source)
     raise ModelError(f"{source}: expected a Keras model or a callable tf.Module, got {type(obj).__name__}")
+
+
+def _variables(obj: Any) -> list[tf.Variable]:
+    """Every variable an object tracks, in a deterministic order (restored SavedModel objects have no
+    ``.variables`` unless the saved object had one)."""
+    found = getattr(obj, "variables", None)
+    if found is not None:
+        return list(found)
+    if not isinstance(obj, tf.__internal__.tracking.Trackable):
+        return []  # a plain function: no weights to fingerprint
+    descendants = tf.train.TrackableView(obj).descendants()
+    return [item for item in descendants if isinstance(item, tf.Variable)]
 
 
 def _load_saved_model(path: str) -> LoadedModel:
@@ -105,7 +117,7 @@ def _load_saved_model(path: str) -> LoadedModel:
     # ``__call__`` when it was a tf.function; anything else is served through its signature.
     fn = getattr(loaded, "serve", None) or (loaded if callable(loaded) else None)
     if fn is not None:
-        return LoadedModel(fn, list(loaded.variables), path)
+        return LoadedModel(fn, _variables(loaded), path)
     signature = loaded.signatures.get("serving_default")
     if signature is None:
         raise ModelError(f"{path}: SavedModel has no 'serve' function and no 'serving_default' signature")
@@ -117,7 +129,7 @@ def _load_saved_model(path: str) -> LoadedModel:
             "expected one input and one output"
         )
     (input_name,), (output_name,) = inputs, outputs
-    return LoadedModel(lambda x: signature(**{input_name: x})[output_name], list(loaded.variables), path)
+    return LoadedModel(lambda x: signature(**{input_name: x})[output_name], _variables(loaded), path)
 
 
 def load(path: str | None = None, factory: str | None = None, builtin: str | None = None) -> LoadedModel:

@@ -173,39 +173,19 @@ def assign_ids(files: Sequence[SourceFile]) -> list[SourceFile]:
     return placed
 
 
-def iter_batches(
-    files: Sequence[SourceFile], start: int, stop: int, batch_size: int
+def iter_slices(
+    files: Sequence[SourceFile], start: int, stop: int, max_rows: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yield ``(sample_ids, samples)`` for ids ``[start, stop)`` in batches of ``batch_size``.
-
-    Batches cross file boundaries, so only the very last one can be short. ``samples`` has shape
-    ``(n, *sample_shape)`` in the files' own dtype.
+    """Yield ``(sample_ids, samples)`` covering ids ``[start, stop)`` in order, in slices of at most
+    ``max_rows`` rows, each from one file. ``samples`` has shape ``(rows, *sample_shape)`` and the
+    file's own dtype; slices end at file boundaries, so batching across files is the caller's job.
     """
-    pending: list[np.ndarray] = []
-    pending_rows = 0
-    next_id = start
     for source in files:
         lo, hi = max(start, source.first_id), min(stop, source.stop_id)
         if lo >= hi:
             continue
         with open_rows(source.path, source.key) as rows:
-            position = lo
-            while position < hi:
-                take = min(hi - position, batch_size - pending_rows)
-                local = position - source.first_id
-                pending.append(rows.read(local, local + take))
-                pending_rows += take
-                position += take
-                if pending_rows == batch_size:
-                    yield np.arange(next_id, next_id + pending_rows, dtype=np.int64), _join(pending)
-                    next_id += pending_rows
-                    pending, pending_rows = [], 0
-    if pending_rows:
-        yield np.arange(next_id, next_id + pending_rows, dtype=np.int64), _join(pending)
-
-
-def _join(parts: list[np.ndarray]) -> np.ndarray:
-    if len(parts) == 1:
-        return parts[0]
-    dtype = np.result_type(*parts)
-    return np.concatenate([part.astype(dtype, copy=False) for part in parts])
+            for first in range(lo, hi, max_rows):
+                last = min(first + max_rows, hi)
+                ids = np.arange(first, last, dtype=np.int64)
+                yield ids, rows.read(first - source.first_id, last - source.first_id)
