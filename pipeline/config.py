@@ -48,6 +48,9 @@ class ModelConfig(_Section):
 class InputConfig(_Section):
     paths: list[str] = Field(min_length=1)
     key: str | None = None
+    # What a NaN/Inf sample or a truncated, corrupt or unreadable file does: stop the run before any
+    # output is touched ("error"), or leave those samples out and list them in rejected.jsonl ("skip").
+    on_bad_sample: Literal["error", "skip"] = "error"
 
     @field_validator("paths", mode="before")
     @classmethod

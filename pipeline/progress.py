@@ -21,9 +21,9 @@ class ShardProgress:
     """Context manager printing ``done/total samples, samples/s, ETA`` while the run is going."""
 
     def __init__(self, spec: JobSpec, already_done: int, stream: TextIO = sys.stderr, every: float = 2.0):
-        self._sizes = {shard_name(r.start, r.stop): r.stop - r.start for r in spec.ranges()}
+        self._sizes = {shard_name(r.start, r.stop): r.rows for r in spec.ranges() if r.rows}
         self._shards = Path(spec.output_dir) / SHARDS_DIR
-        self._total = spec.num_samples
+        self._total = sum(self._sizes.values())
         self._baseline = already_done
         self._stream = stream
         self._every = every

@@ -16,6 +16,7 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 from pipeline import plan
 from pipeline.config import Config
 from pipeline.progress import ShardProgress
+from transforms import faults
 from transforms.compute import ComputeShards
 from transforms.finalize import MANIFEST, Finalize
 from transforms.spec import JobSpec
@@ -31,6 +32,7 @@ _LOCAL_RUNNERS = {None, "DirectRunner", "SwitchingDirectRunner", "FnApiRunner"}
 class RunResult:
     manifest: dict[str, Any]
     metrics: dict[str, Any]
+    verification: Any = None  # pipeline.verify.Report when the run was asked to --verify
 
 
 def is_local(options: PipelineOptions) -> bool:
@@ -55,7 +57,7 @@ def tf_threads(config: Config, options: PipelineOptions) -> int | None:
 
 
 def build(pipeline: beam.Pipeline, spec: JobSpec):
-    """The whole job as a Beam graph: shard ranges -> shards -> manifest."""
+    """The whole job as a Beam graph: shard ranges -> shards (+ rejected samples) -> manifest."""
     return pipeline | "ComputeShards" >> ComputeShards(spec) | "Finalize" >> Finalize(spec)
 
 
@@ -84,14 +86,22 @@ def _metrics(result) -> dict[str, Any]:
     return found
 
 
-def run(config: Config, beam_args: list[str], show_progress: bool = True) -> RunResult:
-    """Plan, build and run the job; blocks until the manifest is written."""
+def run(
+    config: Config, beam_args: list[str], show_progress: bool = True, overwrite: bool = False, verify_samples: int = 0
+) -> RunResult:
+    """Plan (checking everything first), build and run the job; blocks until the manifest is written.
+    With ``verify_samples``, verify the output afterwards and record the result in the manifest."""
     options = PipelineOptions(beam_args)
-    spec, already_done = plan.make_job(config, tf_threads(config, options))
+    job = plan.make_job(config, tf_threads(config, options), overwrite=overwrite)
+    spec, already_done = job.spec, job.already_done
+    plan.prepare_output(job)
+    faults.reached("plan")
     ranges = spec.ranges()
+    rejected = sum(r.num_samples for r in spec.rejected())
     log.info(
-        "%d samples of shape %s in %d file(s) -> %d shard(s) in %s (%d samples already complete)",
-        spec.num_samples, spec.sample_shape, len(spec.files), len(ranges), spec.output_dir, already_done,
+        "%d samples of shape %s in %d file(s) -> %d shard(s) in %s (%d samples already complete, %d rejected)",
+        spec.num_samples, spec.sample_shape, len(spec.files), sum(1 for r in ranges if r.rows), spec.output_dir,
+        already_done, rejected,
     )
     progress = ShardProgress(spec, already_done) if show_progress and is_local(options) else contextlib.nullcontext()
     with progress:
@@ -100,4 +110,10 @@ def run(config: Config, beam_args: list[str], show_progress: bool = True) -> Run
         result = pipeline.run()
         result.wait_until_finish()
     manifest = json.loads((Path(spec.output_dir) / MANIFEST).read_text())
-    return RunResult(manifest=manifest, metrics=_metrics(result))
+    verification = None
+    if verify_samples:
+        from pipeline import verify
+
+        verification = verify.verify(spec.output_dir, samples=verify_samples)
+        manifest = verify.record(spec.output_dir, verification)
+    return RunResult(manifest=manifest, metrics=_metrics(result), verification=verification)

@@ -3,10 +3,19 @@
 Each worker process loads the model and builds the compiled Jacobian function once (``setup()``,
 shared between DoFn instances of the process through ``apache_beam.utils.shared``), then streams
 each range through ``tf.data`` into a shard.
+
+Samples that the plan rejected (``input.on_bad_sample: skip``) are never read; the DoFn sends them to
+its dead-letter output ``rejected``, which ``Finalize`` writes to ``rejected.jsonl``.
+
+Beam may run a bundle again after a failure (distributed runners and the BundleBasedDirectRunner do;
+the in-process FnApiRunner does not retry and fails the job instead). Processing a range is idempotent:
+a complete shard is kept, a failed attempt's temporary file is removed, and only the rename makes a
+shard count, so a retried bundle leaves neither a half shard nor a duplicate.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -17,10 +26,13 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.utils import shared
 
-from transforms.errors import OutputError
+from transforms import faults
+from transforms.errors import InputError, OutputError
 from transforms.readers import iter_slices
-from transforms.shards import ShardRecord, ShardWriter, read_attrs, sha256_file, shard_path
+from transforms.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_path
 from transforms.spec import JobSpec, ShardRange, version
+
+REJECTED = "rejected"  # the dead-letter output's tag
 
 log = logging.getLogger(__name__)
 _NAMESPACE = "jacobeam"
@@ -76,11 +88,16 @@ class ComputeShardFn(beam.DoFn):
         self._latency = Metrics.distribution(_NAMESPACE, "batch_latency_ms")
 
     def setup(self) -> None:
+        faults.reached("setup")
         self._engine = self._shared.acquire(lambda: build_engine(self._spec), tag=self._spec.run_key)
 
     def process(self, shard: ShardRange) -> Iterator[ShardRecord]:
+        for rejected in shard.rejected:
+            yield beam.pvalue.TaggedOutput(REJECTED, rejected)
         final = shard_path(self._spec.output_dir, shard.start, shard.stop)
-        if final.exists():
+        if shard.rows == 0:
+            pass  # every sample of the range was rejected: no shard
+        elif final.exists():
             yield self._keep(final, shard)
         else:
             yield self._compute(shard)
@@ -94,14 +111,7 @@ class ComputeShardFn(beam.DoFn):
                     f"{expected!r}); use a new output.path or remove that folder"
                 )
         self._skipped.inc()
-        return ShardRecord(
-            file=str(path.relative_to(self._spec.output_dir)),
-            start=shard.start,
-            stop=shard.stop,
-            sha256=sha256_file(path),
-            model_fingerprint=self._engine.fingerprint,
-            computed=False,
-        )
+        return existing_record(self._spec.output_dir, shard.start, shard.stop, self._engine.fingerprint)
 
     def _batches_of(self, shard: ShardRange):
         """tf.data over the shard's samples: file slices, rebatched across file boundaries, prefetched
@@ -111,8 +121,10 @@ class ComputeShardFn(beam.DoFn):
         spec = self._spec
 
         def slices():
-            for ids, samples in iter_slices(spec.files, shard.start, shard.stop, spec.batch_size):
-                yield ids, samples.astype("float32", copy=False)
+            for lo, hi in shard.kept():  # rejected samples are never read
+                for ids, samples in iter_slices(spec.files, lo, hi, spec.batch_size):
+                    _check_finite(spec, ids, samples)
+                    yield ids, samples.astype("float32", copy=False)
 
         signature = (
             tf.TensorSpec((None,), tf.int64),
@@ -132,7 +144,8 @@ class ComputeShardFn(beam.DoFn):
             "run_key": spec.run_key,
             "jacobeam_version": version(),
         }
-        with ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression) as writer:
+        attrs.update(shard_attrs(spec, shard))
+        with ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression, rows=shard.rows) as writer:
             for ids, samples in self._batches_of(shard):
                 tick = time.perf_counter()
                 result = engine(samples)
@@ -155,20 +168,52 @@ class ComputeShardFn(beam.DoFn):
             seconds=seconds,
             worker_pid=os.getpid(),
             engine_builds=_engine_builds,
+            rows=shard.rows,
+            nonfinite=writer.nonfinite,
+        )
+
+
+def shard_attrs(spec: JobSpec, shard: ShardRange) -> dict[str, str]:
+    """What a shard records about the run that wrote it, so that a later run can tell whether the shard
+    is its own: the run's identity (``run_key`` hashes it) and the input files that its ids come from."""
+    from transforms.spec import shard_inputs
+
+    return {
+        "run_identity": json.dumps(spec.identity, sort_keys=True),
+        "inputs": json.dumps(shard_inputs(spec.files, shard.start, shard.stop)),
+    }
+
+
+def _check_finite(spec: JobSpec, ids, samples) -> None:
+    """The plan scanned every input; a non-finite sample it did not reject means the file changed since."""
+    import numpy as np
+
+    bad = ~np.isfinite(samples.reshape(len(samples), -1)).all(axis=1)
+    if bad.any():
+        sample_id = int(ids[int(np.argmax(bad))])
+        source = next(f for f in spec.files if f.first_id <= sample_id < f.stop_id)
+        raise InputError(
+            f"{source.path}: row {sample_id - source.first_id} (sample id {sample_id}) holds NaN or Inf but "
+            "did not when the run was planned; the input file changed during the run"
         )
 
 
 class ComputeShards(beam.PTransform):
-    """``PBegin -> PCollection[ShardRecord]``: every shard of the job, spread over the workers."""
+    """``PBegin -> {"shards": PCollection[ShardRecord], "rejected": PCollection[Rejected]}``: every shard
+    of the job, spread over the workers, and the dead-letter output of rejected samples."""
 
     def __init__(self, spec: JobSpec):
         super().__init__()
         self._spec = spec
 
     def expand(self, pbegin):
-        return (
+        outputs = (
             pbegin
             | "ShardRanges" >> beam.Create(self._spec.ranges())
             | "Spread" >> beam.Reshuffle()
-            | "ComputeShard" >> beam.ParDo(ComputeShardFn(self._spec))
+            | "ComputeShard" >> beam.ParDo(ComputeShardFn(self._spec)).with_outputs(REJECTED, main="shards")
         )
+        # Files that could not be opened at all have no ids, hence no range: the plan's records join here.
+        unreadable = pbegin | "UnreadableFiles" >> beam.Create(list(self._spec.file_rejects))
+        rejected = (outputs[REJECTED], unreadable) | "AllRejected" >> beam.Flatten()
+        return {"shards": outputs.shards, "rejected": rejected}

@@ -9,6 +9,19 @@ class InputError(JacobeamError, ValueError):
     """An input file that cannot be used; the message names the file and what was expected."""
 
 
+class CorruptInputError(InputError):
+    """A file, or rows of it, that cannot be read: truncated, corrupt or unreadable.
+
+    Unlike other input errors (a wrong dtype or sample shape, a missing key: mistakes in the config or
+    the data set), these are bad data that ``input.on_bad_sample: skip`` may skip. ``reason`` is the
+    short, file-independent cause recorded in ``rejected.jsonl``.
+    """
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
+
+
 class ModelError(JacobeamError, ValueError):
     """A model that cannot be loaded or differentiated; the message names its source."""
 

@@ -1,16 +1,21 @@
-"""The last step of a job: check the shards cover every sample once, then write ``jacobians.h5`` and
-``manifest.json``.
+"""The last step of a job: check that the shards and the rejected samples cover every id exactly once,
+then write ``jacobians.h5``, ``rejected.jsonl`` and ``manifest.json``.
 
-The manifest is written last, and only after the virtual view: an output folder is complete exactly
-when it has a manifest.
+Each file is written under a temporary name and renamed into place, so a reader (or the next run) sees
+the old file or the new one, never half of one. The manifest is written last: an output folder is
+complete exactly when it has a manifest. Leftover temporary files of a killed run are removed by the
+next run (at its start and here) and never read.
 """
 
 from __future__ import annotations
 
+import bisect
 import datetime
+import hashlib
 import json
 import os
 import platform
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,32 +23,69 @@ from typing import Any
 
 import apache_beam as beam
 
+from transforms import faults
 from transforms.errors import OutputError
-from transforms.shards import SHARDS_DIR, ShardRecord, is_temp_file, read_attrs
-from transforms.spec import JobSpec, version
+from transforms.shards import SHARDS_DIR, ShardRecord, durable, is_temp_file, read_attrs
+from transforms.spec import JobSpec, Rejected, version
 
 MANIFEST = "manifest.json"
 VIEW = "jacobians.h5"
+REJECTED_FILE = "rejected.jsonl"
+# Temporary names of the files above (and of the launcher's write test): jacobeam's own, safe to remove.
+_ROOT_TEMP = re.compile(
+    r"^\.(manifest\.json|jacobians\.h5|rejected\.jsonl)\.tmp-\d+$|^\.jacobeam-write-test-[0-9a-f]+$"
+)
 
 
-def check_coverage(records: Sequence[ShardRecord], num_samples: int) -> list[ShardRecord]:
-    """Records sorted by id, after checking they tile ``[0, num_samples)`` with no gap or overlap."""
+def is_root_temp_file(name: str) -> bool:
+    return bool(_ROOT_TEMP.match(name))
+
+
+def check_coverage(
+    records: Sequence[ShardRecord], num_samples: int, rejected: Sequence[Rejected] = ()
+) -> list[ShardRecord]:
+    """Records sorted by id, after checking that shards and rejected samples cover ``[0, num_samples)``
+    exactly once: ranges without gap or overlap, and in each shard's range every id either stored in the
+    shard or rejected."""
     ordered = sorted(records, key=lambda record: record.start)
+    runs = sorted((r for r in rejected if r.start is not None), key=lambda r: r.start)
+    for before, after in zip(runs, runs[1:]):
+        if after.start < before.stop:
+            raise OutputError(f"rejected samples overlap at ids {after.start}..{before.stop}")
+    starts = [record.start for record in ordered]
+    inside = [0] * len(ordered)  # rejected ids within each shard's range
+    spans = [(record.start, record.stop) for record in ordered]
+    for run in runs:
+        index = bisect.bisect_right(starts, run.start) - 1
+        if index >= 0 and run.stop <= ordered[index].stop:
+            inside[index] += run.num_samples
+        else:
+            spans.append((run.start, run.stop))  # a range whose samples were all rejected: no shard
     expected = 0
-    for record in ordered:
-        if record.start != expected:
-            raise OutputError(f"shards leave ids {expected}..{record.start} uncovered or overlap there")
-        expected = record.stop
+    for start, stop in sorted(spans):
+        if start != expected:
+            raise OutputError(f"shards and rejected samples leave ids {expected}..{start} uncovered or overlap there")
+        expected = stop
     if expected != num_samples:
-        raise OutputError(f"shards cover ids 0..{expected}, expected 0..{num_samples}")
+        raise OutputError(f"shards and rejected samples cover ids 0..{expected}, expected 0..{num_samples}")
+    for record, rejected_inside in zip(ordered, inside):
+        if record.num_samples + rejected_inside != record.stop - record.start:
+            raise OutputError(
+                f"{record.file}: {record.num_samples} samples stored and {rejected_inside} rejected, "
+                f"expected {record.stop - record.start} ids in all"
+            )
     return ordered
 
 
-def _write_atomically(path: Path, write) -> None:
+def _write_atomically(path: Path, write, point: str | None = None) -> None:
     temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(temp)
+        durable(temp)
+        if point:
+            faults.reached(point)
         os.replace(temp, path)
+        durable(path.parent)
     finally:
         temp.unlink(missing_ok=True)
 
@@ -51,27 +93,33 @@ def _write_atomically(path: Path, write) -> None:
 def write_virtual_view(output_dir: str, records: Sequence[ShardRecord]) -> dict[str, tuple[tuple[int, ...], str]]:
     """Write ``jacobians.h5``: one virtual dataset per shard dataset, all shards in id order.
 
-    Sources are relative paths (``shards/...``), which HDF5 resolves against the view's own folder,
-    so the output folder can be moved. Returns each dataset's per-sample shape and dtype.
+    Rows are the shards' rows in id order; rejected samples have no row, so row ``i`` holds the sample
+    with id ``sample_id[i]`` (row ``i`` is id ``i`` when nothing was rejected). Sources are relative paths
+    (``shards/...``), which HDF5 resolves against the view's own folder, so the output folder can be
+    moved. Returns each dataset's per-sample shape and dtype.
     """
     import h5py
 
     root = Path(output_dir)
-    total = records[-1].stop
+    total = sum(record.num_samples for record in records)
     with h5py.File(root / records[0].file, "r") as first:
         fields = {name: (ds.shape[1:], ds.dtype) for name, ds in first.items() if isinstance(ds, h5py.Dataset)}
     layouts = {name: h5py.VirtualLayout((total, *shape), dtype) for name, (shape, dtype) in fields.items()}
+    row = 0
     for record in records:
         for name, (shape, _) in fields.items():
             source = h5py.VirtualSource(record.file, name, shape=(record.num_samples, *shape))
-            layouts[name][record.start : record.stop] = source
+            layouts[name][row : row + record.num_samples] = source
+        row += record.num_samples
 
     def write(temp: Path) -> None:
         with h5py.File(temp, "w", libver="latest") as view:
+            view.attrs["jacobeam_version"] = version()
             for name, layout in layouts.items():
                 view.create_virtual_dataset(name, layout)
+                faults.reached("view_write")
 
-    _write_atomically(root / VIEW, write)
+    _write_atomically(root / VIEW, write, "view")
     return {name: (tuple(int(d) for d in shape), dtype.name) for name, (shape, dtype) in fields.items()}
 
 
@@ -91,20 +139,54 @@ def library_versions() -> dict[str, str]:
     }
 
 
-def build_manifest(spec: JobSpec, records: Sequence[ShardRecord], fields: dict[str, Any]) -> dict[str, Any]:
+def _intervals(runs: Sequence[Rejected]) -> list[list[int]]:
+    """Rejected ids as merged ``[start, stop)`` intervals (compact in the manifest)."""
+    merged: list[list[int]] = []
+    for run in sorted((r for r in runs if r.start is not None), key=lambda r: r.start):
+        if merged and merged[-1][1] == run.start:
+            merged[-1][1] = run.stop
+        else:
+            merged.append([run.start, run.stop])
+    return merged
+
+
+def write_rejected(output_dir: str, rejected: Sequence[Rejected]) -> str:
+    """Write ``rejected.jsonl``, one line per rejected sample (``id``, ``file``, ``row``, ``reason``) in id
+    order, files without ids first; empty when nothing was rejected. Returns its sha256."""
+    ordered = sorted(rejected, key=lambda r: (r.start is not None, r.start or 0, r.file))
+    text = "".join(json.dumps(line) + "\n" for run in ordered for line in run.lines())
+    _write_atomically(Path(output_dir) / REJECTED_FILE, lambda temp: temp.write_text(text), "rejected")
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def build_manifest(
+    spec: JobSpec,
+    records: Sequence[ShardRecord],
+    fields: dict[str, Any],
+    rejected: Sequence[Rejected] = (),
+    rejected_sha256: str | None = None,
+) -> dict[str, Any]:
     attrs = read_attrs(Path(spec.output_dir) / records[0].file)
     wall = time.time() - spec.started_at
     computed = sum(record.num_samples for record in records if record.computed)
+    stored = sum(record.num_samples for record in records)
+    num_rejected = sum(run.num_samples for run in rejected)
+
+    def rejected_in(record: ShardRecord) -> int:
+        return record.stop - record.start - record.num_samples
+
     return {
         "jacobeam_version": version(),
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": spec.config,
-        "num_samples": spec.num_samples,
+        "num_samples": spec.num_samples,  # input samples, i.e. ids 0..num_samples
+        "num_rows": stored,  # samples stored (rows of jacobians.h5): num_samples minus the rejected ones
         "input_shape": list(spec.sample_shape),
         "output_shape": [int(d) for d in attrs["output_shape"]],
         "dtype": str(attrs["dtype"]),
         "model_fingerprint": records[0].model_fingerprint,
         "run_key": spec.run_key,
+        "run_identity": spec.identity,
         "datasets": {name: {"shape": ["n", *shape], "dtype": dtype} for name, (shape, dtype) in fields.items()},
         "inputs": [
             {
@@ -114,15 +196,29 @@ def build_manifest(spec: JobSpec, records: Sequence[ShardRecord], fields: dict[s
                 "stop_id": source.stop_id,
                 "num_samples": source.num_samples,
                 "dtype": source.dtype,
+                "data_sha256": source.data_sha256,
+                **({"unreadable": source.unreadable} if source.unreadable else {}),
             }
             for source in spec.files
         ],
+        "id_segments": [list(segment) for segment in spec.id_segments] or [[0, spec.num_samples]],
+        "rejected": {
+            "file": REJECTED_FILE,
+            "sha256": rejected_sha256,
+            "count": num_rejected,
+            "ids": _intervals(rejected),
+            "unreadable_files": sorted(run.file for run in rejected if run.start is None),
+            "policy": spec.config.get("input", {}).get("on_bad_sample", "error"),
+        },
+        "nonfinite": {"count": sum(record.nonfinite for record in records), "dataset": "nonfinite"},
         "shards": [
             {
                 "file": record.file,
                 "start": record.start,
                 "stop": record.stop,
                 "num_samples": record.num_samples,
+                "rejected": rejected_in(record),
+                "nonfinite": record.nonfinite,
                 "sha256": record.sha256,
                 "computed_in_this_run": record.computed,
                 **({"worker_pid": record.worker_pid, "engine_builds": record.engine_builds} if record.computed else {}),
@@ -133,41 +229,54 @@ def build_manifest(spec: JobSpec, records: Sequence[ShardRecord], fields: dict[s
         "run": {
             "wall_seconds": round(wall, 3),
             "samples_computed": computed,
-            "samples_kept": spec.num_samples - computed,
+            "samples_kept": stored - computed,
             "samples_per_second": round(computed / wall, 2) if wall > 0 else None,
         },
     }
 
 
 def remove_temp_files(output_dir: str) -> None:
-    """Delete temporary shard files that killed writers left behind (only jacobeam's own names)."""
-    shards = Path(output_dir) / SHARDS_DIR
+    """Delete temporary files that killed writers left behind (only jacobeam's own names)."""
+    root = Path(output_dir)
+    shards = root / SHARDS_DIR
     for path in shards.iterdir() if shards.is_dir() else ():
         if is_temp_file(path.name):
             path.unlink(missing_ok=True)
+    for path in root.iterdir() if root.is_dir() else ():
+        if is_root_temp_file(path.name):
+            path.unlink(missing_ok=True)
 
 
-def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
-    ordered = check_coverage(records, spec.num_samples)
+def write_manifest(output_dir: str, manifest: dict[str, Any]) -> None:
+    text = json.dumps(manifest, indent=2) + "\n"
+    _write_atomically(Path(output_dir) / MANIFEST, lambda temp: temp.write_text(text), "manifest")
+
+
+def finalize(records: Sequence[ShardRecord], spec: JobSpec, rejected: Sequence[Rejected] = ()) -> dict[str, Any]:
+    ordered = check_coverage(records, spec.num_samples, rejected)
     fields = write_virtual_view(spec.output_dir, ordered)
+    rejected_sha256 = write_rejected(spec.output_dir, rejected)
     remove_temp_files(spec.output_dir)
-    manifest = build_manifest(spec, ordered, fields)
-    _write_atomically(
-        Path(spec.output_dir) / MANIFEST, lambda temp: temp.write_text(json.dumps(manifest, indent=2) + "\n")
-    )
+    manifest = build_manifest(spec, ordered, fields, rejected, rejected_sha256)
+    write_manifest(spec.output_dir, manifest)
     return manifest
 
 
 class Finalize(beam.PTransform):
-    """``PCollection[ShardRecord] -> PCollection[manifest dict]``: one step after every shard is done."""
+    """``PCollection[ShardRecord]`` (or ``ComputeShards``' dict of shards and rejected samples)
+    ``-> PCollection[manifest dict]``: one step after every shard is done."""
 
     def __init__(self, spec: JobSpec):
         super().__init__()
         self._spec = spec
 
-    def expand(self, records):
+    def expand(self, inputs):
+        records, side = inputs, {}
+        if isinstance(inputs, dict):
+            records = inputs["shards"]
+            side["rejected"] = beam.pvalue.AsList(inputs["rejected"])
         return (
             records
             | "AllShards" >> beam.combiners.ToList()
-            | "WriteManifest" >> beam.Map(finalize, self._spec)
+            | "WriteManifest" >> beam.Map(finalize, self._spec, **side)
         )

@@ -28,6 +28,7 @@ class LoadedModel:
     variables: list[tf.Variable]
     source: str
     input_shape: tuple[int | None, ...] | None = None  # per sample, where the model declares it
+    keras_model: Any = None  # the Keras model itself, when it is one (``jacobeam verify`` clones it in float64)
 
     def fingerprint(self) -> str:
         """sha256 over the model's weights (shapes, dtypes and values, in the model's order)."""
@@ -92,7 +93,7 @@ def _from_object(obj: Any, source: str) -> LoadedModel:
     if isinstance(obj, keras.Model):
         declared = obj.input_shape if isinstance(obj.input_shape, tuple) else None  # one input only
         return LoadedModel(
-            lambda x: obj(x, training=False), list(obj.weights), source, declared[1:] if declared else None
+            lambda x: obj(x, training=False), list(obj.weights), source, declared[1:] if declared else None, obj
         )
     if callable(obj):
         return LoadedModel(obj, _variables(obj), source)
@@ -147,8 +148,18 @@ def load(path: str | None = None, factory: str | None = None, builtin: str | Non
     if not tf.io.gfile.exists(path):
         raise ModelError(f"model.path {path}: no such file or directory")
     if path.endswith(".keras") or path.endswith(".h5"):
-        # safe_mode stays on: a model file must not run arbitrary code when loaded.
-        return _from_object(keras.models.load_model(path, compile=False), path)
+        # safe_mode stays on: a model file must not run arbitrary code when loaded. There is deliberately
+        # no option to turn it off: code to run belongs in a factory the config names (model.factory).
+        try:
+            model = keras.models.load_model(path, compile=False, safe_mode=True)
+        except ValueError as err:
+            if "safe_mode" not in str(err):
+                raise ModelError(f"model.path {path}: cannot load: {err}") from err
+            raise ModelError(
+                f"model.path {path}: refused: loading it would run Python code stored in the file (Keras "
+                "safe_mode). Build such a model in a Python function and name it in model.factory instead"
+            ) from err
+        return _from_object(model, path)
     if tf.io.gfile.isdir(path):
         return _load_saved_model(path)
     raise ModelError(f"model.path {path}: expected a .keras file or a SavedModel directory")

@@ -2,7 +2,8 @@
 
 Every file holds samples along its first axis. Files are opened through Beam's ``FileSystems``
 so that remote paths work the same as local ones, and rows are read in slices: a file is never
-loaded whole. Sample ids are positions in the concatenation of all input files in sorted path order.
+loaded whole. Sample ids are positions in the concatenation of the input files (see ``pipeline.plan``
+for how files are placed: sorted path order, new files of an incremental run after the old ones).
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import zipfile
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import IO, Protocol
 
 import numpy as np
 
-from transforms.errors import InputError
+from transforms.errors import CorruptInputError, InputError
 
 FORMATS = {".npy": "npy", ".npz": "npz", ".h5": "h5", ".hdf5": "h5"}
 
@@ -30,6 +32,8 @@ class SourceFile:
     sample_shape: tuple[int, ...]
     dtype: str
     first_id: int = 0
+    data_sha256: str | None = None  # sha256 of the readable rows' bytes, set by the input scan
+    unreadable: str | None = None  # why a file that cannot be opened holds no samples (on_bad_sample: skip)
 
     @property
     def stop_id(self) -> int:
@@ -57,7 +61,7 @@ def _open_binary(path: str) -> IO[bytes]:
     try:
         return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
     except Exception as err:  # Beam wraps every file-system failure in its own error types.
-        raise InputError(f"{path}: cannot open: {err}") from err
+        raise CorruptInputError(f"{path}: cannot open: {err}", reason=f"unreadable: {err}") from err
 
 
 class _NpyRows:
@@ -70,7 +74,7 @@ class _NpyRows:
             header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
             self.shape, fortran_order, self.dtype = header(stream)
         except ValueError as err:
-            raise InputError(f"{name}: not a valid .npy array: {err}") from err
+            raise CorruptInputError(f"{name}: not a valid .npy array: {err}", reason=f"corrupt: not a valid .npy array: {err}") from err
         if fortran_order and len(self.shape) > 1:
             raise InputError(f"{name}: Fortran-ordered arrays cannot be read in slices; save it C-ordered")
         if self.dtype.hasobject:
@@ -80,11 +84,19 @@ class _NpyRows:
         self._row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        self._stream.seek(self._offset + start * self._row_bytes)
         count = stop - start
-        data = self._stream.read(count * self._row_bytes)
+        try:
+            self._stream.seek(self._offset + start * self._row_bytes)
+            data = self._stream.read(count * self._row_bytes)
+        except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:  # e.g. a corrupt .npz member
+            raise CorruptInputError(
+                f"{self._name}: rows {start}..{stop} cannot be read: {err}", reason=f"corrupt: {err}"
+            ) from err
         if len(data) != count * self._row_bytes:
-            raise InputError(f"{self._name}: truncated: rows {start}..{stop} are past the end of the data")
+            raise CorruptInputError(
+                f"{self._name}: truncated: rows {start}..{stop} are past the end of the data",
+                reason="truncated: the row is past the end of the data",
+            )
         return np.frombuffer(data, dtype=self.dtype).reshape((count, *self.shape[1:]))
 
 
@@ -94,7 +106,12 @@ class _H5Rows:
         self._dataset, self._name = dataset, name
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        return self._dataset[start:stop]
+        try:
+            return self._dataset[start:stop]
+        except OSError as err:  # a damaged chunk (failed filter or checksum), a short file
+            raise CorruptInputError(
+                f"{self._name}: rows {start}..{stop} cannot be read: {err}", reason=f"corrupt: {err}"
+            ) from err
 
 
 def _pick_member(names: Sequence[str], key: str | None, path: str, what: str) -> str:
@@ -119,7 +136,7 @@ def open_rows(path: str, key: str | None) -> Iterator[_Rows]:
             try:
                 archive = stack.enter_context(zipfile.ZipFile(stream))
             except zipfile.BadZipFile as err:
-                raise InputError(f"{path}: not a valid .npz archive: {err}") from err
+                raise CorruptInputError(f"{path}: not a valid .npz archive: {err}", reason=f"corrupt: not a valid .npz archive: {err}") from err
             arrays = [name[: -len(".npy")] for name in archive.namelist() if name.endswith(".npy")]
             member = _pick_member(arrays, key, path, "array")
             yield _NpyRows(stack.enter_context(archive.open(member + ".npy")), f"{path}[{member}]")
@@ -129,7 +146,7 @@ def open_rows(path: str, key: str | None) -> Iterator[_Rows]:
             try:
                 h5 = stack.enter_context(h5py.File(stream, "r"))
             except OSError as err:
-                raise InputError(f"{path}: not a valid HDF5 file: {err}") from err
+                raise CorruptInputError(f"{path}: not a valid HDF5 file: {err}", reason=f"corrupt: not a valid HDF5 file: {err}") from err
             if key is None:
                 datasets = [name for name, item in h5.items() if isinstance(item, h5py.Dataset)]
                 key = _pick_member(datasets, None, path, "dataset")
@@ -153,10 +170,18 @@ def describe(path: str, key: str | None) -> SourceFile:
     return SourceFile(path=path, key=key, num_samples=shape[0], sample_shape=shape[1:], dtype=dtype.name)
 
 
+def unreadable_file(path: str, key: str | None, reason: str) -> SourceFile:
+    """A file that cannot be opened at all: it holds no samples, hence no ids (``on_bad_sample: skip``)."""
+    return SourceFile(path=path, key=key, num_samples=0, sample_shape=(), dtype="", unreadable=reason)
+
+
 def check_consistent(files: Sequence[SourceFile]) -> None:
-    """All files must hold samples of one shape; the first file (in sorted order) sets it."""
-    reference = files[0]
-    for other in files[1:]:
+    """All readable files must hold samples of one shape; the first of them (in sorted order) sets it."""
+    readable = [f for f in files if f.unreadable is None]
+    if not readable:
+        return
+    reference = readable[0]
+    for other in readable[1:]:
         if other.sample_shape != reference.sample_shape:
             raise InputError(
                 f"{other.path}: samples of shape {other.sample_shape}; expected {reference.sample_shape} "

@@ -2,6 +2,9 @@
 
 The rename is the only thing that marks a shard complete: an h5py writer killed mid-write can leave a
 file that opens and looks plausible, so nothing else may be trusted.
+
+Besides the engine's arrays, every shard holds a ``nonfinite`` mask over its rows: True where a
+sample's results (Jacobian, output, ...) hold NaN or Inf although its input was finite.
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ from typing import Any
 
 import numpy as np
 
+from transforms import faults
+from transforms.errors import OutputError
+
 SHARDS_DIR = "shards"
 _SHARD_NAME = re.compile(r"^shard-(\d{12})-(\d{12})\.h5$")
-_TEMP_NAME = re.compile(r"^\.shard-\d{12}-\d{12}\.h5\.tmp-[0-9a-f]+$")
+_TEMP_NAME = re.compile(r"^\.shard-\d{12}-\d{12}\.h5\.tmp-[0-9a-f]+$|^\.jacobeam-write-test-[0-9a-f]+$")
 _CHUNK_BYTES = 1 << 20
+NONFINITE = "nonfinite"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +42,13 @@ class ShardRecord:
     seconds: float = 0.0
     worker_pid: int = 0
     engine_builds: int = 0  # engines built in that worker process so far
+    rows: int | None = None  # samples stored; fewer than stop - start when some were rejected
+    nonfinite: int = 0  # rows whose results hold NaN or Inf
 
     @property
     def num_samples(self) -> int:
-        return self.stop - self.start
+        """Samples stored in the shard (its rows)."""
+        return self.stop - self.start if self.rows is None else self.rows
 
 
 def shard_name(start: int, stop: int) -> str:
@@ -61,6 +71,16 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def durable(path: str | os.PathLike) -> None:
+    """Flush a file (or folder) to the disk. Before a rename, so that a machine that loses power (a
+    preempted VM) cannot leave a complete-looking name with missing data; after it, for the rename."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def read_attrs(path: str | os.PathLike) -> dict[str, Any]:
     import h5py
 
@@ -68,17 +88,59 @@ def read_attrs(path: str | os.PathLike) -> dict[str, Any]:
         return dict(h5.attrs)
 
 
-class ShardWriter:
-    """Write one shard of ``stop - start`` samples, batch by batch, then commit it atomically.
+def existing_record(output_dir: str, start: int, stop: int, model_fingerprint: str) -> ShardRecord:
+    """The record of a complete shard found on disk (kept, not recomputed)."""
+    path = shard_path(output_dir, start, stop)
+    attrs = read_attrs(path)
+    return ShardRecord(
+        file=str(path.relative_to(output_dir)),
+        start=start,
+        stop=stop,
+        sha256=sha256_file(path),
+        model_fingerprint=model_fingerprint,
+        computed=False,
+        rows=int(attrs.get("num_rows", stop - start)),
+        nonfinite=int(attrs.get("nonfinite_count", 0)),
+    )
 
-    Datasets are created at the first ``write`` from the arrays' shapes: ``(stop - start, *rest)``,
-    chunked along samples. Leaving the ``with`` block without ``commit()`` deletes the temporary file.
+
+def nonfinite_rows(arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """Per row: does any float array (all but ``sample_id``) hold NaN or Inf there?"""
+    mask = None
+    for name, values in arrays.items():
+        if name == "sample_id" or not np.issubdtype(values.dtype, np.floating):
+            continue
+        bad = ~np.isfinite(values.reshape(len(values), -1)).all(axis=1)
+        mask = bad if mask is None else mask | bad
+    return np.zeros(len(next(iter(arrays.values()))), bool) if mask is None else mask
+
+
+class ShardWriter:
+    """Write one shard of the samples with ids in ``[start, stop)``, batch by batch, then commit it atomically.
+
+    The shard holds ``rows`` samples (default ``stop - start``; fewer when some ids were rejected), in id
+    order. Datasets are created at the first ``write`` from the arrays' shapes: ``(rows, *rest)``, chunked
+    along samples. Leaving the ``with`` block without ``commit()`` deletes the temporary file, so a failed
+    attempt leaves nothing behind that a retry or rerun could see (a killed one leaves a temporary name,
+    which never counts and which the next run removes).
     """
 
-    def __init__(self, output_dir: str, start: int, stop: int, attrs: dict[str, Any], compression: str = "none"):
+    def __init__(
+        self,
+        output_dir: str,
+        start: int,
+        stop: int,
+        attrs: dict[str, Any],
+        compression: str = "none",
+        rows: int | None = None,
+    ):
         self.final_path = shard_path(output_dir, start, stop)
         self.temp_path = self.final_path.with_name(f".{self.final_path.name}.tmp-{uuid.uuid4().hex[:12]}")
         self.start, self.stop = start, stop
+        self.rows = stop - start if rows is None else rows
+        self.nonfinite = 0  # rows flagged in the nonfinite mask so far
+        self._written = 0  # rows written so far
+        self._next_id = start
         self._attrs = attrs
         self._compression = None if compression == "none" else compression
         self._h5 = None
@@ -100,7 +162,7 @@ class ShardWriter:
 
     def _dataset(self, name: str, like: np.ndarray):
         if name not in self._h5:
-            rows = self.stop - self.start
+            rows = self.rows
             row_bytes = max(1, like[0].nbytes if len(like) else like.itemsize)
             chunk_rows = max(1, min(rows, _CHUNK_BYTES // row_bytes))
             self._h5.create_dataset(
@@ -113,15 +175,33 @@ class ShardWriter:
         return self._h5[name]
 
     def write(self, first_id: int, arrays: dict[str, np.ndarray]) -> None:
-        """Write rows for sample ids ``first_id ...`` of every array in ``arrays``."""
-        offset = first_id - self.start
-        for name, values in arrays.items():
-            self._dataset(name, values)[offset : offset + len(values)] = values
+        """Append the next rows (every array in ``arrays``, all of one length); ``first_id`` is the sample
+        id of their first row. Ids must increase from call to call (rejected ids are simply left out)."""
+        if not self.start <= self._next_id <= first_id < self.stop:
+            raise OutputError(f"{self.final_path.name}: rows for id {first_id} arrive out of order or out of range")
+        count = len(next(iter(arrays.values())))
+        if self._written + count > self.rows:
+            raise OutputError(f"{self.final_path.name}: more than the planned {self.rows} rows")
+        mask = nonfinite_rows(arrays)
+        for name, values in {**arrays, NONFINITE: mask}.items():
+            self._dataset(name, values)[self._written : self._written + count] = values
+        self._written += count
+        self._next_id = first_id + count
+        self.nonfinite += int(mask.sum())
+        faults.reached("shard_write")
+        faults.fail_shard_once(self.start)
 
     def commit(self) -> str:
         """Close, checksum and rename into place; returns the sha256 of the complete shard."""
+        if self._written != self.rows:
+            raise OutputError(f"{self.final_path.name}: {self._written} rows written, {self.rows} planned")
+        self._h5.attrs.update(num_rows=self.rows, nonfinite_count=self.nonfinite)
         self._h5.close()
         self._h5 = None
         checksum = sha256_file(self.temp_path)
+        durable(self.temp_path)
+        faults.reached("shard_commit")
         os.replace(self.temp_path, self.final_path)
+        durable(self.final_path.parent)
+        faults.reached("shard_done")
         return checksum

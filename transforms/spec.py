@@ -7,6 +7,7 @@ imports neither TensorFlow nor Beam.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from importlib import metadata
 from typing import Any
 
@@ -35,11 +36,69 @@ class ModelSource:
 
 
 @dataclasses.dataclass(frozen=True)
+class Rejected:
+    """Consecutive samples of one file rejected for one reason (``input.on_bad_sample: skip``).
+
+    Ids ``[start, stop)`` are rows ``row .. row + stop - start`` of ``file``. A file that cannot be opened
+    at all holds no samples and has no ids: ``start``, ``stop`` and ``row`` are then ``None``.
+    Rejected samples keep their ids; they are absent from the shards and listed in ``rejected.jsonl``.
+    """
+
+    file: str
+    reason: str
+    row: int | None = None
+    start: int | None = None
+    stop: int | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return 0 if self.start is None else self.stop - self.start
+
+    def clip(self, lo: int, hi: int) -> Rejected | None:
+        """The part of this run of samples with ids in ``[lo, hi)``, or None."""
+        if self.start is None:
+            return None
+        start, stop = max(lo, self.start), min(hi, self.stop)
+        if start >= stop:
+            return None
+        return dataclasses.replace(self, row=self.row + start - self.start, start=start, stop=stop)
+
+    def lines(self) -> Iterator[dict[str, Any]]:
+        """One ``rejected.jsonl`` record per sample (one for a file without ids)."""
+        if self.start is None:
+            yield {"id": None, "file": self.file, "row": None, "reason": self.reason}
+            return
+        for offset in range(self.stop - self.start):
+            yield {"id": self.start + offset, "file": self.file, "row": self.row + offset, "reason": self.reason}
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardRange:
-    """Sample ids ``[start, stop)``: one Beam element, one shard."""
+    """Sample ids ``[start, stop)``: one Beam element, one shard.
+
+    ``rejected`` lists the samples of the range that the plan rejected: they are not read, the shard
+    holds only the others (``rows`` of them), and the compute step sends them to its dead-letter output.
+    A range whose samples are all rejected has no shard.
+    """
 
     start: int
     stop: int
+    rejected: tuple[Rejected, ...] = ()
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start - sum(r.num_samples for r in self.rejected)
+
+    def kept(self) -> list[tuple[int, int]]:
+        """The id intervals of the range that are not rejected, in order."""
+        intervals, lo = [], self.start
+        for rejected in sorted(self.rejected, key=lambda r: r.start):
+            if rejected.start > lo:
+                intervals.append((lo, rejected.start))
+            lo = max(lo, rejected.stop)
+        if lo < self.stop:
+            intervals.append((lo, self.stop))
+        return intervals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,15 +114,39 @@ class JobSpec:
     tf_threads: int | None = None  # TensorFlow threads per worker process; None keeps TF's default
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the resolved config, for the manifest
     started_at: float = 0.0
+    # Set by the planner (pipeline.plan); the defaults describe a fresh run without bad samples.
+    shard_ranges: tuple[ShardRange, ...] = ()  # empty: consecutive ranges of samples_per_shard from id 0
+    file_rejects: tuple[Rejected, ...] = ()  # files that could not be opened at all (they have no ids)
+    id_segments: tuple[tuple[int, int], ...] = ()  # id ranges added by successive (incremental) runs
+    identity: dict[str, Any] = dataclasses.field(default_factory=dict)  # what run_key hashes, for messages
+    model_fingerprint: str | None = None  # as found by the launcher's model check
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
-        return self.files[0].sample_shape
+        return next((f.sample_shape for f in self.files if f.unreadable is None), self.files[0].sample_shape)
 
     @property
     def num_samples(self) -> int:
-        return self.files[-1].stop_id
+        return max(f.stop_id for f in self.files)
 
     def ranges(self) -> list[ShardRange]:
+        if self.shard_ranges:
+            return list(self.shard_ranges)
         step = self.samples_per_shard
         return [ShardRange(lo, min(lo + step, self.num_samples)) for lo in range(0, self.num_samples, step)]
+
+    def rejected(self) -> list[Rejected]:
+        """Every rejected sample run (and unreadable file) of the plan."""
+        return [*self.file_rejects, *(r for shard in self.ranges() for r in shard.rejected)]
+
+
+def shard_inputs(files: tuple[SourceFile, ...] | list[SourceFile], start: int, stop: int) -> list[list[Any]]:
+    """The input files whose ids overlap ``[start, stop)``: ``[path, key, first_id, num_samples, data_sha256]``.
+
+    A shard stores this, so that a later run can tell whether the shard's ids still mean the same samples.
+    """
+    return [
+        [f.path, f.key, f.first_id, f.num_samples, f.data_sha256]
+        for f in files
+        if f.num_samples and f.first_id < stop and start < f.stop_id
+    ]

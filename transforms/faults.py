@@ -1,0 +1,66 @@
+"""Test-only fault injection, switched on by environment variables (never set in normal use).
+
+jacobeam promises that a run killed at any moment, or a bundle that fails and is retried, leaves
+nothing that a rerun could mistake for valid output. The fault-injection tests prove it by making the
+process die, or a shard fail, at named points:
+
+``JACOBEAM_TEST_KILL_AT=POINT[:N]``
+    SIGKILL this process the N-th time (default 1st) it reaches ``POINT``. Points: ``plan`` (checks
+    passed, before the pipeline), ``setup`` (a worker loading the model), ``shard_write`` (part of a
+    shard written to its temporary file), ``shard_commit`` (shard complete in its temporary file, not
+    yet renamed), ``shard_done`` (renamed, not yet reported), ``view_write`` (inside ``jacobians.h5``'s
+    temporary file), ``view``, ``rejected``, ``manifest`` (that file's temporary file written, not yet
+    renamed into place).
+``JACOBEAM_TEST_FAIL_SHARD_ONCE=ID``
+    Raise ``TransientFailure`` after part of the shard whose first id is ``ID`` has been written, once:
+    the first process to fail creates the marker file ``JACOBEAM_TEST_FAIL_MARKER`` (default: a name in
+    the temp folder), and later attempts (Beam's retries, or a rerun) find it and go on.
+
+Reading the environment costs nothing measurable next to writing a shard.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import tempfile
+
+KILL_AT = "JACOBEAM_TEST_KILL_AT"
+FAIL_SHARD_ONCE = "JACOBEAM_TEST_FAIL_SHARD_ONCE"
+FAIL_MARKER = "JACOBEAM_TEST_FAIL_MARKER"
+
+_reached: collections.Counter[str] = collections.Counter()
+
+
+class TransientFailure(RuntimeError):
+    """The injected failure: stands for a preempted worker, a flaky disk, an out-of-memory kill."""
+
+
+def reached(point: str) -> None:
+    """Die here (SIGKILL, no clean-up of any kind) if ``JACOBEAM_TEST_KILL_AT`` names this point."""
+    wanted = os.environ.get(KILL_AT)
+    if not wanted:
+        return
+    name, _, nth = wanted.partition(":")
+    if name != point:
+        return
+    _reached[point] += 1
+    if _reached[point] == int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def marker_path() -> str:
+    return os.environ.get(FAIL_MARKER) or os.path.join(tempfile.gettempdir(), "jacobeam-test-fail-shard-once")
+
+
+def fail_shard_once(first_id: int) -> None:
+    """Raise once, across processes and retries, while writing the shard starting at ``first_id``."""
+    wanted = os.environ.get(FAIL_SHARD_ONCE)
+    if wanted is None or int(wanted) != first_id:
+        return
+    try:
+        os.close(os.open(marker_path(), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return  # failed once already
+    raise TransientFailure(f"injected transient failure while writing the shard starting at id {first_id}")
