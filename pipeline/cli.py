@@ -1,4 +1,4 @@
-"""The ``jacobeam`` command (also ``python -m pipeline``): run, demo, inspect.
+"""The ``jacobeam`` command (also ``python -m pipeline``): run, demo, inspect, verify.
 
 Arguments after the config that jacobeam does not know are Beam ``PipelineOptions``
 (``--runner``, ``--direct_num_workers``, ``--temp_location``, ...), as in every Beam program.
@@ -33,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="YAML config file")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key (VALUE is YAML), e.g. --set output.path=out/")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace the result of a different run in output.path (only files jacobeam wrote are "
+                     "removed); a folder holding this run's own partial or earlier result is resumed, not replaced")
+    run.add_argument("--verify", type=_count, default=0, metavar="K",
+                     help="verify the output at the end, recomputing K random samples; the result goes into the manifest")
 
     demo = commands.add_parser("demo", help="generate seeded inputs and run the built-in CNN end to end")
     demo.add_argument("--root", default=None, help="folder for the demo's inputs and output (default: jacobeam-demo)")
@@ -41,7 +46,24 @@ def _parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="describe an output folder and check it is complete")
     inspect.add_argument("folder")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
+
+    verify = commands.add_parser(
+        "verify", help="check an output folder: checksums, ids, and K samples recomputed independently",
+        description="Exit status 0 when everything matches, 1 on any mismatch, 2 when the folder cannot be read.",
+    )
+    verify.add_argument("folder")
+    verify.add_argument("--samples", type=_count, default=8, metavar="K",
+                        help="random samples to recompute (default 8; 0: checksums and ids only)")
+    verify.add_argument("--seed", type=int, default=0, help="seed for choosing the samples (default 0)")
+    verify.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
 
 
 def _summary(result) -> str:
@@ -52,27 +74,43 @@ def _summary(result) -> str:
         f"{name} ({', '.join(str(d) for d in info['shape'])})" for name, info in manifest["datasets"].items()
     )
     metrics = ", ".join(f"{k}={v}" for k, v in sorted(result.metrics.items()) if not isinstance(v, dict))
+    rejected, nonfinite = manifest["rejected"], manifest["nonfinite"]["count"]
+    warnings = []
+    if rejected["count"] or rejected["unreadable_files"]:
+        warnings.append(
+            f"rejected: {rejected['count']:,} bad sample(s), {len(rejected['unreadable_files'])} unreadable file(s); "
+            f"listed in {out / rejected['file']}"
+        )
+    if nonfinite:
+        warnings.append(f"nonfinite: {nonfinite:,} sample(s) with NaN/Inf results (the 'nonfinite' dataset flags them)")
     return "\n".join(
         [
             f"done: {manifest['num_samples']:,} samples ({run['samples_computed']:,} computed, "
             f"{run['samples_kept']:,} already complete) in {len(manifest['shards'])} shard(s), "
             f"{run['wall_seconds']:.1f} s, {run['samples_per_second'] or 0:,.0f} samples/s",
+            *warnings,
             f"metrics: {metrics}",
             f"output: {out}",
             f"  {view.name}: {shapes}",
             "read it:",
             "  import h5py",
             f"  with h5py.File({str(view)!r}) as f:",
-            "      jac = f['jacobian'][:8]   # (8, *output_shape, *input_shape), ids 0..7",
+            "      jac = f['jacobian'][:8]   # (8, *output_shape, *input_shape)",
+            "      ids = f['sample_id'][:8]  # their sample ids",
         ]
     )
 
 
-def _run(config, beam_args: list[str], quiet: bool) -> int:
+def _run(config, beam_args: list[str], quiet: bool, overwrite: bool = False, verify_samples: int = 0) -> int:
     from pipeline import runner
 
-    result = runner.run(config, beam_args, show_progress=not quiet)
+    result = runner.run(config, beam_args, show_progress=not quiet, overwrite=overwrite, verify_samples=verify_samples)
     print(_summary(result))
+    if result.verification is not None:
+        from pipeline.verify import format_report
+
+        print(format_report(result.verification))
+        return 0 if result.verification.ok else 1
     return 0
 
 
@@ -85,6 +123,14 @@ def _demo(args, beam_args: list[str]) -> int:
     paths = demo.write_inputs(Path(root) / "inputs")
     log.info("demo inputs: %d files in %s", len(paths), Path(root, "inputs").resolve())
     return _run(config, beam_args, args.quiet)
+
+
+def _verify(args) -> int:
+    from pipeline.verify import format_report, verify
+
+    report = verify(args.folder, samples=args.samples, seed=args.seed)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return 0 if report.ok else 1
 
 
 def _inspect(args) -> int:
@@ -104,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
         force=True,  # Beam logs while it is imported, which would otherwise fix the root config first
     )
-    if args.command == "inspect" and beam_args:
+    if args.command in ("inspect", "verify") and beam_args:
         _parser().error(f"unrecognized arguments: {' '.join(beam_args)}")
     if not args.verbose:
         logging.getLogger("apache_beam").setLevel(logging.WARNING)
@@ -115,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             from pipeline import config as config_module
 
-            return _run(config_module.load(args.config, args.overrides), beam_args, args.quiet)
+            config = config_module.load(args.config, args.overrides)
+            return _run(config, beam_args, args.quiet, args.overwrite, args.verify)
         if args.command == "demo":
             return _demo(args, beam_args)
+        if args.command == "verify":
+            return _verify(args)
         return _inspect(args)
     except (JacobeamError, FileNotFoundError) as err:
         print(f"jacobeam: error: {err}", file=sys.stderr)

@@ -150,11 +150,13 @@ def load(path: str | None = None, factory: str | None = None, builtin: str | Non
     if path.endswith(".keras") or path.endswith(".h5"):
         # safe_mode stays on: a model file must not run arbitrary code when loaded. There is deliberately
         # no option to turn it off: code to run belongs in a factory the config names (model.factory).
+        # With safe_mode Keras also never imports a module that the file's config names: a layer class
+        # must already be registered (by a module the user imported, e.g. through model.factory).
         try:
             model = keras.models.load_model(path, compile=False, safe_mode=True)
-        except ValueError as err:
+        except Exception as err:  # Keras raises ValueError, TypeError, ... for files it cannot rebuild
             if "safe_mode" not in str(err):
-                raise ModelError(f"model.path {path}: cannot load: {err}") from err
+                raise ModelError(f"model.path {path}: cannot load: {type(err).__name__}: {str(err)[:500]}") from err
             raise ModelError(
                 f"model.path {path}: refused: loading it would run Python code stored in the file (Keras "
                 "safe_mode). Build such a model in a Python function and name it in model.factory instead"

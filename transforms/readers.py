@@ -75,6 +75,8 @@ class _NpyRows:
             self.shape, fortran_order, self.dtype = header(stream)
         except ValueError as err:
             raise CorruptInputError(f"{name}: not a valid .npy array: {err}", reason=f"corrupt: not a valid .npy array: {err}") from err
+        except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:  # a damaged .npz member, a read error
+            raise CorruptInputError(f"{name}: cannot be read: {err}", reason=f"corrupt: {err}") from err
         if fortran_order and len(self.shape) > 1:
             raise InputError(f"{name}: Fortran-ordered arrays cannot be read in slices; save it C-ordered")
         if self.dtype.hasobject:

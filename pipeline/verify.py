@@ -1,0 +1,397 @@
+"""``jacobeam verify OUT [--samples K]``: is what an output folder holds what its manifest says, and right?
+
+1. Every shard listed in the manifest exists and has the manifest's sha256 (as does ``rejected.jsonl``).
+2. The ids cover the input exactly once: the shards' ``sample_id`` rows and the rejected ids together
+   are ``0 .. num_samples``, each once; each shard's ids lie in its range, in order; ``jacobians.h5``
+   reads every shard and shows the same ``sample_id`` column; the input files still hold the number
+   of samples the manifest lists.
+3. ``K`` randomly chosen stored samples (seeded: ``--seed``) are recomputed from their input rows with
+   methods independent of the engine's batched ``batch_jacobian``:
+
+   - a per-sample ``tf.GradientTape().jacobian`` of the float32 model. Both are float32 computations of
+     the same derivative, differing only in the order of operations: tolerance ``TAPE_RTOL``;
+   - central finite differences of a float64 twin of the model (a Keras model rebuilt from its config
+     with every float dtype set to float64 and its weights cast), for inputs of at most
+     ``FD_MAX_ELEMENTS`` elements. The float32 Jacobian carries float32 rounding of a deep computation,
+     hence the looser ``FD_RTOL``. At a point where the model is not differentiable (a ReLU at exactly
+     zero, a max-pool tie: common on images with a constant background) automatic differentiation
+     returns one of many possible derivatives, and even partial derivatives that exist need not agree
+     with it (kinks of several units can cancel along one axis). Such a sample is detected (for some
+     input entry the second difference ``f(x+h) - 2 f(x) + f(x-h)`` does not shrink with the step, as
+     it does where ``f`` is smooth) and left out of the finite-difference check, counted in the report.
+     Models that are not Keras models (SavedModels, plain ``tf.Module``) cannot be rebuilt in float64:
+     the finite-difference check is then skipped and the report says so; float32 finite differences
+     are too noisy to decide anything.
+
+   Errors are relative to the reference's largest entry, per sample: ``max |stored - reference| /
+   max |reference|`` (a Jacobian has many entries near zero; an entrywise relative error would be noise).
+
+Any mismatch is a problem; ``jacobeam verify`` then exits with status 1. Loading the model runs the
+factory named in the manifest's config, as the run did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, write_manifest
+from transforms.shards import NONFINITE, SHARDS_DIR, sha256_file
+
+TAPE_RTOL = 1e-4  # per-sample tape (float32) vs stored (float32)
+OUTPUT_RTOL = 1e-5  # recomputed model output vs stored output
+FD_RTOL = 1e-3  # float64 central differences vs stored float32 Jacobian
+FD_MAX_ELEMENTS = 4096  # finite differences cost 2 model evaluations per input element
+FD_STEP = 1e-6
+# A second difference above this (relative to the Jacobian's largest entry) that does not shrink with
+# the step marks a kink. Smooth models measure below 2e-6 at FD_STEP; kinks are of order 1.
+_KINK = 1e-5
+_FLOAT_DTYPES = {"float16", "bfloat16", "float32", "mixed_float16", "mixed_bfloat16"}
+
+
+@dataclasses.dataclass
+class Report:
+    folder: str
+    problems: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    shards_checked: int = 0
+    ids_checked: int = 0
+    samples: list[int] = dataclasses.field(default_factory=list)  # ids recomputed
+    max_rel_error: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    finite_differences: str = "not run"
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "checked_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "shards_checked": self.shards_checked,
+            "ids_checked": self.ids_checked,
+            "samples_recomputed": len(self.samples),
+            "sample_ids": self.samples,
+            "max_rel_error": self.max_rel_error,
+            "tolerances": {"tape": TAPE_RTOL, "output": OUTPUT_RTOL, "finite_differences": FD_RTOL},
+            "finite_differences": self.finite_differences,
+            "problems": self.problems,
+            "notes": self.notes,
+        }
+
+
+def _rel_error(actual: np.ndarray, reference: np.ndarray) -> float:
+    """Largest difference relative to the reference's largest entry, over entries finite in both; inf
+    when the two disagree on which entries are finite."""
+    actual, reference = np.asarray(actual, np.float64), np.asarray(reference, np.float64)
+    if actual.shape != reference.shape or not np.array_equal(np.isfinite(actual), np.isfinite(reference)):
+        return float("inf")
+    finite = np.isfinite(reference)
+    if not finite.any():
+        return 0.0
+    scale = max(float(np.abs(reference[finite]).max()), 1e-12)
+    return float(np.abs(actual[finite] - reference[finite]).max()) / scale
+
+
+# --- structure: checksums and coverage ------------------------------------------------------------------
+
+
+def _check_structure(root: Path, manifest: dict[str, Any], report: Report) -> list[tuple[str, np.ndarray]]:
+    """Checksums and id coverage; returns each readable shard's file and ``sample_id`` column."""
+    import h5py
+
+    num_samples = int(manifest["num_samples"])
+    inputs_stop = max((entry["stop_id"] for entry in manifest["inputs"]), default=0)
+    if inputs_stop != num_samples:
+        report.problems.append(f"{MANIFEST}: inputs cover ids 0..{inputs_stop}, num_samples is {num_samples}")
+    seen = np.zeros(num_samples, np.int64)
+    where: list[tuple[str, np.ndarray]] = []
+    column = []
+    for shard in manifest["shards"]:
+        path = root / shard["file"]
+        if not path.exists():
+            report.problems.append(f"{shard['file']}: listed in the manifest but missing")
+            continue
+        if sha256_file(path) != shard["sha256"]:
+            report.problems.append(f"{shard['file']}: sha256 differs from the manifest's (the file was changed)")
+        report.shards_checked += 1
+        with h5py.File(path, "r") as h5:
+            ids = h5["sample_id"][:]
+            mask = h5[NONFINITE][:] if NONFINITE in h5 else np.zeros(len(ids), bool)
+        column.append(ids)
+        if len(ids) != shard["num_samples"]:
+            report.problems.append(f"{shard['file']}: {len(ids)} rows, the manifest says {shard['num_samples']}")
+        if len(ids) and (ids.min() < shard["start"] or ids.max() >= shard["stop"] or np.any(np.diff(ids) <= 0)):
+            report.problems.append(f"{shard['file']}: sample ids not increasing within {shard['start']}..{shard['stop']}")
+            continue
+        if int(mask.sum()) != shard.get("nonfinite", 0):
+            report.problems.append(f"{shard['file']}: {int(mask.sum())} rows flagged nonfinite, the manifest says {shard.get('nonfinite', 0)}")
+        valid = ids[(ids >= 0) & (ids < num_samples)]
+        np.add.at(seen, valid, 1)
+        where.append((shard["file"], ids))
+    rejected_ids = _rejected_ids(root, manifest, report)
+    np.add.at(seen, rejected_ids[(rejected_ids >= 0) & (rejected_ids < num_samples)], 1)
+    report.ids_checked = num_samples
+    for count, what in ((0, "missing (neither stored nor rejected)"), (2, "present more than once")):
+        bad = np.flatnonzero(seen == 0) if count == 0 else np.flatnonzero(seen >= 2)
+        if len(bad):
+            report.problems.append(f"ids {what}: {len(bad)}, first {bad[:5].tolist()}")
+    _check_view(root, np.concatenate(column) if column else np.zeros(0, np.int64), report)
+    return where
+
+
+def _rejected_ids(root: Path, manifest: dict[str, Any], report: Report) -> np.ndarray:
+    info = manifest.get("rejected")
+    path = root / REJECTED_FILE
+    if info is None:
+        return np.zeros(0, np.int64)
+    if not path.exists():
+        report.problems.append(f"{REJECTED_FILE}: missing")
+        return np.zeros(0, np.int64)
+    if info.get("sha256") and sha256_file(path) != info["sha256"]:
+        report.problems.append(f"{REJECTED_FILE}: sha256 differs from the manifest's (the file was changed)")
+    ids = [record["id"] for record in map(json.loads, path.read_text().splitlines()) if record["id"] is not None]
+    if len(ids) != info.get("count", len(ids)):
+        report.problems.append(f"{REJECTED_FILE}: {len(ids)} rejected ids, the manifest says {info['count']}")
+    return np.asarray(ids, np.int64)
+
+
+def _check_view(root: Path, column: np.ndarray, report: Report) -> None:
+    import h5py
+
+    path = root / VIEW
+    if not path.exists():
+        report.problems.append(f"{VIEW}: missing")
+        return
+    with h5py.File(path, "r") as view:
+        for name, dataset in view.items():
+            for source in {s.file_name for s in dataset.virtual_sources()} if dataset.is_virtual else ():
+                if not (root / source).exists():
+                    report.problems.append(f"{VIEW}:{name} reads from {source}, which is missing")
+        if "sample_id" in view and not report.problems and not np.array_equal(view["sample_id"][:], column):
+            report.problems.append(f"{VIEW}: its sample_id column differs from the shards'")
+
+
+def _check_inputs(manifest: dict[str, Any], report: Report) -> bool:
+    from transforms.errors import InputError
+    from transforms.readers import describe
+
+    fine = True
+    for entry in manifest["inputs"]:
+        if entry.get("unreadable"):
+            continue
+        try:
+            found = describe(entry["path"], entry.get("key")).num_samples
+        except (InputError, OSError) as err:
+            report.problems.append(f"input {entry['path']}: cannot be read any more ({err}); cannot recompute")
+            fine = False
+            continue
+        if found != entry["num_samples"]:
+            report.problems.append(f"input {entry['path']}: holds {found} samples, the manifest says {entry['num_samples']}")
+            fine = False
+    return fine
+
+
+# --- recomputation --------------------------------------------------------------------------------------
+
+
+def _retype(node: Any) -> Any:
+    """A Keras config with every float dtype (and dtype policy) set to float64."""
+    if isinstance(node, dict):
+        if node.get("class_name") in ("DTypePolicy", "FloatDTypePolicy") and isinstance(node.get("config"), dict):
+            if node["config"].get("name") in _FLOAT_DTYPES:
+                return {**node, "config": {**node["config"], "name": "float64"}}
+        return {
+            key: "float64" if key == "dtype" and isinstance(value, str) and value in _FLOAT_DTYPES else _retype(value)
+            for key, value in node.items()
+        }
+    if isinstance(node, list):
+        return [_retype(value) for value in node]
+    return node
+
+
+def float64_twin(model) -> tuple[Any, str | None]:
+    """The Keras ``model`` rebuilt in float64 with the same weights, or None and why not."""
+    if model is None:
+        return None, "the model is not a Keras model (a SavedModel or tf.Module cannot be rebuilt in float64)"
+    try:
+        twin = model.__class__.from_config(_retype(model.get_config()))
+        twin.set_weights([w.astype(np.float64) if np.issubdtype(w.dtype, np.floating) else w for w in model.get_weights()])
+    except Exception as err:  # custom layers without a config, subclassed models, ...
+        return None, f"the model cannot be rebuilt from its config in float64 ({type(err).__name__}: {err})"
+    return twin, None
+
+
+def _tape_function(call, shape: tuple[int, ...]):
+    import tensorflow as tf
+
+    @tf.function(input_signature=[tf.TensorSpec((1, *shape), tf.float32)])
+    def one(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.cast(call(x), tf.float32)
+        return y, tape.jacobian(y, x)  # (1, *out, 1, *in): the full Jacobian, no batch assumption
+
+    return one
+
+
+def _finite_differences(twin, x: np.ndarray, step: float = FD_STEP) -> tuple[np.ndarray, bool]:
+    """Central differences of the float64 twin at ``x`` (float64, one sample), in the stored Jacobian's
+    layout ``(*out, *in)``, and whether the model is differentiable at ``x`` as far as can be seen."""
+    size = x.size
+
+    def evaluate(h: float) -> tuple[np.ndarray, np.ndarray]:
+        plus, minus = [], []
+        for lo in range(0, size, 256):  # bounded memory for the perturbed batch
+            basis = np.zeros((min(256, size - lo), size))
+            basis[np.arange(len(basis)), lo + np.arange(len(basis))] = h
+            basis = basis.reshape(len(basis), *x.shape)
+            plus.append(np.asarray(twin(x + basis, training=False), np.float64))
+            minus.append(np.asarray(twin(x - basis, training=False), np.float64))
+        return np.concatenate(plus), np.concatenate(minus)  # (size, *out)
+
+    y0 = np.asarray(twin(x[None], training=False), np.float64)[0]
+    yp, ym = evaluate(step)
+    yp_small, ym_small = evaluate(step / 10)
+    central = (yp - ym) / (2 * step)
+    scale = max(float(np.abs(central).max()), 1e-12)
+    # |f'(x+) - f'(x-)|: about step * f'' where f is smooth (shrinks with the step), the jump at a kink.
+    second = np.abs(yp - 2 * y0 + ym) / step
+    second_small = np.abs(yp_small - 2 * y0 + ym_small) / (step / 10)
+    kinked = bool(np.any((second > _KINK * scale) & (second_small > 0.5 * second)))
+    return np.moveaxis(central, 0, -1).reshape(*central.shape[1:], *x.shape), not kinked
+
+
+def _recompute(
+    root: Path, manifest: dict[str, Any], shards: list[tuple[str, np.ndarray]], samples: int, seed: int, report: Report
+) -> None:
+    import h5py
+    import tensorflow as tf
+
+    from transforms.models import load
+    from transforms.readers import open_rows
+
+    ends = np.cumsum([len(ids) for _, ids in shards])
+    if not len(ends) or not ends[-1]:
+        return
+    rng = np.random.default_rng(seed)
+    positions = np.sort(rng.choice(int(ends[-1]), size=min(samples, int(ends[-1])), replace=False))
+    where = {}  # sample id -> (shard file, row)
+    for position in positions:
+        index = int(np.searchsorted(ends, position, side="right"))
+        file, ids = shards[index]
+        row = int(position - (ends[index - 1] if index else 0))
+        where[int(ids[row])] = (file, row)
+    report.samples = sorted(where)
+    loaded = load(**manifest["config"]["model"])
+    if loaded.fingerprint() != manifest["model_fingerprint"]:
+        report.problems.append(
+            f"the model ({loaded.source}) now has weights with fingerprint {loaded.fingerprint()[:16]}…, the "
+            f"output was computed with {manifest['model_fingerprint'][:16]}…: cannot recompute"
+        )
+        return
+    shape = tuple(manifest["input_shape"])
+    one = _tape_function(loaded.call, shape)
+    size = int(np.prod(shape))
+    twin, why_not = (None, f"inputs have {size} elements, more than {FD_MAX_ELEMENTS}") if size > FD_MAX_ELEMENTS else float64_twin(loaded.keras_model)
+    errors: dict[str, list[float]] = {"output": [], "tape": [], "finite_differences": []}
+    kinked = []  # samples at which the model is not differentiable
+    for sample_id in report.samples:
+        entry = next(e for e in manifest["inputs"] if e["first_id"] <= sample_id < e["stop_id"])
+        with open_rows(entry["path"], entry.get("key")) as rows:
+            x = np.asarray(rows.read(sample_id - entry["first_id"], sample_id - entry["first_id"] + 1), np.float32)
+        file, row = where[sample_id]
+        with h5py.File(root / file, "r") as h5:
+            stored_jac, stored_out = h5["jacobian"][row], h5["output"][row]
+            flagged = bool(h5[NONFINITE][row]) if NONFINITE in h5 else False
+        y, jac = one(tf.constant(x))
+        jac = jac.numpy().reshape(stored_jac.shape)
+        nonfinite = not (np.isfinite(stored_jac).all() and np.isfinite(stored_out).all())
+        if flagged != nonfinite:
+            report.problems.append(f"sample {sample_id}: nonfinite flag {flagged}, but its stored values are {'not ' if nonfinite else ''}all finite")
+        for name, value, reference, tolerance in (
+            ("output", stored_out, y.numpy().reshape(stored_out.shape), OUTPUT_RTOL),
+            ("tape", stored_jac, jac, TAPE_RTOL),
+        ):
+            error = _rel_error(value, reference)
+            errors[name].append(error)
+            if not error <= tolerance:
+                report.problems.append(f"sample {sample_id} ({file} row {row}): {name} max relative error {error:.3g} > {tolerance:g}")
+        if twin is not None and not nonfinite:
+            if _rel_error(np.asarray(twin(x.astype(np.float64), training=False)).reshape(stored_out.shape), stored_out) > 1e-3:
+                twin, why_not = None, "the float64 rebuild of the model does not reproduce its outputs"
+                continue
+            central, differentiable = _finite_differences(twin, x[0].astype(np.float64))
+            if not differentiable:
+                kinked.append(sample_id)
+                continue
+            error = _rel_error(stored_jac, central.reshape(stored_jac.shape))
+            errors["finite_differences"].append(error)
+            if not error <= FD_RTOL:
+                report.problems.append(f"sample {sample_id} ({file} row {row}): finite differences max relative error {error:.3g} > {FD_RTOL:g}")
+    report.max_rel_error = {name: (max(values) if values else None) for name, values in errors.items()}
+    left_out = (
+        f"; {len(kinked)} sample(s) left out: the model is not differentiable there (ReLU/max-pool kinks), "
+        f"e.g. id {kinked[0]}" if kinked else ""
+    )
+    if errors["finite_differences"]:
+        report.finite_differences = (
+            f"float64 central differences (step {FD_STEP:g}) on {len(errors['finite_differences'])} sample(s){left_out}"
+        )
+    elif kinked:
+        report.finite_differences = f"inconclusive{left_out}"
+    else:
+        report.finite_differences = f"skipped: {why_not or 'no finite sample to check'}"
+
+
+def verify(folder: str | Path, samples: int = 0, seed: int = 0) -> Report:
+    """Check the output folder (see the module docstring); recompute ``samples`` random samples."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{folder}: no such output folder")
+    report = Report(folder=str(root.resolve()))
+    manifest_path = root / MANIFEST
+    if not manifest_path.exists():
+        report.problems.append(f"no {MANIFEST}: the run did not finish; nothing to verify")
+        return report
+    manifest = json.loads(manifest_path.read_text())
+    where = _check_structure(root, manifest, report)
+    listed = {Path(shard["file"]).name for shard in manifest["shards"]}
+    shards = root / SHARDS_DIR
+    extra = sorted(p.name for p in shards.glob("shard-*.h5") if p.name not in listed) if shards.is_dir() else []
+    if extra:
+        report.notes.append(f"{len(extra)} shard file(s) not in the manifest (an unfinished later run?): {extra[:3]}")
+    if samples > 0 and _check_inputs(manifest, report):
+        _recompute(root, manifest, where, samples, seed, report)
+    return report
+
+
+def record(folder: str | Path, report: Report) -> dict[str, Any]:
+    """Store the report in the manifest (``verify``); returns the manifest."""
+    path = Path(folder) / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["verify"] = report.as_dict()
+    write_manifest(str(folder), manifest)
+    return manifest
+
+
+def format_report(report: Report) -> str:
+    lines = [f"{report.folder}: {'verified' if report.ok else 'VERIFICATION FAILED'}"]
+    lines.append(f"  shards      {report.shards_checked} checked against the manifest's sha256")
+    lines.append(f"  ids         {report.ids_checked:,} checked: each stored or rejected exactly once")
+    if report.samples:
+        errors = report.max_rel_error
+        show = lambda key: "n/a" if errors.get(key) is None else f"{errors[key]:.2e}"  # noqa: E731
+        lines.append(f"  recomputed  {len(report.samples)} sample(s), max relative error:")
+        lines.append(f"    output                  {show('output')} (tolerance {OUTPUT_RTOL:g})")
+        lines.append(f"    per-sample tape         {show('tape')} (tolerance {TAPE_RTOL:g})")
+        lines.append(f"    finite differences      {show('finite_differences')} (tolerance {FD_RTOL:g})")
+        lines.append(f"    ({report.finite_differences})")
+    lines += [f"  note: {note}" for note in report.notes]
+    lines += [f"  problem: {problem}" for problem in report.problems]
+    return "\n".join(lines)
