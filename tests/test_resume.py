@@ -1,0 +1,300 @@
+"""Resuming, incremental runs, foreign output folders, --overwrite, and a transient DoFn failure."""
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from pipeline import cli, config, plan, runner
+from tests import models as test_models
+from tests.reference import assert_close, tape_loop
+from tests.test_pipeline import folder_state
+from transforms import faults
+from transforms.readers import SourceFile
+from transforms.shards import sha256_file
+from transforms.spec import Rejected
+
+
+def _config(data: Path, out: Path, **jacobian):
+    return config.validate(
+        {
+            "model": {"factory": "tests.models:small_mlp"},
+            "input": {"paths": [str(data / "*.npy")]},
+            "jacobian": {"batch_size": 4, **jacobian},
+            "output": {"path": str(out), "samples_per_shard": 16},
+        }
+    )
+
+
+def _write(folder: Path, sizes: dict[str, int], seed: int) -> dict[str, np.ndarray]:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for name, size in sizes.items():
+        arrays[name] = rng.normal(size=(size, 12)).astype(np.float32)
+        np.save(folder / f"{name}.npy", arrays[name])
+    return arrays
+
+
+def _run(data, out, beam_args=(), **jacobian):
+    return runner.run(_config(data, out, **jacobian), list(beam_args), show_progress=False).manifest
+
+
+def _shas(out: Path) -> dict[str, str]:
+    return {p.name: sha256_file(p) for p in sorted((out / "shards").iterdir())}
+
+
+def _view(out: Path) -> dict[str, np.ndarray]:
+    with h5py.File(out / "jacobians.h5") as view:
+        return {name: view[name][:] for name in view}
+
+
+SIZES = {"a": 7, "b": 13, "c": 20}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """A clean, uninterrupted run over a (7), b (13), c (20): the reference for bit-for-bit comparisons."""
+    root = tmp_path_factory.mktemp("resume")
+    arrays = _write(root / "data", SIZES, seed=0)
+    manifest = _run(root / "data", root / "out")
+    return root, arrays, manifest
+
+
+def _own_run(tmp_path):
+    """A run like ``clean`` over inputs of its own (ids are tied to input paths; these may be changed)."""
+    arrays = _write(tmp_path / "data", SIZES, seed=0)
+    _run(tmp_path / "data", tmp_path / "out")
+    return tmp_path / "data", tmp_path / "out", arrays
+
+
+# --- planning, without TensorFlow -------------------------------------------------------------------
+
+
+def _file(path, n, first_id=0):
+    return SourceFile(path=path, key=None, num_samples=n, sample_shape=(3,), dtype="float32", first_id=first_id,
+                      data_sha256=f"sha-{path}-{n}")
+
+
+def test_ranges_tile_each_id_segment_from_its_start():
+    runs = [Rejected("f", "bad", 0, 14, 18), Rejected("f", "bad", 9, 41, 42)]
+    ranges = plan.shard_ranges([(0, 40), (40, 55)], 16, runs)
+    assert [(r.start, r.stop, r.rows) for r in ranges] == [(0, 16, 14), (16, 32, 14), (32, 40, 8), (40, 55, 14)]
+    assert ranges[0].rejected == (Rejected("f", "bad", 0, 14, 16),)
+    assert ranges[1].rejected == (Rejected("f", "bad", 2, 16, 18),)  # split at the boundary, rows follow
+    assert ranges[1].kept() == [(18, 32)]
+
+
+def test_old_files_keep_their_ids_and_new_files_go_after_them():
+    previous = {
+        "inputs": [{"path": "/d/b", "key": None, "first_id": 0, "num_samples": 5, "dtype": "float32", "data_sha256": "sha-/d/b-5"},
+                   {"path": "/d/c", "key": None, "first_id": 5, "num_samples": 4, "dtype": "float32", "data_sha256": "sha-/d/c-4"}],
+        "id_segments": [[0, 9]],
+        "input_shape": [3],
+    }
+    files = [_file("/d/a", 2), _file("/d/b", 5), _file("/d/c", 4), _file("/d/z", 3)]  # /d/a sorts first, yet is new
+    placed, segments, differences = plan.place_files(files, previous)
+    assert [(f.path, f.first_id, f.stop_id) for f in placed] == [("/d/b", 0, 5), ("/d/c", 5, 9), ("/d/a", 9, 11), ("/d/z", 11, 14)]
+    assert segments == [(0, 9), (9, 14)] and differences == []
+
+    changed = [_file("/d/b", 6), _file("/d/a", 2)]
+    _, _, differences = plan.place_files(changed, previous)
+    assert differences == [
+        'input file /d/b changed: samples 5 there, 6 now, data sha256 "sha-/d/b-5" there, "sha-/d/b-6" now',
+        "input file /d/c (ids 5..9 there) is not among this run's inputs",
+    ]
+
+
+# --- incremental runs ---------------------------------------------------------------------------------
+
+
+def test_incremental_run_computes_only_new_files_and_ids_stay(clean, tmp_path):
+    data, out, arrays = _own_run(tmp_path)
+    old = {name: (sha, (out / "shards" / name).stat().st_mtime_ns) for name, sha in _shas(out).items()}
+    # "0new" sorts before every old file: in sorted-path order it would shift every old id.
+    new = _write(data, {"0new": 5, "d": 19}, seed=1)
+
+    second = _run(data, out)
+
+    ids = {Path(e["path"]).name: (e["first_id"], e["stop_id"]) for e in second["inputs"]}
+    assert ids == {"a.npy": (0, 7), "b.npy": (7, 20), "c.npy": (20, 40), "0new.npy": (40, 45), "d.npy": (45, 64)}
+    assert second["id_segments"] == [[0, 40], [40, 64]]
+    assert [(s["start"], s["stop"], s["computed_in_this_run"]) for s in second["shards"]] == [
+        (0, 16, False), (16, 32, False), (32, 40, False), (40, 56, True), (56, 64, True)
+    ]
+    assert second["run"]["samples_computed"] == 24
+    for name, (sha, mtime) in old.items():  # old shards untouched
+        assert (sha256_file(out / "shards" / name), (out / "shards" / name).stat().st_mtime_ns) == (sha, mtime)
+    samples = np.concatenate([arrays["a"], arrays["b"], arrays["c"], new["0new"], new["d"]])
+    view = _view(out)
+    np.testing.assert_array_equal(view["sample_id"], np.arange(64))
+    assert_close(view["jacobian"], tape_loop(test_models.small_mlp(), samples), rtol=1e-5)
+    assert cli.main(["verify", str(out), "--samples", "4"]) == 0
+
+    third = _run(data, out)
+    assert third["run"]["samples_computed"] == 0 and third["id_segments"] == [[0, 40], [40, 64]]
+
+
+def test_incremental_run_with_a_changed_or_missing_old_file_is_refused(clean, tmp_path, capsys):
+    data, out, _ = _own_run(tmp_path)
+    before = folder_state(out)
+    x = np.load(data / "b.npy")
+    x[0, 0] += 1.0
+    np.save(data / "b.npy", x)  # same shape, other data
+    (data / "c.npy").rename(tmp_path / "c.npy")
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(json.dumps(_config(data, out).model_dump(mode="json")))
+
+    assert cli.main(["-q", "run", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"holds the result of a different run:\n  input file .*/b.npy changed: data sha256 \"\w+\" there, \"\w+\" now", err), err
+    assert re.search(r"input file .*/c.npy \(ids 20..40 there\) is not among this run's inputs", err)
+    assert "use --overwrite" in err
+    assert folder_state(out) == before
+
+
+# --- foreign folders and --overwrite ------------------------------------------------------------------
+
+
+_SMALL_MLP = test_models.small_mlp
+
+
+def _other_weights(dtype="float32"):
+    """small_mlp with retrained (here: scaled) weights: same factory name, other fingerprint."""
+    model = _SMALL_MLP(dtype)
+    model.set_weights([w * 1.5 for w in model.get_weights()])
+    return model
+
+
+@pytest.mark.parametrize("change, message", [
+    ("config", r"manifest.json: written by a different run: jacobian.jit_compile is false there, true in this run"),
+    ("model", r"manifest.json: model weights differ \(fingerprint \w+… there, \w+… in this run\)"),
+    ("inputs", r"input file .*/a.npy changed: data sha256"),
+    ("unfinished", r"shards/shard-000000000000-000000000016.h5: written by a different run: jacobian.jit_compile "
+                   r"is false there, true in this run \(so do 2 more shards\)"),
+])
+def test_a_foreign_folder_is_refused_saying_what_differs_and_overwrite_replaces_only_our_files(
+    clean, tmp_path, capsys, monkeypatch, change, message
+):
+    data, out, _ = _own_run(tmp_path)
+    (out / "notes.txt").write_text("mine")
+    (out / "shards" / "README").write_text("mine too")
+    overrides = []
+    if change in ("config", "unfinished"):
+        overrides = ["--set", "jacobian.jit_compile=true"]
+    if change == "unfinished":
+        (out / "manifest.json").unlink()  # shards only: the folder of an interrupted run
+    if change == "model":
+        monkeypatch.setattr(test_models, "small_mlp", _other_weights)
+    if change == "inputs":
+        x = np.load(data / "a.npy")
+        np.save(data / "a.npy", x[::-1].copy())
+    before = folder_state(out)
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(json.dumps(_config(data, out).model_dump(mode="json")))
+
+    assert cli.main(["-q", "run", str(cfg), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert folder_state(out) == before
+
+    assert cli.main(["-q", "run", str(cfg), *overrides, "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "mine" and (out / "shards" / "README").read_text() == "mine too"
+    fresh = tmp_path / "fresh"
+    cli.main(["-q", "run", str(cfg), *overrides, "--set", f"output.path={fresh}"])
+    assert {k: v for k, v in _shas(out).items() if k != "README"} == _shas(fresh)
+    assert json.loads((out / "manifest.json").read_text())["run"]["samples_computed"] == 40
+
+
+def test_overwrite_on_this_runs_own_partial_result_resumes_it(clean, tmp_path):
+    root, _, first = clean
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)
+    (out / "shards" / "shard-000000000016-000000000032.h5").unlink()
+    (out / "manifest.json").unlink()
+    manifest = runner.run(_config(root / "data", out), [], show_progress=False, overwrite=True).manifest
+    assert [s["computed_in_this_run"] for s in manifest["shards"]] == [False, True, False]
+    assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in first["shards"]]
+
+
+def test_files_with_jacobeams_names_but_not_its_content_are_never_touched(clean, tmp_path, capsys):
+    root, _, _ = clean
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.json").write_text('{"my": "own manifest"}')
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(json.dumps(_config(root / "data", out).model_dump(mode="json")))
+    assert cli.main(["-q", "run", str(cfg), "--overwrite"]) == 2
+    assert re.search(r"out/manifest.json — jacobeam uses these names, but did not write these files", capsys.readouterr().err)
+    assert (out / "manifest.json").read_text() == '{"my": "own manifest"}'
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]
+
+
+def test_leftover_temporary_manifest_and_view_are_removed_and_never_read(clean, tmp_path):
+    root, _, first = clean
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)
+    (out / "manifest.json").unlink()
+    (out / "jacobians.h5").unlink()
+    (out / ".manifest.json.tmp-4242").write_text('{"half": ')
+    (out / ".jacobians.h5.tmp-4242").write_bytes(b"\x89HDF half a file")
+    (out / ".rejected.jsonl.tmp-4242").write_text('{"id": 1')
+    (out / "shards" / ".shard-000000000016-000000000032.h5.tmp-0123456789ab").write_bytes(b"half a shard")
+
+    manifest = _run(root / "data", out)
+
+    assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in first["shards"]]
+    assert sorted(p.name for p in out.iterdir()) == ["jacobians.h5", "manifest.json", "rejected.jsonl", "shards"]
+    assert all(not p.name.startswith(".") for p in (out / "shards").iterdir())
+
+
+# --- a transient failure inside the DoFn --------------------------------------------------------------
+
+
+@pytest.fixture
+def fail_once(tmp_path, monkeypatch):
+    """The shard starting at id 16 fails once, after part of it was written."""
+    marker = tmp_path / "failed-once"
+    monkeypatch.setenv(faults.FAIL_SHARD_ONCE, "16")
+    monkeypatch.setenv(faults.FAIL_MARKER, str(marker))
+    return marker
+
+
+def test_in_process_runner_does_not_retry_a_failed_bundle_it_fails_cleanly_and_a_rerun_completes(clean, tmp_path, fail_once):
+    """Beam's FnApiRunner (the local default) has no bundle retries: the job fails. What it leaves must
+    be safe: no half shard, no temporary file, no manifest; the same command then completes the run."""
+    root, _, first = clean
+    out = tmp_path / "out"
+    with pytest.raises(Exception, match=r"injected transient failure while writing the shard starting at id 16"):
+        _run(root / "data", out)
+    assert fail_once.exists()
+    names = sorted(p.name for p in (out / "shards").iterdir())
+    assert "shard-000000000016-000000000032.h5" not in names
+    assert all(not n.startswith(".") for n in names)  # the failed attempt removed its temporary file
+    assert not (out / "manifest.json").exists()
+
+    manifest = _run(root / "data", out)
+
+    assert _shas(out) == _shas(root / "out")
+    assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in first["shards"]]
+    assert _view(out).keys() == _view(root / "out").keys()
+    for name, values in _view(out).items():
+        np.testing.assert_array_equal(values, _view(root / "out")[name])
+
+
+def test_a_runner_that_retries_bundles_completes_the_run_without_duplicates(clean, tmp_path, fail_once):
+    """Beam's BundleBasedDirectRunner retries a failed bundle (as distributed runners do): the retried
+    range finds no half shard, writes its shard once, and the one run completes bit for bit."""
+    root, _, first = clean
+    out = tmp_path / "out"
+    manifest = _run(root / "data", out, ["--runner", "BundleBasedDirectRunner"])
+    assert fail_once.exists()  # it did fail once
+    assert [(s["start"], s["sha256"]) for s in manifest["shards"]] == [(s["start"], s["sha256"]) for s in first["shards"]]
+    assert _shas(out) == _shas(root / "out")
+    assert sorted(os.listdir(out)) == ["jacobians.h5", "manifest.json", "rejected.jsonl", "shards"]
+    np.testing.assert_array_equal(_view(out)["sample_id"], np.arange(40))
