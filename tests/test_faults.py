@@ -1,0 +1,186 @@
+"""Fault injection: ``jacobeam run`` killed with SIGKILL (the whole process tree, no clean-up of any kind)
+at named points and at seeded random moments, then started again with the same command, must finish
+with output bit-for-bit equal to an uninterrupted run: every shard's bytes, ``jacobians.h5``'s contents,
+``rejected.jsonl``, a valid manifest, and no temporary file left.
+
+The killed run is a subprocess in a new session (its own process group, killed as a whole); the
+resume runs the same command line in-process (``cli.main``), which keeps each case to seconds.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from pipeline import cli
+from pipeline.verify import verify
+from transforms import faults
+from transforms.shards import sha256_file
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+# Every named point of transforms/faults.py, some at a later occurrence (the N-th shard, ...).
+POINTS = [
+    "plan", "setup", "shard_write:1", "shard_write:4", "shard_commit:2", "shard_done:3",
+    "view_write", "view", "rejected", "manifest",
+]
+
+
+def _write_data(folder: Path, seed: int = 0) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for name, size in (("a", 7), ("b", 13), ("c", 20)):
+        x = rng.normal(size=(size, 12)).astype(np.float32)
+        if name == "b":
+            x[4, 2] = np.nan  # rejected under skip: rejected.jsonl and a gap in the ids are part of the output
+        np.save(folder / f"{name}.npy", x)
+
+
+def _config(root: Path, data: Path, out: Path, extra: dict | None = None) -> Path:
+    path = root / f"{out.name}.yaml"
+    cfg = {
+        "model": {"factory": "tests.models:small_mlp"},
+        "input": {"paths": [str(data / "*.npy")], "on_bad_sample": "skip"},
+        "jacobian": {"batch_size": 4},
+        "output": {"path": str(out), "samples_per_shard": 8},
+        **(extra or {}),
+    }
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    _write_data(root / "data")
+    clean = root / "clean"
+    assert cli.main(["-q", "run", str(_config(root, root / "data", clean))]) == 0
+    return root, clean
+
+
+def _killed_run(config: Path, kill_at: str | None = None, after: float | None = None, args=()) -> int:
+    """Run ``python -m pipeline run`` in its own process group; SIGKILL the whole group when it dies by
+    itself at ``kill_at``, or after ``after`` seconds. Returns the exit status (-9: killed)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop(faults.KILL_AT, None)
+    if kill_at:
+        env[faults.KILL_AT] = kill_at
+    with open(config.with_suffix(".stderr"), "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "-q", "run", str(config), *args],
+            cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr,
+        )
+        try:
+            proc.wait(timeout=after if after is not None else 300)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the tree (worker processes)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return proc.returncode
+
+
+def _contents(out: Path) -> dict:
+    with h5py.File(out / "jacobians.h5") as view:
+        return {name: view[name][:] for name in view}
+
+
+def assert_same_as(out: Path, clean: Path) -> None:
+    names = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    assert names == sorted(str(p.relative_to(clean)) for p in clean.rglob("*"))  # no temporary file left
+    for shard in sorted((clean / "shards").iterdir()):
+        assert sha256_file(out / "shards" / shard.name) == sha256_file(shard), shard.name
+    ours, theirs = _contents(out), _contents(clean)
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        np.testing.assert_array_equal(ours[name], theirs[name])
+    assert (out / "rejected.jsonl").read_bytes() == (clean / "rejected.jsonl").read_bytes()
+    manifest, reference = (json.loads((d / "manifest.json").read_text()) for d in (out, clean))
+    assert [(s["file"], s["sha256"]) for s in manifest["shards"]] == [(s["file"], s["sha256"]) for s in reference["shards"]]
+    assert manifest["rejected"] == reference["rejected"]
+    report = verify(out, samples=0)
+    assert report.ok, report.problems
+
+
+def _resume(config: Path) -> None:
+    assert cli.main(["-q", "run", str(config)]) == 0
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_killed_at_a_named_point_then_resumed_equals_a_clean_run(job, point):
+    root, clean = job
+    out = root / f"out-{point.replace(':', '-')}"
+    config = _config(root, root / "data", out)
+
+    status = _killed_run(config, kill_at=point)
+
+    assert status == -signal.SIGKILL, config.with_suffix(".stderr").read_text()[-2000:]  # it reached the point
+    assert not (out / "manifest.json").exists()  # a first run killed anywhere before the rename is unfinished
+    _resume(config)
+    assert_same_as(out, clean)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_killed_at_a_random_moment_then_resumed_equals_a_clean_run(job, seed):
+    root, clean = job
+    out = root / f"out-random-{seed}"
+    config = _config(root, root / "data", out)
+    _killed_run(config, after=random.Random(seed).uniform(1.0, 5.0))
+    _resume(config)
+    assert_same_as(out, clean)
+
+
+def test_killed_again_and_again_while_resuming(job):
+    """Each restart is itself killed at a (seeded) random point; the last one completes."""
+    root, clean = job
+    out = root / "out-chain"
+    config = _config(root, root / "data", out)
+    rng = random.Random(7)
+    for point in rng.sample(["setup", "shard_write:1", "shard_write:2", "shard_commit:1", "view", "manifest"], 3):
+        _killed_run(config, kill_at=point)
+    _resume(config)
+    assert_same_as(out, clean)
+
+
+@pytest.mark.parametrize("point", ["shard_write:2", "view", "manifest"])
+def test_killed_incremental_run_then_resumed_equals_an_uninterrupted_one(tmp_path, point):
+    """New files beside the old ones; the incremental run is killed; the old manifest (still in place)
+    keeps the id assignment, so the resumed run adds exactly what the uninterrupted one adds."""
+    _write_data(tmp_path / "data")
+    first = tmp_path / "first"
+    _resume(_config(tmp_path, tmp_path / "data", first))
+    np.save(tmp_path / "data" / "0new.npy", np.random.default_rng(5).normal(size=(11, 12)).astype(np.float32))
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    shutil.copytree(first, reference)
+    shutil.copytree(first, killed)
+    _resume(_config(tmp_path, tmp_path / "data", reference))
+    config = _config(tmp_path, tmp_path / "data", killed)
+
+    assert _killed_run(config, kill_at=point) == -signal.SIGKILL
+    _resume(config)
+
+    assert_same_as(killed, reference)
+    manifest = json.loads((killed / "manifest.json").read_text())
+    assert manifest["id_segments"] == [[0, 40], [40, 51]]
+
+
+def test_killed_multi_process_run_then_resumed_equals_a_clean_run(job):
+    root, clean = job
+    out = root / "out-multi"
+    config = _config(root, root / "data", out)
+    args = ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
+    _killed_run(config, after=random.Random(11).uniform(4.0, 9.0), args=args)
+    _resume(config)
+    assert_same_as(out, clean)
