@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transforms.finalize import MANIFEST, VIEW
+from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file
 from transforms.shards import SHARDS_DIR, is_temp_file
 
 
@@ -68,7 +68,8 @@ def inspect(folder: str) -> Report:
         folder=str(root.resolve()),
         manifest=manifest,
         shards_on_disk=[name for name in names if name.startswith("shard-")],
-        temp_files=[name for name in names if is_temp_file(name)],
+        temp_files=[name for name in names if is_temp_file(name)]
+        + [path.name for path in root.iterdir() if is_root_temp_file(path.name)],
     )
     if manifest is None:
         report.problems.append(
@@ -79,6 +80,8 @@ def inspect(folder: str) -> Report:
     for shard in manifest["shards"]:
         if not (root / shard["file"]).exists():
             report.problems.append(f"{shard['file']} is listed in the manifest but missing")
+    if "rejected" in manifest and not (root / REJECTED_FILE).exists():
+        report.problems.append(f"{REJECTED_FILE} is missing")
     _check_view(root, report)
     return report
 
@@ -93,12 +96,24 @@ def format_report(report: Report) -> str:
     if manifest is not None:
         run = manifest["run"]
         lines += [
-            f"  samples     {manifest['num_samples']:,}, input {tuple(manifest['input_shape'])} "
+            f"  samples     {manifest['num_samples']:,} ({manifest.get('num_rows', manifest['num_samples']):,} stored), input {tuple(manifest['input_shape'])} "
             f"-> output {tuple(manifest['output_shape'])}, {manifest['dtype']}",
             f"  model       {_model_source(manifest['config']['model'])}, "
             f"weights sha256 {manifest['model_fingerprint'][:16]}…",
             f"  inputs      {len(manifest['inputs'])} file(s)",
             f"  shards      {len(manifest['shards'])} in manifest, {len(report.shards_on_disk)} on disk",
+            *(
+                [f"  rejected    {manifest['rejected']['count']:,} sample(s), "
+                 f"{len(manifest['rejected']['unreadable_files'])} unreadable file(s): see {REJECTED_FILE}"]
+                if manifest.get("rejected", {}).get("count") or manifest.get("rejected", {}).get("unreadable_files")
+                else []
+            ),
+            *(
+                [f"  nonfinite   {manifest['nonfinite']['count']:,} sample(s) with NaN/Inf results"]
+                if manifest.get("nonfinite", {}).get("count") else []
+            ),
+            *([f"  verified    {'ok' if manifest['verify']['ok'] else 'FAILED'} at {manifest['verify']['checked_at']}"]
+              if "verify" in manifest else []),
             f"  last run    {run['wall_seconds']:.1f} s, {run['samples_computed']:,} computed, "
             f"{run['samples_kept']:,} kept, {run['samples_per_second'] or 0:,.0f} samples/s",
             f"  written     {manifest['created_at']} by jacobeam {manifest['jacobeam_version']}",
