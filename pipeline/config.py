@@ -10,9 +10,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from transforms.errors import JacobeamError
+from transforms.spec import EngineOptions
 
 
 class ConfigError(JacobeamError, ValueError):
@@ -57,10 +67,35 @@ class InputConfig(_Section):
 
 class JacobianConfig(_Section):
     batch_size: PositiveInt = 256
-    jit_compile: bool = False
+    mode: Literal["auto", "reverse", "reverse_loop", "forward", "autotune"] = "auto"
+    jit_compile: bool | Literal["auto"] = False
+    memory_budget: ByteSize = ByteSize(2 * 2**30)
+    wrt: Literal["all"] | list[str] = "all"
+    compute_dtype: Literal["float32", "float64"] = "float32"
+    store_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float32"
+    check_batch_independence: bool = True
     # TensorFlow intra-op threads per worker process; "auto" shares the machine's cores
     # between the local worker processes so that they do not oversubscribe the CPU.
     threads: PositiveInt | Literal["auto"] = "auto"
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _positive_budget(cls, value: ByteSize) -> ByteSize:
+        if value <= 0:
+            raise ValueError("must be a positive size such as 2GiB or 512MB")
+        return value
+
+    def engine_options(self) -> EngineOptions:
+        return EngineOptions(
+            batch_size=self.batch_size,
+            mode=self.mode,
+            jit_compile=self.jit_compile,
+            memory_budget=int(self.memory_budget),
+            wrt=None if self.wrt == "all" else tuple(self.wrt),
+            compute_dtype=self.compute_dtype,
+            store_dtype=self.store_dtype,
+            check_batch_independence=self.check_batch_independence,
+        )
 
 
 class OutputConfig(_Section):

@@ -43,12 +43,14 @@ def _check_model(config: Config) -> None:
 
 
 def run_key(config: Config, files: list[SourceFile]) -> str:
-    """A hash of everything that decides the shards' contents (not of batch size or threads)."""
+    """A hash of everything that decides the shards' contents, down to the last bit (the whole
+    ``jacobian`` section but ``threads``)."""
+    resolved = to_dict(config)
     identity = {
-        "model": to_dict(config)["model"],
+        "model": resolved["model"],
         "inputs": [[f.path, f.key, f.num_samples, list(f.sample_shape), f.dtype] for f in files],
         "samples_per_shard": config.output.samples_per_shard,
-        "jit_compile": config.jacobian.jit_compile,
+        "jacobian": {key: value for key, value in resolved["jacobian"].items() if key != "threads"},
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -71,7 +73,7 @@ def check_output_folder(spec: JobSpec) -> int:
         if found != spec.run_key:
             raise ConfigError(
                 f"{path}: written by a different run (run key {found}, this run {spec.run_key}: the model, "
-                "inputs, samples_per_shard or jit_compile differ); use a new output.path"
+                "inputs, samples_per_shard or jacobian settings differ); use a new output.path"
             )
         done += shard.stop - shard.start
     return done
@@ -89,8 +91,7 @@ def make_job(config: Config, tf_threads: int | None = None) -> tuple[JobSpec, in
         files=tuple(files),
         output_dir=output_dir,
         run_key=run_key(config, files),
-        batch_size=config.jacobian.batch_size,
-        jit_compile=config.jacobian.jit_compile,
+        engine=config.jacobian.engine_options(),
         samples_per_shard=config.output.samples_per_shard,
         compression=config.output.compression,
         tf_threads=tf_threads,

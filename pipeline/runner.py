@@ -77,6 +77,9 @@ def _metrics(result) -> dict[str, Any]:
     query = result.metrics().query()
     for counter in query["counters"]:
         found[counter.key.metric.name] = counter.committed
+    for gauge in query["gauges"]:
+        if gauge.committed is not None:
+            found[gauge.key.metric.name] = gauge.committed.value
     for dist in query["distributions"]:
         value = dist.committed
         if value is not None and value.count:

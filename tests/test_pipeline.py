@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import h5py
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -111,6 +112,25 @@ def test_shards_layout_and_manifest(cnn_run):
     assert manifest["config"]["model"] == {"factory": "tests.models:small_cnn", "path": None, "builtin": None}
     assert manifest["num_samples"] == 40 and manifest["run"]["samples_computed"] == 40
     assert set(manifest["versions"]) >= {"tensorflow", "apache_beam", "h5py", "numpy", "python", "jacobeam"}
+
+
+def test_engine_settings_reach_shards_and_manifest(cnn_run, tmp_path):
+    root, samples, _ = cnn_run
+    cfg = job_config(str(root / "data" / "*.npy"), tmp_path / "out").model_dump(mode="json")
+    cfg["jacobian"].update(mode="forward", compute_dtype="float64", store_dtype="bfloat16", memory_budget="40KiB")
+    manifest = run(config.validate(cfg))
+
+    engine = manifest["engine"]
+    assert (engine["mode"], engine["compute_dtype"], engine["store_dtype"]) == ("forward", "float64", "bfloat16")
+    assert engine["block_rows"]["x"] < 64 and engine["retraces_after_setup"] == 0
+    assert manifest["dtype"] == "bfloat16"
+    with h5py.File(tmp_path / "out" / "jacobians.h5") as view:
+        stored = view["jacobian"][:]  # bfloat16 on disk, read back as float32
+        expected = tape_loop(test_models.small_cnn(), samples)
+        eps = float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps)
+        np.testing.assert_allclose(stored, expected, rtol=eps, atol=eps * np.abs(expected).max())
+    with h5py.File(tmp_path / "out" / manifest["shards"][0]["file"]) as shard:
+        assert shard["jacobian"].id.get_type().get_size() == 2
 
 
 def test_view_reads_from_a_moved_folder(cnn_run, tmp_path, monkeypatch):

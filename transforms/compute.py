@@ -50,14 +50,10 @@ def configure_tf_threads(threads: int | None) -> None:
 def build_engine(spec: JobSpec):
     """Load the model and build, trace and warm up the Jacobian function (once per process)."""
     global _engine_builds
-    from transforms.engine import EngineOptions, JacobianEngine
+    from transforms.engine import JacobianEngine
 
     configure_tf_threads(spec.tf_threads)
-    engine = JacobianEngine(
-        spec.model.load(),
-        spec.sample_shape,
-        EngineOptions(batch_size=spec.batch_size, jit_compile=spec.jit_compile),
-    )
+    engine = JacobianEngine(spec.model.load(), spec.sample_shape, spec.engine)
     with _builds_lock:
         _engine_builds += 1
     return engine
@@ -74,6 +70,10 @@ class ComputeShardFn(beam.DoFn):
         self._written = Metrics.counter(_NAMESPACE, "shards_written")
         self._skipped = Metrics.counter(_NAMESPACE, "shards_skipped")
         self._latency = Metrics.distribution(_NAMESPACE, "batch_latency_ms")
+        self._retraces = Metrics.gauge(_NAMESPACE, "retraces_after_setup")
+        self._fallbacks = Metrics.gauge(_NAMESPACE, "pfor_fallbacks")
+        self._oom_retries = Metrics.gauge(_NAMESPACE, "oom_retries")
+        self._peak_rss = Metrics.gauge(_NAMESPACE, "peak_rss_mb")
 
     def setup(self) -> None:
         self._engine = self._shared.acquire(lambda: build_engine(self._spec), tag=self._spec.run_key)
@@ -101,6 +101,7 @@ class ComputeShardFn(beam.DoFn):
             sha256=sha256_file(path),
             model_fingerprint=self._engine.fingerprint,
             computed=False,
+            engine=self._engine.describe(),
         )
 
     def _batches_of(self, shard: ShardRange):
@@ -108,18 +109,18 @@ class ComputeShardFn(beam.DoFn):
         so that reading overlaps computing. Only the shard's last batch can be short."""
         import tensorflow as tf
 
-        spec = self._spec
+        spec, dtype = self._spec, self._spec.engine.compute_dtype
 
         def slices():
-            for ids, samples in iter_slices(spec.files, shard.start, shard.stop, spec.batch_size):
-                yield ids, samples.astype("float32", copy=False)
+            for ids, samples in iter_slices(spec.files, shard.start, shard.stop, self._engine.batch_size):
+                yield ids, samples.astype(dtype, copy=False)
 
         signature = (
             tf.TensorSpec((None,), tf.int64),
-            tf.TensorSpec((None, *spec.sample_shape), tf.float32),
+            tf.TensorSpec((None, *spec.sample_shape), dtype),
         )
         dataset = tf.data.Dataset.from_generator(slices, output_signature=signature)
-        return dataset.rebatch(spec.batch_size).prefetch(2)
+        return dataset.rebatch(self._engine.batch_size).prefetch(2)
 
     def _compute(self, shard: ShardRange) -> ShardRecord:
         engine, spec = self._engine, self._spec
@@ -127,7 +128,7 @@ class ComputeShardFn(beam.DoFn):
         attrs = {
             "input_shape": spec.sample_shape,
             "output_shape": engine.output_shape,
-            "dtype": "float32",
+            "dtype": spec.engine.store_dtype,
             "model_fingerprint": engine.fingerprint,
             "run_key": spec.run_key,
             "jacobeam_version": version(),
@@ -143,6 +144,7 @@ class ComputeShardFn(beam.DoFn):
                 self._samples.inc(len(ids))
             checksum = writer.commit()
         self._written.inc()
+        self._report(engine.describe())
         seconds = time.perf_counter() - began
         log.info("shard %s: %d samples in %.2fs", writer.final_path.name, shard.stop - shard.start, seconds)
         return ShardRecord(
@@ -155,7 +157,14 @@ class ComputeShardFn(beam.DoFn):
             seconds=seconds,
             worker_pid=os.getpid(),
             engine_builds=_engine_builds,
+            engine=engine.describe(),
         )
+
+    def _report(self, engine: dict) -> None:
+        self._retraces.set(engine["retraces_after_setup"])
+        self._fallbacks.set(len(engine["pfor_fallbacks"]))
+        self._oom_retries.set(engine["oom_retries"])
+        self._peak_rss.set(engine["peak_rss_bytes"] // 2**20)
 
 
 class ComputeShards(beam.PTransform):

@@ -104,6 +104,8 @@ def build_manifest(spec: JobSpec, records: Sequence[ShardRecord], fields: dict[s
         "output_shape": [int(d) for d in attrs["output_shape"]],
         "dtype": str(attrs["dtype"]),
         "model_fingerprint": records[0].model_fingerprint,
+        # What the engine ran and why, as the first worker's engine reported it.
+        "engine": records[0].engine,
         "run_key": spec.run_key,
         "datasets": {name: {"shape": ["n", *shape], "dtype": dtype} for name, (shape, dtype) in fields.items()},
         "inputs": [

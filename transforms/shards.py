@@ -35,6 +35,7 @@ class ShardRecord:
     seconds: float = 0.0
     worker_pid: int = 0
     engine_builds: int = 0  # engines built in that worker process so far
+    engine: dict[str, Any] | None = None  # what the engine ran and why (``JacobianEngine.describe()``)
 
     @property
     def num_samples(self) -> int:
@@ -106,17 +107,36 @@ class ShardWriter:
             self._h5.create_dataset(
                 name,
                 shape=(rows, *like.shape[1:]),
-                dtype=like.dtype,
+                dtype=self._h5_dtype(like.dtype),
                 chunks=(chunk_rows, *like.shape[1:]),
                 compression=self._compression,
             )
         return self._h5[name]
 
+    def _h5_dtype(self, dtype: np.dtype):
+        """bfloat16 has no numpy-native HDF5 type: store it as an HDF5 float of bfloat16's layout
+        (2 bytes on disk; h5py and other HDF5 readers read it back as float32)."""
+        if dtype.name != "bfloat16":
+            return dtype
+        if "bfloat16" not in self._h5:
+            import h5py
+
+            bfloat16 = h5py.h5t.IEEE_F32LE.copy()
+            bfloat16.set_fields(15, 7, 8, 0, 7)  # sign bit, exponent at 7 (8 bits), mantissa 7 bits
+            bfloat16.set_precision(16)
+            bfloat16.set_size(2)
+            bfloat16.set_ebias(127)
+            bfloat16.commit(self._h5.id, b"bfloat16")  # a named type: self-describing in the file
+        return self._h5["bfloat16"]
+
     def write(self, first_id: int, arrays: dict[str, np.ndarray]) -> None:
         """Write rows for sample ids ``first_id ...`` of every array in ``arrays``."""
         offset = first_id - self.start
         for name, values in arrays.items():
-            self._dataset(name, values)[offset : offset + len(values)] = values
+            dataset = self._dataset(name, values)
+            if values.dtype.name == "bfloat16":  # exact: HDF5 converts float32 holding bfloat16 values
+                values = values.astype(np.float32)
+            dataset[offset : offset + len(values)] = values
 
     def commit(self) -> str:
         """Close, checksum and rename into place; returns the sha256 of the complete shard."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from importlib import metadata
-from typing import Any
+from typing import Any, Literal
 
 from transforms.readers import SourceFile
 
@@ -35,6 +35,20 @@ class ModelSource:
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How the engine computes Jacobians (see ``transforms.engine.JacobianEngine``)."""
+
+    batch_size: int = 256
+    mode: Literal["auto", "reverse", "reverse_loop", "forward", "autotune"] = "auto"
+    jit_compile: bool | Literal["auto"] = False
+    memory_budget: int = 2 * 2**30  # bytes for one block's working set, results included
+    wrt: tuple[str, ...] | None = None  # model inputs to differentiate by; None: all
+    compute_dtype: Literal["float32", "float64"] = "float32"
+    store_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float32"
+    check_batch_independence: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardRange:
     """Sample ids ``[start, stop)``: one Beam element, one shard."""
 
@@ -48,8 +62,7 @@ class JobSpec:
     files: tuple[SourceFile, ...]
     output_dir: str
     run_key: str  # identifies what the shards hold; shards from another run are never mixed in
-    batch_size: int = 256
-    jit_compile: bool = False
+    engine: EngineOptions = EngineOptions()
     samples_per_shard: int = 4096
     compression: str = "none"
     tf_threads: int | None = None  # TensorFlow threads per worker process; None keeps TF's default
