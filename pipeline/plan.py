@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipeline.config import Config, ConfigError, to_dict
 from transforms.errors import InputError
-from transforms.readers import SourceFile, assign_ids, check_consistent, describe
+from transforms.readers import SourceFile, assign_ids, check_consistent, check_labels, describe
 from transforms.shards import SHARDS_DIR, read_attrs, shard_name
 from transforms.spec import JobSpec, ModelSource
 
@@ -34,12 +34,20 @@ def resolve_inputs(patterns: list[str], key: str | None) -> list[SourceFile]:
     return files
 
 
-def _check_model(config: Config) -> None:
+def _check_files_named(config: Config) -> None:
+    """Every file the config names (besides inputs) exists."""
     from apache_beam.io.filesystems import FileSystems
 
-    path = config.model.path
-    if path is not None and not FileSystems.exists(path):
-        raise ConfigError(f"model.path {path}: no such file or directory")
+    jacobian = config.jacobian
+    named = {
+        "model.path": config.model.path,
+        "jacobian.vectors": jacobian.vectors if jacobian.reduce in ("vjp", "jvp") else None,
+        "jacobian.basis.input": jacobian.basis.input if jacobian.reduce == "basis" else None,
+        "jacobian.basis.output": jacobian.basis.output if jacobian.reduce == "basis" else None,
+    }
+    for key, path in named.items():
+        if path is not None and not FileSystems.exists(path):
+            raise ConfigError(f"{key} {path}: no such file or directory")
 
 
 def run_key(config: Config, files: list[SourceFile]) -> str:
@@ -82,7 +90,10 @@ def check_output_folder(spec: JobSpec) -> int:
 def make_job(config: Config, tf_threads: int | None = None) -> tuple[JobSpec, int]:
     """The job for ``config`` and how many of its samples are already complete on disk."""
     files = resolve_inputs(config.input.paths, config.input.key)
-    _check_model(config)
+    _check_files_named(config)
+    label_key = config.jacobian.labels.key if config.jacobian.outputs == "label" else None
+    for source in files if label_key else ():
+        check_labels(source, label_key)
     if "://" in config.output.path:
         raise ConfigError(f"output.path {config.output.path}: only local output folders are supported so far")
     output_dir = str(Path(config.output.path).resolve())
@@ -95,6 +106,7 @@ def make_job(config: Config, tf_threads: int | None = None) -> tuple[JobSpec, in
         samples_per_shard=config.output.samples_per_shard,
         compression=config.output.compression,
         tf_threads=tf_threads,
+        label_key=label_key,
         config=to_dict(config),
         started_at=time.time(),
     )

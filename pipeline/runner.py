@@ -16,6 +16,7 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 from pipeline import plan
 from pipeline.config import Config
 from pipeline.progress import ShardProgress
+from transforms.aggregates import Aggregate
 from transforms.compute import ComputeShards
 from transforms.finalize import MANIFEST, Finalize
 from transforms.spec import JobSpec
@@ -55,8 +56,10 @@ def tf_threads(config: Config, options: PipelineOptions) -> int | None:
 
 
 def build(pipeline: beam.Pipeline, spec: JobSpec):
-    """The whole job as a Beam graph: shard ranges -> shards -> manifest."""
-    return pipeline | "ComputeShards" >> ComputeShards(spec) | "Finalize" >> Finalize(spec)
+    """The whole job as a Beam graph: shard ranges -> shards (+ aggregates) -> manifest."""
+    shards = pipeline | "ComputeShards" >> ComputeShards(spec)
+    summary = shards.aggregates | "Aggregate" >> Aggregate(spec)
+    return shards.records | "Finalize" >> Finalize(spec, summary)
 
 
 def _runner(options: PipelineOptions):

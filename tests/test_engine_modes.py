@@ -128,11 +128,11 @@ def test_xla_is_used_under_auto_when_it_agrees_and_rejected_when_it_does_not(mon
 
     real = strategies.build_block
 
-    def wrong_under_xla(mode, call, shapes, wrt, rows, total, dtype, jit_compile):
-        fn = real(mode, call, shapes, wrt, rows, total, dtype, jit_compile)
+    def wrong_under_xla(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs):
+        fn = real(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs)
         if not jit_compile:
             return fn
-        return tf.function(lambda xs, start: (lambda y, block: (y, block * 1.01))(*fn(xs, start)))
+        return tf.function(lambda *args: (lambda y, block: (y, block * 1.01))(*fn(*args)))
 
     monkeypatch.setattr("transforms.engine.build_block", wrong_under_xla)
     engine = _engine(model, jit_compile="auto")
@@ -164,11 +164,11 @@ def test_out_of_memory_is_retried_with_smaller_blocks(monkeypatch):
     def block_failing_once(mode, jit, k, rows):
         fn = real_block(mode, jit, k, rows)
 
-        def run(xs, start):
+        def run(*args):
             if not failures:
                 failures.append(rows)
                 raise tf.errors.ResourceExhaustedError(None, None, "injected OOM")
-            return fn(xs, start)
+            return fn(*args)
 
         return run
 

@@ -14,16 +14,19 @@ import time
 from collections.abc import Iterator
 
 import apache_beam as beam
+import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.utils import shared
 
-from transforms.errors import OutputError
+from transforms import aggregates
+from transforms.errors import ModelError, OutputError
 from transforms.readers import iter_slices
 from transforms.shards import ShardRecord, ShardWriter, read_attrs, sha256_file, shard_path
 from transforms.spec import JobSpec, ShardRange, version
 
 log = logging.getLogger(__name__)
 _NAMESPACE = "jacobeam"
+AGGREGATES_TAG = "aggregates"
 
 # Engines built in this process: lets tests (and the manifest) show that setup work happens once per
 # worker process, not per bundle or element.
@@ -77,13 +80,18 @@ class ComputeShardFn(beam.DoFn):
 
     def setup(self) -> None:
         self._engine = self._shared.acquire(lambda: build_engine(self._spec), tag=self._spec.run_key)
+        self._positions = {shard.start: i for i, shard in enumerate(self._spec.ranges())}
 
-    def process(self, shard: ShardRange) -> Iterator[ShardRecord]:
+    def process(self, shard: ShardRange) -> Iterator[ShardRecord | beam.pvalue.TaggedOutput]:
         final = shard_path(self._spec.output_dir, shard.start, shard.stop)
         if final.exists():
-            yield self._keep(final, shard)
+            record = self._keep(final, shard)
+            sums = aggregates.read_partial(final) if self._spec.engine.aggregate else None
         else:
-            yield self._compute(shard)
+            record, sums = self._compute(shard)
+        yield record
+        if sums is not None:
+            yield beam.pvalue.TaggedOutput(AGGREGATES_TAG, (self._positions[shard.start], sums))
 
     def _keep(self, path, shard: ShardRange) -> ShardRecord:
         attrs = read_attrs(path)
@@ -110,20 +118,25 @@ class ComputeShardFn(beam.DoFn):
         import tensorflow as tf
 
         spec, dtype = self._spec, self._spec.engine.compute_dtype
+        label_key = spec.label_key if spec.engine.outputs.rule == "label" else None
 
         def slices():
-            for ids, samples in iter_slices(spec.files, shard.start, shard.stop, self._engine.batch_size):
-                yield ids, samples.astype(dtype, copy=False)
+            batch = self._engine.batch_size
+            for ids, samples, labels in iter_slices(spec.files, shard.start, shard.stop, batch, label_key):
+                labels = np.zeros(len(ids)) if labels is None else labels.astype(np.float64)
+                yield ids, samples.astype(dtype, copy=False), labels
 
         signature = (
             tf.TensorSpec((None,), tf.int64),
             tf.TensorSpec((None, *spec.sample_shape), dtype),
+            tf.TensorSpec((None,), tf.float64),
         )
         dataset = tf.data.Dataset.from_generator(slices, output_signature=signature)
         return dataset.rebatch(self._engine.batch_size).prefetch(2)
 
-    def _compute(self, shard: ShardRange) -> ShardRecord:
+    def _compute(self, shard: ShardRange) -> tuple[ShardRecord, aggregates.Partial | None]:
         engine, spec = self._engine, self._spec
+        sums = None
         began = time.perf_counter()
         attrs = {
             "input_shape": spec.sample_shape,
@@ -134,20 +147,27 @@ class ComputeShardFn(beam.DoFn):
             "jacobeam_version": version(),
         }
         with ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression) as writer:
-            for ids, samples in self._batches_of(shard):
+            for ids, samples, labels in self._batches_of(shard):
                 tick = time.perf_counter()
-                result = engine(samples)
-                self._latency.update(int(1000 * (time.perf_counter() - tick)))
                 ids = ids.numpy()
+                try:
+                    result, full = engine.compute(samples.numpy(), labels.numpy())
+                except ModelError as err:
+                    raise ModelError(f"samples {ids[0]}..{ids[-1]}: {err}") from err
+                self._latency.update(int(1000 * (time.perf_counter() - tick)))
                 writer.write(int(ids[0]), {**result, "sample_id": ids})
+                if full is not None:
+                    sums = aggregates.add(sums, aggregates.partial(full, spec.engine.aggregate))
                 self._batches.inc()
                 self._samples.inc(len(ids))
+            if sums is not None:
+                writer.attach(aggregates.PARTIALS, sums)
             checksum = writer.commit()
         self._written.inc()
         self._report(engine.describe())
         seconds = time.perf_counter() - began
         log.info("shard %s: %d samples in %.2fs", writer.final_path.name, shard.stop - shard.start, seconds)
-        return ShardRecord(
+        record = ShardRecord(
             file=str(writer.final_path.relative_to(spec.output_dir)),
             start=shard.start,
             stop=shard.stop,
@@ -159,6 +179,7 @@ class ComputeShardFn(beam.DoFn):
             engine_builds=_engine_builds,
             engine=engine.describe(),
         )
+        return record, sums
 
     def _report(self, engine: dict) -> None:
         self._retraces.set(engine["retraces_after_setup"])
@@ -168,7 +189,11 @@ class ComputeShardFn(beam.DoFn):
 
 
 class ComputeShards(beam.PTransform):
-    """``PBegin -> PCollection[ShardRecord]``: every shard of the job, spread over the workers."""
+    """``PBegin -> (records, aggregates)``: every shard of the job, spread over the workers.
+
+    ``records`` is a ``PCollection[ShardRecord]``; ``aggregates`` holds each shard's partial sums
+    ``(shard position, Partial)`` when the job asks for aggregates.
+    """
 
     def __init__(self, spec: JobSpec):
         super().__init__()
@@ -179,5 +204,5 @@ class ComputeShards(beam.PTransform):
             pbegin
             | "ShardRanges" >> beam.Create(self._spec.ranges())
             | "Spread" >> beam.Reshuffle()
-            | "ComputeShard" >> beam.ParDo(ComputeShardFn(self._spec))
+            | "ComputeShard" >> beam.ParDo(ComputeShardFn(self._spec)).with_outputs(AGGREGATES_TAG, main="records")
         )

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from transforms.errors import ModelError
 from transforms.models import LoadedModel
+from transforms.reductions import FULL, SQUARE, projection_matrix, reduce_full
 from transforms.spec import EngineOptions
 from transforms.strategies import MODES, ForwardModeUnsupported, build_block
 
@@ -114,6 +115,7 @@ class JacobianEngine:
         self._probe = self._make_probe(min(options.batch_size, 8))
         began = time.perf_counter()
         self.output_shape = self._check_model()
+        self._prepare_products()
         self._activations = _activation_size(self.model, self.input_shapes, self._dtype)
         self._plan = self._choose()
         self.telemetry["setup_seconds"] = round(time.perf_counter() - began, 3)
@@ -188,8 +190,102 @@ class JacobianEngine:
     def _size(self, k: int) -> int:
         return int(np.prod(self.input_shapes[k], dtype=np.int64))
 
+    # -- what to compute ----------------------------------------------------------------------
+
+    def _prepare_products(self) -> None:
+        """Check the output selection and reduction against the model; load the fixed matrices of
+        products: ``_left`` (rows over outputs, reverse mode), ``_right`` (rows over inputs, forward
+        mode) and ``_after`` (applied to forward results: ``U^T`` of a two-sided basis)."""
+        selection, reduction = self.options.outputs, self.options.reduce
+        kind, m, source = reduction.kind, self._outputs, self.model.source
+        self._left = self._right = self._after = None
+        if kind != "none" and len(self.input_names) > 1:
+            raise ModelError(f"jacobian.reduce {kind}: only for one-input models; {source} has {list(self.input_names)}")
+        if selection.rule == "indices" and not all(0 <= i < m for i in selection.indices):
+            raise ModelError(f"jacobian.outputs: indices {list(selection.indices)} out of range 0..{m - 1} for {source}")
+        if selection.rule == "top_k" and not 1 <= selection.k <= m:
+            raise ModelError(f"jacobian.outputs: top_k {selection.k} out of range 1..{m} for {source}")
+        if selection.rule != "all" and kind not in ("none", "frobenius", "max_abs_over_outputs",
+                                                    "sum_abs_over_channels", "project"):
+            raise ModelError(f"jacobian.reduce {kind} cannot be combined with outputs {selection.rule!r}")
+        d = self._size(0)
+        if kind in SQUARE and m != d:
+            raise ModelError(f"jacobian.reduce {kind}: needs a square Jacobian; {source} maps {d} input entries to {m} outputs")
+        if kind == "vjp":
+            self._left = self._matrix(reduction.vectors, "jacobian.vectors", self.output_shape)
+        elif kind == "jvp":
+            self._right = self._matrix(reduction.vectors, "jacobian.vectors", self.input_shapes[0])
+        elif kind == "project":
+            matrix = projection_matrix(d, reduction.project_dim, reduction.project_kind, reduction.project_seed)
+            self._right = matrix.T.astype(self.options.compute_dtype)
+        elif kind == "basis":
+            inputs = self._matrix(reduction.basis_input, "jacobian.basis.input", (d,), basis=True)
+            outputs = self._matrix(reduction.basis_output, "jacobian.basis.output", (m,), basis=True)
+            if inputs is None and outputs is None:
+                raise ModelError("jacobian.reduce basis: give jacobian.basis.input and/or jacobian.basis.output")
+            if inputs is not None:
+                self._right, self._after = inputs, outputs
+            else:
+                self._left = outputs
+
+    def _matrix(self, path: str | None, key: str, shape: tuple[int, ...], basis: bool = False) -> np.ndarray | None:
+        """Vectors from a .npy file as rows ``(r, prod(shape))``. Vectors are ``(r, *shape)`` (or one
+        of ``shape``); a basis is ``(prod(shape), r)``: its columns are the vectors."""
+        if path is None:
+            if basis:
+                return None
+            raise ModelError(f"{key}: reduce {self.options.reduce.kind} needs a .npy file of vectors")
+        try:
+            with tf.io.gfile.GFile(path, "rb") as stream:
+                array = np.load(stream)
+        except (OSError, ValueError, tf.errors.OpError) as err:
+            raise ModelError(f"{key} {path}: cannot read a .npy array: {err}") from err
+        size = int(np.prod(shape, dtype=np.int64))
+        if basis:
+            if array.ndim != 2 or array.shape[0] != size:
+                raise ModelError(f"{key} {path}: shape {array.shape}; expected ({size}, r): one column per basis vector")
+            array = array.T
+        elif array.shape == shape:
+            array = array[None]
+        elif array.shape[1:] != shape:
+            raise ModelError(f"{key} {path}: shape {array.shape}; expected (r, {', '.join(map(str, shape))}) or {shape}")
+        return np.ascontiguousarray(array.reshape(len(array), size), dtype=self.options.compute_dtype)
+
+    def _operand(self, mode: str) -> str:
+        if mode == "forward":
+            return "identity" if self._right is None else "matrix"
+        if self._left is not None:
+            return "matrix"
+        return "identity" if self.options.outputs.rule == "all" else "index"
+
     def _extent(self, mode: str, k: int) -> int:
-        return self._size(k) if mode == "forward" else self._outputs
+        """Rows (reverse) or columns (forward) that the blocks of input ``k`` cover."""
+        operand = self._operand(mode)
+        if mode == "forward":
+            return self._size(k) if operand == "identity" else len(self._right)
+        if operand == "matrix":
+            return len(self._left)
+        return self.options.outputs.count or self._outputs
+
+    def _select(self, y: np.ndarray, labels: np.ndarray | None) -> np.ndarray | None:
+        """Per-sample flat output indices ``(n, k)``, or None for all outputs."""
+        selection, n = self.options.outputs, len(y)
+        flat = y.reshape(n, -1)
+        if selection.rule == "all":
+            return None
+        if selection.rule == "indices":
+            return np.broadcast_to(np.asarray(selection.indices, np.int32), (n, len(selection.indices)))
+        if selection.rule == "argmax":
+            return np.argmax(flat, axis=1).astype(np.int32)[:, None]
+        if selection.rule == "top_k":
+            return np.argsort(-flat, axis=1, kind="stable")[:, : selection.k].astype(np.int32)
+        if labels is None:
+            raise ModelError("jacobian.outputs label: no labels were given with the samples")
+        labels = np.asarray(labels).reshape(n)
+        bad = np.flatnonzero((labels < 0) | (labels >= flat.shape[1]) | (labels != np.round(labels)))
+        if len(bad):
+            raise ModelError(f"label {labels[bad[0]]} of batch row {bad[0]} is not an output index 0..{flat.shape[1] - 1}")
+        return labels.astype(np.int32)[:, None]
 
     def _sizing(self, mode: str) -> tuple[int, dict[int, int], list[str]]:
         """Batch and block sizes that keep one block's working set within the memory budget.
@@ -200,7 +296,9 @@ class JacobianEngine:
         """
         item = np.dtype(self.options.compute_dtype).itemsize
         budget, m = self.options.memory_budget, self._outputs
-        result = sum(m * self._size(k) for k in self._wrt) * item
+        forward = mode == "forward"
+        result = sum((m if forward else self._extent(mode, k)) * (self._extent(mode, k) if forward else self._size(k))
+                     for k in self._wrt) * item
         batch = int(min(self.options.batch_size, max(1, (budget // 2) // max(result, 1))))
         notes = []
         if batch < self.options.batch_size:
@@ -218,7 +316,8 @@ class JacobianEngine:
         key = (mode, jit, k, rows)
         if key not in self._blocks:
             self._blocks[key] = build_block(
-                mode, self.model.call, self.input_shapes, k, rows, self._extent(mode, k), self._dtype, jit
+                mode, self.model.call, self.input_shapes, k, rows, self._extent(mode, k), self._dtype, jit,
+                operand=self._operand(mode),
             )
         return self._blocks[key]
 
@@ -227,8 +326,10 @@ class JacobianEngine:
         runs on one full batch."""
         batch, rows, _ = self._sizing(mode)
         plan = _Plan(mode, jit, batch, rows)
+        probe = [x[:batch] for x in self._probe]
+        index = self._select(self._forward(probe), np.zeros(batch))
         with _capture_pfor_fallbacks() as fallbacks:
-            result = self._compute([x[:batch] for x in self._probe], plan)
+            result = self._compute(probe, plan, index)
         for op in fallbacks.ops:
             if op not in self.telemetry["pfor_fallbacks"]:
                 log.warning("pfor could not vectorise %s: it runs in a while_loop (slow)", op)
@@ -236,20 +337,28 @@ class JacobianEngine:
         if not timed:
             return result, 0.0
         full = self._make_probe(batch)
+        index = self._select(self._forward(full), np.zeros(batch))
         timings = []
         for _ in range(2):
             began = time.perf_counter()
-            self._compute(full, plan)
+            self._compute(full, plan, index)
             timings.append(time.perf_counter() - began)
         return result, min(timings) / batch
 
     def _candidates(self) -> tuple[list[str], str]:
         mode = self.options.mode
+        kind = self.options.reduce.kind
+        if self._right is not None:
+            return ["forward"], f"reduce {kind}: products with input-side vectors run in forward mode"
+        if self._left is not None:
+            modes = ["reverse", "reverse_loop"] if mode == "autotune" else ["reverse_loop" if mode == "reverse_loop" else "reverse"]
+            return modes, f"reduce {kind}: products with output-side vectors run in reverse mode"
         if mode in MODES:
             return [mode], f"mode {mode} (configured)"
         inputs = sum(self._size(k) for k in self._wrt)
-        by_size = "forward" if inputs < self._outputs else "reverse"
-        reason = f"{inputs} input entries vs {self._outputs} outputs"
+        rows = self._extent("reverse", 0)
+        by_size = "forward" if inputs < rows else "reverse"
+        reason = f"{inputs} input entries vs {rows} output rows"
         if mode == "auto":
             return [by_size], f"mode auto: {by_size} ({reason})"
         return [by_size] + [m for m in MODES if m != by_size], "mode autotune: fastest path agreeing with the others"
@@ -325,36 +434,50 @@ class JacobianEngine:
 
     # -- computing ----------------------------------------------------------------------------
 
-    def _compute(self, xs: Sequence[np.ndarray], plan: _Plan) -> dict[str, np.ndarray]:
-        """Jacobians of ``xs`` in compute dtype, block by block; halves blocks on out-of-memory."""
+    def _compute(
+        self, xs: Sequence[np.ndarray], plan: _Plan, index: np.ndarray | None = None
+    ) -> dict[Any, np.ndarray]:
+        """``L J R`` of every sample of ``xs`` in compute dtype, block by block, as
+        ``{"output": (n, m), k: (n, rows, columns)}`` per differentiated input ``k``; rows are all
+        outputs, the ``index``-selected ones or the rows of ``_left``; columns are all input entries
+        or the rows of ``_right``. Halves blocks on out-of-memory and retries."""
         n, m = len(xs[0]), self._outputs
-        jacobians = {k: np.empty((n, m, self._size(k)), self.options.compute_dtype) for k in self._wrt}
+        forward = plan.mode == "forward"
+        operand = self._operand(plan.mode)
+        shape = {k: (n, m, self._extent("forward", k)) if forward else (n, self._extent(plan.mode, k), self._size(k))
+                 for k in self._wrt}
+        blocks = {k: np.empty(shape[k], self.options.compute_dtype) for k in self._wrt}
         output = np.empty((n, m), self.options.compute_dtype)
         for lo in range(0, n, plan.batch):
             hi = min(lo + plan.batch, n)
-            batch = [tf.constant(x[lo:hi]) for x in xs]
-            if plan.jit and hi - lo < plan.batch:  # XLA compiles per shape: pad, never recompile
-                pad = plan.batch - (hi - lo)
-                batch = [tf.pad(x, [(0, pad)] + [(0, 0)] * (x.shape.rank - 1)) for x in batch]
+            pad = plan.batch - (hi - lo) if plan.jit else 0  # XLA compiles per shape: pad, never recompile
+            batch = [tf.constant(np.pad(x[lo:hi], [(0, pad)] + [(0, 0)] * (x.ndim - 1))) for x in xs]
+            if operand == "index":
+                given = tf.constant(np.pad(index[lo:hi], [(0, pad), (0, 0)]))
+            elif operand == "matrix":
+                given = tf.constant(self._right if forward else self._left)
+            else:
+                given = tf.zeros((0, 0), self._dtype)
             for k in self._wrt:
-                start = 0
-                extent = self._extent(plan.mode, k)
+                start, extent = 0, self._extent(plan.mode, k)
                 while start < extent:
                     rows = plan.rows[k]
                     first = min(start, extent - rows)  # keep every block full-size: no retrace
                     try:
-                        y, block = self._block(plan.mode, plan.jit, k, rows)(batch, first)
+                        y, block = self._block(plan.mode, plan.jit, k, rows)(batch, first, given)
                     except tf.errors.ResourceExhaustedError:
                         self._shrink(plan, k)
                         continue
                     block = block.numpy()[: hi - lo]
-                    if plan.mode == "forward":
-                        jacobians[k][lo:hi, :, first : first + rows] = block
+                    if forward:
+                        blocks[k][lo:hi, :, first : first + rows] = block
                     else:
-                        jacobians[k][lo:hi, first : first + rows] = block
+                        blocks[k][lo:hi, first : first + rows] = block
                     output[lo:hi] = y.numpy()[: hi - lo]
                     start = first + rows
-        return {"output": output, **{self._name(k): jac for k, jac in jacobians.items()}}
+        if forward and index is not None:
+            blocks = {k: np.take_along_axis(block, index[:, :, None], axis=1) for k, block in blocks.items()}
+        return {"output": output, **blocks}
 
     def _shrink(self, plan: _Plan, k: int) -> None:
         self.telemetry["oom_retries"] += 1
@@ -371,17 +494,56 @@ class JacobianEngine:
     def _name(self, k: int) -> str:
         return "jacobian" if len(self.input_names) == 1 else f"jacobian/{self.input_names[k]}"
 
-    def __call__(self, x: np.ndarray | Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def compute(
+        self, x: np.ndarray | Mapping[str, np.ndarray], labels: np.ndarray | None = None
+    ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+        """The datasets to store for a batch, and (where the full Jacobian was computed) the
+        Jacobians ``(n, rows, d)`` in store dtype that aggregates are taken over.
+
+        ``labels`` ``(n,)`` are each sample's target output for ``outputs: label``.
+        """
         xs = [x[name] for name in self.input_names] if isinstance(x, Mapping) else [x]
         xs = [np.asarray(part, self.options.compute_dtype) for part in xs]
-        result = self._compute(xs, self._plan)
         n = len(xs[0])
+        index = None if self.options.outputs.rule == "all" else self._select(self._forward(xs), labels)
+        raw = self._compute(xs, self._plan, index)
         store = _store_dtype(self.options.store_dtype)
-        shaped = {"output": result.pop("output").reshape((n, *self.output_shape)).astype(store, copy=False)}
-        for k in self._wrt:
-            name = self._name(k)
-            shaped[name] = result[name].reshape((n, *self.output_shape, *self.input_shapes[k])).astype(store, copy=False)
-        return shaped
+        datasets = {"output": raw["output"].reshape((n, *self.output_shape))}
+        if index is not None:
+            datasets["output_index"] = index.astype(np.int64)
+        rows_shape = self.output_shape if index is None else (index.shape[1],)
+        kind = self.options.reduce.kind
+        full = None
+        if kind in FULL:
+            for k in self._wrt:
+                full = raw[k].astype(store, copy=False)
+                reduced = reduce_full(kind, raw[k], rows_shape, self.input_shapes[k])
+                if "jacobian" in reduced and len(self.input_names) > 1:
+                    reduced = {self._name(k): reduced.pop("jacobian")}
+                datasets.update(reduced)
+        else:
+            datasets.update(self._products(kind, raw[0], rows_shape))
+        stored = {
+            name: value.astype(store, copy=False) if value.dtype.kind == "f" else value
+            for name, value in datasets.items()
+        }
+        return stored, full if self.options.aggregate else None
+
+    def _products(self, kind: str, raw: np.ndarray, rows_shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        n, input_shape = len(raw), self.input_shapes[0]
+        if kind == "vjp":  # (n, r, d): u^T J for each vector u
+            return {"vjp": raw.reshape((n, len(raw[0]), *input_shape))}
+        if kind == "jvp":  # (n, m, r) -> (n, r, *output_shape): J v for each vector v
+            return {"jvp": np.moveaxis(raw, 2, 1).reshape((n, raw.shape[2], *self.output_shape))}
+        if kind == "project":  # (n, rows, dim): J P
+            return {"projection": raw.reshape((n, *rows_shape, raw.shape[2]))}
+        if self._after is not None:  # basis, both sides: U^T (J V)
+            return {"basis_projection": np.einsum("pm,nmq->npq", self._after, raw)}
+        return {"basis_projection": raw}  # U^T J (reverse), or J V (forward) with the other side identity
+
+    def __call__(self, x: np.ndarray | Mapping[str, np.ndarray], labels: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The datasets to store for a batch (see the class docstring)."""
+        return self.compute(x, labels)[0]
 
     # -- reporting ----------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import apache_beam as beam
 
+from transforms.aggregates import PARTIALS
 from transforms.errors import OutputError
 from transforms.shards import SHARDS_DIR, ShardRecord, is_temp_file, read_attrs
 from transforms.spec import JobSpec, version
@@ -58,8 +59,14 @@ def write_virtual_view(output_dir: str, records: Sequence[ShardRecord]) -> dict[
 
     root = Path(output_dir)
     total = records[-1].stop
+    fields: dict[str, tuple] = {}
+
+    def per_sample(name: str, item) -> None:
+        if isinstance(item, h5py.Dataset) and not name.startswith(f"{PARTIALS}/"):
+            fields[name] = (item.shape[1:], item.dtype)
+
     with h5py.File(root / records[0].file, "r") as first:
-        fields = {name: (ds.shape[1:], ds.dtype) for name, ds in first.items() if isinstance(ds, h5py.Dataset)}
+        first.visititems(per_sample)
     layouts = {name: h5py.VirtualLayout((total, *shape), dtype) for name, (shape, dtype) in fields.items()}
     for record in records:
         for name, (shape, _) in fields.items():
@@ -108,6 +115,7 @@ def build_manifest(spec: JobSpec, records: Sequence[ShardRecord], fields: dict[s
         "engine": records[0].engine,
         "run_key": spec.run_key,
         "datasets": {name: {"shape": ["n", *shape], "dtype": dtype} for name, (shape, dtype) in fields.items()},
+        "stored": _stored(spec),
         "inputs": [
             {
                 "path": source.path,
@@ -141,6 +149,25 @@ def build_manifest(spec: JobSpec, records: Sequence[ShardRecord], fields: dict[s
     }
 
 
+def _stored(spec: JobSpec) -> dict[str, Any]:
+    """How the stored datasets were made: the rows rule, the reduction and its parameters."""
+    selection, reduction = spec.engine.outputs, spec.engine.reduce
+    stored: dict[str, Any] = {"outputs": selection.rule, "reduce": reduction.kind}
+    if selection.rule == "indices":
+        stored["indices"] = list(selection.indices)
+    if selection.rule == "top_k":
+        stored["top_k"] = selection.k
+    if selection.rule == "label":
+        stored["labels_key"] = spec.label_key
+    if reduction.kind in ("vjp", "jvp"):
+        stored["vectors"] = reduction.vectors
+    if reduction.kind == "project":
+        stored["projection"] = {"dim": reduction.project_dim, "kind": reduction.project_kind, "seed": reduction.project_seed}
+    if reduction.kind == "basis":
+        stored["basis"] = {"input": reduction.basis_input, "output": reduction.basis_output}
+    return stored
+
+
 def remove_temp_files(output_dir: str) -> None:
     """Delete temporary shard files that killed writers left behind (only jacobeam's own names)."""
     shards = Path(output_dir) / SHARDS_DIR
@@ -149,11 +176,12 @@ def remove_temp_files(output_dir: str) -> None:
             path.unlink(missing_ok=True)
 
 
-def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
+def finalize(records: Sequence[ShardRecord], spec: JobSpec, aggregates: dict[str, Any] | None = None) -> dict[str, Any]:
     ordered = check_coverage(records, spec.num_samples)
     fields = write_virtual_view(spec.output_dir, ordered)
     remove_temp_files(spec.output_dir)
     manifest = build_manifest(spec, ordered, fields)
+    manifest["aggregates"] = aggregates or {}
     _write_atomically(
         Path(spec.output_dir) / MANIFEST, lambda temp: temp.write_text(json.dumps(manifest, indent=2) + "\n")
     )
@@ -161,15 +189,18 @@ def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
 
 
 class Finalize(beam.PTransform):
-    """``PCollection[ShardRecord] -> PCollection[manifest dict]``: one step after every shard is done."""
+    """``PCollection[ShardRecord] -> PCollection[manifest dict]``: one step after every shard is done
+    (and after ``aggregates``, a single-element ``PCollection`` from ``Aggregate``, if given)."""
 
-    def __init__(self, spec: JobSpec):
+    def __init__(self, spec: JobSpec, aggregates=None):
         super().__init__()
         self._spec = spec
+        self._aggregates = aggregates
 
     def expand(self, records):
+        side = {} if self._aggregates is None else {"aggregates": beam.pvalue.AsSingleton(self._aggregates)}
         return (
             records
             | "AllShards" >> beam.combiners.ToList()
-            | "WriteManifest" >> beam.Map(finalize, self._spec)
+            | "WriteManifest" >> beam.Map(finalize, self._spec, **side)
         )

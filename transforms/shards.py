@@ -138,6 +138,12 @@ class ShardWriter:
                 values = values.astype(np.float32)
             dataset[offset : offset + len(values)] = values
 
+    def attach(self, group: str, arrays: dict[str, np.ndarray]) -> None:
+        """Store per-shard side data (not per-sample datasets) in a group of its own."""
+        target = self._h5.require_group(group)
+        for name, values in arrays.items():
+            target[name] = values
+
     def commit(self) -> str:
         """Close, checksum and rename into place; returns the sha256 of the complete shard."""
         self._h5.close()

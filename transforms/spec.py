@@ -35,6 +35,34 @@ class ModelSource:
 
 
 @dataclasses.dataclass(frozen=True)
+class OutputSelection:
+    """Which output rows to differentiate: all, fixed flat ``indices``, each sample's ``argmax``,
+    its ``label``, or its ``top_k`` outputs (largest first)."""
+
+    rule: Literal["all", "indices", "argmax", "label", "top_k"] = "all"
+    indices: tuple[int, ...] = ()
+    k: int = 1
+
+    @property
+    def count(self) -> int | None:
+        """Rows per sample; None for all rows."""
+        return {"all": None, "indices": len(self.indices), "argmax": 1, "label": 1, "top_k": self.k}[self.rule]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """What to keep of each sample's Jacobian (``jacobian.reduce`` and its parameters)."""
+
+    kind: str = "none"
+    vectors: str | None = None  # .npy of fixed vectors for vjp (over outputs) / jvp (over inputs)
+    project_dim: int = 256
+    project_kind: Literal["rademacher", "gaussian"] = "rademacher"
+    project_seed: int = 0
+    basis_input: str | None = None  # .npy (d, q): V in U^T J V
+    basis_output: str | None = None  # .npy (m, p): U in U^T J V
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """How the engine computes Jacobians (see ``transforms.engine.JacobianEngine``)."""
 
@@ -46,6 +74,9 @@ class EngineOptions:
     compute_dtype: Literal["float32", "float64"] = "float32"
     store_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float32"
     check_batch_independence: bool = True
+    outputs: OutputSelection = OutputSelection()
+    reduce: Reduction = Reduction()
+    aggregate: tuple[str, ...] = ()  # any of mean, mean_abs, jtj
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +97,7 @@ class JobSpec:
     samples_per_shard: int = 4096
     compression: str = "none"
     tf_threads: int | None = None  # TensorFlow threads per worker process; None keeps TF's default
+    label_key: str | None = None  # the array of per-sample labels in each input file (outputs: label)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the resolved config, for the manifest
     started_at: float = 0.0
 

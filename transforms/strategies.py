@@ -1,15 +1,20 @@
 """The ways to compute one block of a batch's Jacobians, each as one compiled TensorFlow function.
 
-A *block* is a slice of the Jacobian ``J[i] = d y_i / d x_i`` of every sample ``i`` in a batch, with
-the output flattened to ``m`` entries and input ``k`` flattened to ``d`` entries:
+A *block* is a slice of ``L J_i R`` for every sample ``i`` of a batch, where ``J_i = d y_i / d x_i``
+has the output flattened to ``m`` entries and input ``k`` flattened to ``d`` entries:
 
-- ``reverse``: ``tape.batch_jacobian`` (pfor-vectorised reverse mode) of output rows
-  ``[start, start + c)``: ``(n, c, d)``. Cost grows with the number of outputs.
-- ``reverse_loop``: the same rows through a graph-mode loop of batched gradients, one per output row
-  (``batch_jacobian`` without pfor). Slower where pfor vectorises well, faster where its vectorised
-  kernels are poor (max-pooling CNNs on CPU, see shared/benchmarks.md).
-- ``forward``: ``tf.autodiff.ForwardAccumulator`` over a vectorised batch of basis tangents for input
-  columns ``[start, start + c)``: ``(n, m, c)``. Cost grows with the number of inputs.
+- ``reverse``: ``tape.batch_jacobian`` (pfor-vectorised reverse mode) of rows ``[start, start + c)``
+  of ``L y``: ``(n, c, d)``. Cost grows with the number of rows.
+- ``reverse_loop``: the same rows through a graph-mode loop of batched gradients, one per row
+  (``batch_jacobian`` without pfor). Slower where pfor vectorises well, faster where its kernels are
+  poor (max-pooling CNNs on CPU, see shared/benchmarks.md).
+- ``forward``: ``tf.autodiff.ForwardAccumulator`` over a vectorised batch of tangents, the columns
+  ``[start, start + c)`` of ``R``: ``(n, m, c)``. Cost grows with the number of columns.
+
+``L`` (reverse only) is the identity, a per-sample choice of rows (``left="index"``: an int tensor
+``(n, k)``) or a fixed matrix (``left="matrix"``: ``(r, m)``, vector-Jacobian products). ``R``
+(forward only) is the identity or a fixed matrix given by its columns as rows (``right="matrix"``:
+``(r, d)``, Jacobian-vector products and projections). Neither ever forms the full Jacobian.
 
 The block size ``c`` is fixed per function, so a function traces once; ``start`` is a tensor.
 """
@@ -17,6 +22,7 @@ The block size ``c`` is fixed per function, so a function traces once; ``start``
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
 import tensorflow as tf
@@ -46,33 +52,50 @@ def build_block(
     total: int,
     dtype: tf.DType,
     jit_compile: bool,
+    operand: Literal["identity", "index", "matrix"] = "identity",
 ) -> Callable:
-    """A compiled ``block(xs, start) -> (y_flat (n, m), block)`` for model input number ``wrt``.
+    """A compiled ``block(xs, start, operand) -> (y_flat (n, m), block)`` for model input ``wrt``.
 
-    ``rows`` is the block size ``c`` and ``total`` the full extent being blocked (``m`` outputs for
-    the reverse modes, ``d`` input entries for forward). ``start`` must satisfy
-    ``0 <= start <= total - rows``. With ``rows == total`` the reverse modes differentiate the whole
-    output without slicing it (slicing would add a scatter of one-hot cotangents per row).
+    ``rows`` is the block size ``c`` and ``total`` the full extent being blocked (rows of ``L y`` for
+    the reverse modes, columns of ``R`` for forward). ``start`` must satisfy
+    ``0 <= start <= total - rows``. ``operand`` says what the third argument is (see the module
+    docstring); with ``"identity"`` pass an empty ``(0, 0)`` tensor. With ``rows == total`` and the
+    identity, reverse modes differentiate the whole output without slicing it (a slice adds a scatter
+    of one-hot cotangents per row).
     """
     shape = tuple(input_shapes[wrt])
     size = int(np.prod(shape, dtype=np.int64))
-    signature = [[tf.TensorSpec((None, *s), dtype) for s in input_shapes], tf.TensorSpec((), tf.int32)]
+    operand_spec = tf.TensorSpec((None, None), tf.int32 if operand == "index" else dtype)
+    signature = [
+        [tf.TensorSpec((None, *s), dtype) for s in input_shapes],
+        tf.TensorSpec((), tf.int32),
+        operand_spec,
+    ]
 
-    def reverse(xs, start):
+    def targets(y, start, given):
+        if operand == "index":
+            y = tf.gather(y, given, batch_dims=1)
+        elif operand == "matrix":
+            y = tf.matmul(y, given, transpose_b=True)
+        return y if rows == total else y[:, start : start + rows]
+
+    def reverse(xs, start, given):
         xs = list(xs)
         with tf.GradientTape() as tape:
             tape.watch(xs[wrt])
             y = _flat_output(call, xs, dtype)
-            target = y if rows == total else y[:, start : start + rows]
-        use_pfor = mode == "reverse"
-        block = tape.batch_jacobian(target, xs[wrt], experimental_use_pfor=use_pfor)
+            target = targets(y, start, given)
+        block = tape.batch_jacobian(target, xs[wrt], experimental_use_pfor=mode == "reverse")
         return y, tf.reshape(block, (tf.shape(y)[0], rows, size))
 
-    def forward(xs, start):
+    def forward(xs, start, given):
         xs = list(xs)
         n = tf.shape(xs[wrt])[0]
-        basis = tf.one_hot(start + tf.range(rows), size, dtype=dtype)  # (c, d)
-        tangents = tf.broadcast_to(tf.reshape(basis, (rows, 1, *shape)), tf.concat([[rows, n], shape], 0))
+        if operand == "matrix":
+            directions = given[start : start + rows]  # (c, d)
+        else:
+            directions = tf.one_hot(start + tf.range(rows), size, dtype=dtype)
+        tangents = tf.broadcast_to(tf.reshape(directions, (rows, 1, *shape)), tf.concat([[rows, n], shape], 0))
 
         def jvp(tangent):
             with tf.autodiff.ForwardAccumulator(xs[wrt], tangent) as accumulator:
