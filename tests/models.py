@@ -125,3 +125,21 @@ def batch_coupled(dtype: str = "float32") -> keras.Model:
     )
     seeded_weights(model, seed=7)
     return model
+
+
+def coupling_flow(dtype: str = "float32") -> keras.Model:
+    """x[8] -> two affine coupling layers (half of x through Dense 16 tanh -> scale, shift), the halves
+    swapped between them -> y[8]: a square, invertible map with a non-trivial Jacobian."""
+    x = keras.Input((8,), dtype=dtype)
+    h = x
+    for _ in range(2):
+        first = keras.layers.Lambda(lambda v: v[:, :4], dtype=dtype)(h)
+        second = keras.layers.Lambda(lambda v: v[:, 4:], dtype=dtype)(h)
+        hidden = keras.layers.Dense(16, activation="tanh", dtype=dtype)(first)
+        scale = keras.layers.Dense(4, activation="tanh", dtype=dtype)(hidden)
+        shift = keras.layers.Dense(4, dtype=dtype)(hidden)
+        moved = keras.layers.Lambda(lambda a: a[0] * keras.ops.exp(a[1]) + a[2], dtype=dtype)([second, scale, shift])
+        h = keras.layers.Concatenate(dtype=dtype)([moved, first])  # swap halves for the next layer
+    model = keras.Model(x, h)
+    seeded_weights(model, seed=8)
+    return model
