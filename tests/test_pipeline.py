@@ -237,3 +237,22 @@ def test_rows_with_a_sample_shape_the_model_rejects(tmp_path):
     with pytest.raises(Exception, match=r"factory:tests.models:small_cnn expects samples of shape \(8, 8, 1\); the inputs hold samples of shape \(7,\)"):
         run(job_config(str(tmp_path / "data" / "*.npy"), tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("folder", ["cnn", "grid"])
+def test_inspect_plot_draws_a_png_of_the_promised_size(cnn_run, tmp_path, folder, capsys):
+    from PIL import Image
+
+    root, _, _ = cnn_run
+    out = root / "out"
+    if folder == "grid":
+        write_inputs(tmp_path / "data", (4, 3))
+        run(job_config(str(tmp_path / "data" / "*.npy"), tmp_path / "out", "tests.models:grid_model"))
+        out = tmp_path / "out"
+    picture = tmp_path / "plot.png"
+    assert cli.main(["inspect", str(out), "--plot", str(picture), "--samples", "0,7,39"]) == 0
+    with Image.open(picture) as image:
+        assert image.format == "PNG"
+        assert image.size[0] == 640 and image.size[1] >= 3 * 3 * 80  # three sample rows and the histogram
+    assert cli.main(["inspect", str(out), "--plot", str(picture), "--samples", "40"]) == 2
+    assert "--samples [40]: ids run from 0 to 39" in capsys.readouterr().err
