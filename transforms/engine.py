@@ -120,7 +120,12 @@ class JacobianEngine:
         self._plan = self._choose()
         self.telemetry["setup_seconds"] = round(time.perf_counter() - began, 3)
         self._traces_after_setup = self.traces
-        log.info("engine ready: %s", self.describe())
+        plan = self._plan
+        log.info(
+            "engine ready for %s: mode %s%s, batch %d, blocks %s (%s)",
+            self.model.source, plan.mode, " + XLA" if plan.jit else "", plan.batch,
+            {self.input_names[k]: rows for k, rows in plan.rows.items()}, "; ".join(plan.reasons),
+        )
 
     # -- set-up -------------------------------------------------------------------------------
 
