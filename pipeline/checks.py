@@ -35,17 +35,23 @@ def check_model(model: ModelSource, files: list[SourceFile], tf_threads: int | N
 
     readable = [f for f in files if f.unreadable is None and f.num_samples]
     shape, first = readable[0].sample_shape, readable[0].path
+    where = f"({first}{' and the other input files' if len(readable) > 1 else ''})"
     loaded = model.load()
-    declared = loaded.input_shape
+    if len(loaded.input_names) != 1:
+        raise ModelError(
+            f"{loaded.source} takes inputs {list(loaded.input_names)}; jacobeam run feeds it one array per "
+            f"sample, of shape {shape} {where}"
+        )
+    declared = loaded.input_shapes[0] if loaded.input_shapes else None
     if declared is not None and (
         len(declared) != len(shape) or any(d is not None and d != s for d, s in zip(declared, shape))
     ):
         raise ModelError(
             f"{loaded.source} expects samples of shape {tuple(declared)}; the inputs hold samples of shape "
-            f"{shape} ({first}{' and the other input files' if len(readable) > 1 else ''})"
+            f"{shape} {where}"
         )
     try:
-        output = loaded.call(tf.zeros((1, *shape), tf.float32))
+        output = loaded.call([tf.zeros((1, *shape), tf.float32)])
     except Exception as err:  # whatever the model raises for a shape it cannot take
         raise ModelError(
             f"{loaded.source}: cannot be called on samples of shape {shape} (the samples of {first}): {err}"

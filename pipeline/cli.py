@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="describe an output folder and check it is complete")
     inspect.add_argument("folder")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.add_argument("--plot", metavar="FILE.png", help="draw inputs, saliency or Jacobians, and norms")
+    inspect.add_argument("--samples", metavar="IDS", type=_ids, help="sample ids to draw, e.g. 0,5,17 (default: 0-3)")
 
     verify = commands.add_parser(
         "verify", help="check an output folder: checksums, ids, and K samples recomputed independently",
@@ -133,11 +135,25 @@ def _verify(args) -> int:
     return 0 if report.ok else 1
 
 
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sample ids separated by commas, got {text!r}") from None
+
+
 def _inspect(args) -> int:
     from pipeline.inspect_output import format_report, inspect
 
     report = inspect(args.folder)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    if args.plot and report.ok:
+        from pipeline.plot import plot
+
+        try:
+            print(f"plot: {plot(args.folder, report.manifest, args.plot, args.samples)}")
+        except ValueError as err:
+            raise JacobeamError(str(err)) from err
     return 0 if report.ok else 1
 
 

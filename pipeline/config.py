@@ -6,13 +6,25 @@ The key names are a contract with users (see README, "Configuration"): add keys,
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from transforms.errors import JacobeamError
+from transforms.spec import EngineOptions, OutputSelection, Reduction
 
 
 class ConfigError(JacobeamError, ValueError):
@@ -58,12 +70,106 @@ class InputConfig(_Section):
         return [value] if isinstance(value, str) else value
 
 
+class TopK(_Section):
+    top_k: PositiveInt
+
+
+class LabelsConfig(_Section):
+    key: str
+
+
+class ProjectConfig(_Section):
+    dim: PositiveInt = 256
+    kind: Literal["rademacher", "gaussian"] = "rademacher"
+    seed: int = 0
+
+
+class BasisConfig(_Section):
+    input: str | None = None
+    output: str | None = None
+
+
+# Reductions that need every row of the Jacobian, and so cannot follow a per-sample row selection.
+_NEEDS_ALL_ROWS = ("diagonal", "trace", "slogdet", "vjp", "jvp", "basis")
+_PRODUCTS = ("vjp", "jvp", "project", "basis")
+
+
 class JacobianConfig(_Section):
     batch_size: PositiveInt = 256
-    jit_compile: bool = False
+    mode: Literal["auto", "reverse", "reverse_loop", "forward", "autotune"] = "auto"
+    jit_compile: bool | Literal["auto"] = False
+    memory_budget: ByteSize = ByteSize(2 * 2**30)
+    wrt: Literal["all"] | list[str] = "all"
+    compute_dtype: Literal["float32", "float64"] = "float32"
+    store_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float32"
+    check_batch_independence: bool = True
+    outputs: Literal["all", "argmax", "label"] | list[NonNegativeInt] | TopK = "all"
+    labels: LabelsConfig | None = None
+    reduce: Literal[
+        "none", "frobenius", "diagonal", "slogdet", "trace", "max_abs_over_outputs",
+        "sum_abs_over_channels", "vjp", "jvp", "project", "basis",
+    ] = "none"
+    vectors: str | None = None
+    project: ProjectConfig = ProjectConfig()
+    basis: BasisConfig = BasisConfig()
+    aggregate: list[Literal["mean", "mean_abs", "jtj"]] = []
     # TensorFlow intra-op threads per worker process; "auto" shares the machine's cores
     # between the local worker processes so that they do not oversubscribe the CPU.
     threads: PositiveInt | Literal["auto"] = "auto"
+
+    @model_validator(mode="after")
+    def _consistent_products(self) -> JacobianConfig:
+        rule = self.outputs if isinstance(self.outputs, str) else "selection"
+        if self.outputs == []:
+            raise ValueError("outputs: an empty list selects nothing; use all or give indices")
+        if rule == "label" and self.labels is None:
+            raise ValueError("outputs: label needs labels: {key: <array of labels in the input files>}")
+        if rule != "all" and self.reduce in _NEEDS_ALL_ROWS:
+            raise ValueError(f"reduce: {self.reduce} needs every output row; it cannot follow outputs: {self.outputs}")
+        if self.reduce in ("vjp", "jvp") and self.vectors is None:
+            raise ValueError(f"reduce: {self.reduce} needs vectors: <.npy file of fixed vectors>")
+        if self.reduce == "basis" and self.basis.input is None and self.basis.output is None:
+            raise ValueError("reduce: basis needs basis.input and/or basis.output (.npy files)")
+        if self.aggregate and self.reduce in _PRODUCTS:
+            raise ValueError(f"aggregate: needs the Jacobian, which reduce: {self.reduce} never forms")
+        return self
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _positive_budget(cls, value: ByteSize) -> ByteSize:
+        if value <= 0:
+            raise ValueError("must be a positive size such as 2GiB or 512MB")
+        return value
+
+    def engine_options(self) -> EngineOptions:
+        return EngineOptions(
+            batch_size=self.batch_size,
+            mode=self.mode,
+            jit_compile=self.jit_compile,
+            memory_budget=int(self.memory_budget),
+            wrt=None if self.wrt == "all" else tuple(self.wrt),
+            compute_dtype=self.compute_dtype,
+            store_dtype=self.store_dtype,
+            check_batch_independence=self.check_batch_independence,
+            outputs=self._selection(),
+            reduce=Reduction(
+                kind=self.reduce,
+                vectors=self.vectors,
+                project_dim=self.project.dim,
+                project_kind=self.project.kind,
+                project_seed=self.project.seed,
+                basis_input=self.basis.input,
+                basis_output=self.basis.output,
+            ),
+            aggregate=tuple(self.aggregate),
+        )
+
+    def _selection(self) -> OutputSelection:
+        if isinstance(self.outputs, TopK):
+            return OutputSelection("top_k", k=self.outputs.top_k)
+        if isinstance(self.outputs, list):
+            return OutputSelection("indices", indices=tuple(self.outputs))
+        return OutputSelection(self.outputs)
 
 
 class OutputConfig(_Section):
@@ -109,6 +215,10 @@ def _describe(error: ValidationError) -> str:
             lines.append(f"  {key}: unknown key")
         elif item["type"] == "missing":
             lines.append(f"  {key}: required key is missing")
+        elif item["type"] == "value_error" and isinstance(item.get("input"), dict):
+            # A section-level check, whose message may start with the key inside the section.
+            message = item["msg"].removeprefix("Value error, ")
+            lines.append(f"  {key}.{message}" if re.match(r"^\w+: ", message) else f"  {key}: {message}")
         else:
             lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
     return "\n".join(lines)

@@ -28,8 +28,9 @@ from typing import Any
 
 from pipeline.config import Config, ConfigError, to_dict
 from transforms.errors import CorruptInputError, InputError, OutputError
+from transforms.aggregates import AGGREGATES
 from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file, remove_temp_files
-from transforms.readers import SourceFile, assign_ids, check_consistent, describe, unreadable_file
+from transforms.readers import SourceFile, assign_ids, check_consistent, check_labels, describe, unreadable_file
 from transforms.scan import FileScan, scan_files
 from transforms.shards import SHARDS_DIR, is_temp_file, read_attrs, shard_name
 from transforms.spec import JobSpec, ModelSource, Rejected, ShardRange, shard_inputs
@@ -91,21 +92,31 @@ def scan_inputs(files: list[SourceFile], on_bad_sample: str) -> dict[str, FileSc
 
 
 def run_identity(config: dict[str, Any]) -> dict[str, Any]:
-    """What decides the values stored for a sample id and how ids are grouped into shards.
+    """What decides the values stored for a sample id, down to the last bit, and how ids are grouped
+    into shards: the model source, ``input.key``, ``output.samples_per_shard`` and the whole
+    ``jacobian`` section but ``threads`` (flattened to dotted keys, for messages naming the key).
 
-    Not part of it: batch size and threads (how fast), compression (how stored), the input globs
-    (an incremental run may add one; the files themselves are compared one by one) and
-    ``on_bad_sample`` (a sample is rejected or not by the data alone; the policy only decides whether
-    a run with rejections goes ahead).
+    Not part of it: threads (how fast), compression (how stored), the input globs (an incremental run
+    may add one; the files themselves are compared one by one) and ``on_bad_sample`` (a sample is
+    rejected or not by the data alone; the policy only decides whether a run with rejections goes ahead).
     """
-    return {
+    identity = {
         "model.path": config["model"].get("path"),
         "model.factory": config["model"].get("factory"),
         "model.builtin": config["model"].get("builtin"),
         "input.key": config["input"].get("key"),
         "output.samples_per_shard": config["output"]["samples_per_shard"],
-        "jacobian.jit_compile": config.get("jacobian", {}).get("jit_compile", False),
     }
+
+    def flatten(prefix: str, section: dict[str, Any]) -> None:
+        for key, value in section.items():
+            if isinstance(value, dict):
+                flatten(f"{prefix}{key}.", value)
+            elif f"{prefix}{key}" != "jacobian.threads":
+                identity[f"{prefix}{key}"] = value
+
+    flatten("jacobian.", config.get("jacobian", {}))
+    return identity
 
 
 def run_key(identity: dict[str, Any]) -> str:
@@ -235,6 +246,13 @@ def _is_jacobeam_view(path: Path) -> bool:
         )
 
 
+def _is_aggregates(path: Path) -> bool:
+    import h5py
+
+    with h5py.File(path, "r") as h5:
+        return "count" in h5 and set(h5) <= {"count", "mean", "mean_abs", "jtj"}
+
+
 def _is_rejected_list(path: Path) -> bool:
     with open(path) as stream:
         for line in stream:
@@ -255,7 +273,7 @@ def read_folder(output_dir: str | Path) -> Folder:
         if is_root_temp_file(path.name):
             folder.owned.append(path)
             continue
-        if path.name not in (MANIFEST, VIEW, REJECTED_FILE) or not path.is_file():
+        if path.name not in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES) or not path.is_file():
             continue
         try:
             if path.name == MANIFEST:
@@ -264,6 +282,8 @@ def read_folder(output_dir: str | Path) -> Folder:
                 folder.manifest = manifest if ours else None
             elif path.name == VIEW:
                 ours = _is_jacobeam_view(path)
+            elif path.name == AGGREGATES:
+                ours = _is_aggregates(path)
             else:
                 ours = _is_rejected_list(path)
         except (OSError, ValueError):
@@ -342,12 +362,24 @@ class Job:
     model_output_shape: tuple[int, ...] | None = None
 
 
-def _check_model_path(config: Config) -> None:
+def _check_files_named(config: Config) -> None:
+    """Every file the config names (besides inputs) exists."""
     from apache_beam.io.filesystems import FileSystems
 
-    path = config.model.path
-    if path is not None and not FileSystems.exists(path):
-        raise ConfigError(f"model.path {path}: no such file or directory")
+    jacobian = config.jacobian
+    named = {
+        "model.path": config.model.path,
+        "jacobian.vectors": jacobian.vectors if jacobian.reduce in ("vjp", "jvp") else None,
+        "jacobian.basis.input": jacobian.basis.input if jacobian.reduce == "basis" else None,
+        "jacobian.basis.output": jacobian.basis.output if jacobian.reduce == "basis" else None,
+    }
+    for key, path in named.items():
+        if path is not None and not FileSystems.exists(path):
+            raise ConfigError(f"{key} {path}: no such file or directory")
+
+
+def _label_key(config: Config) -> str | None:
+    return config.jacobian.labels.key if config.jacobian.outputs == "label" else None
 
 
 def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fingerprint) -> JobSpec:
@@ -360,11 +392,11 @@ def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fi
         files=tuple(files),
         output_dir=str(Path(config.output.path).resolve()),
         run_key=run_key(identity),
-        batch_size=config.jacobian.batch_size,
-        jit_compile=config.jacobian.jit_compile,
+        engine=config.jacobian.engine_options(),
         samples_per_shard=config.output.samples_per_shard,
         compression=config.output.compression,
         tf_threads=tf_threads,
+        label_key=_label_key(config),
         config=to_dict(config),
         started_at=time.time(),
         shard_ranges=tuple(ranges),
@@ -384,7 +416,10 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
     """
     policy = config.input.on_bad_sample
     files = resolve_inputs(config.input.paths, config.input.key, policy)
-    _check_model_path(config)
+    _check_files_named(config)
+    for source in files if _label_key(config) else ():
+        if source.unreadable is None:
+            check_labels(source, _label_key(config))
     if "://" in config.output.path:
         raise ConfigError(f"output.path {config.output.path}: only local output folders are supported so far")
     scans = scan_inputs(files, policy)

@@ -17,6 +17,7 @@ from pipeline import plan
 from pipeline.config import Config
 from pipeline.progress import ShardProgress
 from transforms import faults
+from transforms.aggregates import Aggregate
 from transforms.compute import ComputeShards
 from transforms.finalize import MANIFEST, Finalize
 from transforms.spec import JobSpec
@@ -57,8 +58,10 @@ def tf_threads(config: Config, options: PipelineOptions) -> int | None:
 
 
 def build(pipeline: beam.Pipeline, spec: JobSpec):
-    """The whole job as a Beam graph: shard ranges -> shards (+ rejected samples) -> manifest."""
-    return pipeline | "ComputeShards" >> ComputeShards(spec) | "Finalize" >> Finalize(spec)
+    """The whole job as a Beam graph: shard ranges -> shards (+ aggregates, + rejected samples) -> manifest."""
+    shards = pipeline | "ComputeShards" >> ComputeShards(spec)
+    summary = shards.aggregates | "Aggregate" >> Aggregate(spec)
+    return shards.records | "Finalize" >> Finalize(spec, summary, shards.rejected)
 
 
 def _runner(options: PipelineOptions):
@@ -79,6 +82,9 @@ def _metrics(result) -> dict[str, Any]:
     query = result.metrics().query()
     for counter in query["counters"]:
         found[counter.key.metric.name] = counter.committed
+    for gauge in query["gauges"]:
+        if gauge.committed is not None:
+            found[gauge.key.metric.name] = gauge.committed.value
     for dist in query["distributions"]:
         value = dist.committed
         if value is not None and value.count:

@@ -10,8 +10,8 @@
 
    - a per-sample ``tf.GradientTape().jacobian`` of the float32 model. Both are float32 computations of
      the same derivative, differing only in the order of operations: tolerance ``TAPE_RTOL``;
-   - central finite differences of a float64 twin of the model (a Keras model rebuilt from its config
-     with every float dtype set to float64 and its weights cast), for inputs of at most
+   - central finite differences of a float64 twin of the model (a Keras model cloned with float64
+     layers and its weights cast: ``LoadedModel.with_dtype``), for inputs of at most
      ``FD_MAX_ELEMENTS`` elements. The float32 Jacobian carries float32 rounding of a deep computation,
      hence the looser ``FD_RTOL``. At a point where the model is not differentiable (a ReLU at exactly
      zero, a max-pool tie: common on images with a constant background) automatic differentiation
@@ -25,6 +25,10 @@
 
    Errors are relative to the reference's largest entry, per sample: ``max |stored - reference| /
    max |reference|`` (a Jacobian has many entries near zero; an entrywise relative error would be noise).
+   References are rounded to the stored dtype first; with ``store_dtype`` float16 or bfloat16 every
+   tolerance is at least twice that dtype's unit roundoff. With ``outputs`` other than ``all`` the
+   stored rows (``output_index``) of the reference are compared; stored products of ``reduce`` other
+   than ``none`` are not recomputed (the report says so).
 
 Any mismatch is a problem; ``jacobeam verify`` then exits with status 1. Loading the model runs the
 factory named in the manifest's config, as the run did.
@@ -51,7 +55,6 @@ FD_STEP = 1e-6
 # A second difference above this (relative to the Jacobian's largest entry) that does not shrink with
 # the step marks a kink. Smooth models measure below 2e-6 at FD_STEP; kinks are of order 1.
 _KINK = 1e-5
-_FLOAT_DTYPES = {"float16", "bfloat16", "float32", "mixed_float16", "mixed_bfloat16"}
 
 
 @dataclasses.dataclass
@@ -63,6 +66,9 @@ class Report:
     ids_checked: int = 0
     samples: list[int] = dataclasses.field(default_factory=list)  # ids recomputed
     max_rel_error: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    tolerances: dict[str, float] = dataclasses.field(
+        default_factory=lambda: {"output": OUTPUT_RTOL, "tape": TAPE_RTOL, "finite_differences": FD_RTOL}
+    )
     finite_differences: str = "not run"
 
     @property
@@ -78,7 +84,7 @@ class Report:
             "samples_recomputed": len(self.samples),
             "sample_ids": self.samples,
             "max_rel_error": self.max_rel_error,
-            "tolerances": {"tape": TAPE_RTOL, "output": OUTPUT_RTOL, "finite_differences": FD_RTOL},
+            "tolerances": self.tolerances,
             "finite_differences": self.finite_differences,
             "problems": self.problems,
             "notes": self.notes,
@@ -200,31 +206,20 @@ def _check_inputs(manifest: dict[str, Any], report: Report) -> bool:
 # --- recomputation --------------------------------------------------------------------------------------
 
 
-def _retype(node: Any) -> Any:
-    """A Keras config with every float dtype (and dtype policy) set to float64."""
-    if isinstance(node, dict):
-        if node.get("class_name") in ("DTypePolicy", "FloatDTypePolicy") and isinstance(node.get("config"), dict):
-            if node["config"].get("name") in _FLOAT_DTYPES:
-                return {**node, "config": {**node["config"], "name": "float64"}}
-        return {
-            key: "float64" if key == "dtype" and isinstance(value, str) and value in _FLOAT_DTYPES else _retype(value)
-            for key, value in node.items()
-        }
-    if isinstance(node, list):
-        return [_retype(value) for value in node]
-    return node
+def float64_twin(loaded) -> tuple[Any, str | None]:
+    """``f(x) -> y`` in float64 with the model's weights (``LoadedModel.with_dtype``, the same twin that
+    ``compute_dtype: float64`` runs), or None and why not."""
+    import tensorflow as tf
 
+    from transforms.errors import ModelError
 
-def float64_twin(model) -> tuple[Any, str | None]:
-    """The Keras ``model`` rebuilt in float64 with the same weights, or None and why not."""
-    if model is None:
-        return None, "the model is not a Keras model (a SavedModel or tf.Module cannot be rebuilt in float64)"
     try:
-        twin = model.__class__.from_config(_retype(model.get_config()))
-        twin.set_weights([w.astype(np.float64) if np.issubdtype(w.dtype, np.floating) else w for w in model.get_weights()])
-    except Exception as err:  # custom layers without a config, subclassed models, ...
-        return None, f"the model cannot be rebuilt from its config in float64 ({type(err).__name__}: {err})"
-    return twin, None
+        twin = loaded.with_dtype("float64")
+    except ModelError:
+        return None, "the model is not a Keras model (a SavedModel or tf.Module cannot be rebuilt in float64)"
+    except Exception as err:  # custom layers without a config, subclassed models, lambdas under safe_mode, ...
+        return None, f"the model cannot be rebuilt in float64 ({type(err).__name__}: {str(err)[:200]})"
+    return (lambda x: np.asarray(twin.call([tf.constant(x, tf.float64)]), np.float64)), None
 
 
 def _tape_function(call, shape: tuple[int, ...]):
@@ -234,15 +229,15 @@ def _tape_function(call, shape: tuple[int, ...]):
     def one(x):
         with tf.GradientTape() as tape:
             tape.watch(x)
-            y = tf.cast(call(x), tf.float32)
+            y = tf.cast(call([x]), tf.float32)
         return y, tape.jacobian(y, x)  # (1, *out, 1, *in): the full Jacobian, no batch assumption
 
     return one
 
 
-def _finite_differences(twin, x: np.ndarray, step: float = FD_STEP) -> tuple[np.ndarray, bool]:
-    """Central differences of the float64 twin at ``x`` (float64, one sample), in the stored Jacobian's
-    layout ``(*out, *in)``, and whether the model is differentiable at ``x`` as far as can be seen."""
+def _finite_differences(f, x: np.ndarray, step: float = FD_STEP) -> tuple[np.ndarray, bool]:
+    """Central differences of ``f`` (a float64 batch function) at ``x`` (float64, one sample), in the
+    layout ``(*out, *in)``, and whether ``f`` is differentiable at ``x`` as far as can be seen."""
     size = x.size
 
     def evaluate(h: float) -> tuple[np.ndarray, np.ndarray]:
@@ -251,11 +246,11 @@ def _finite_differences(twin, x: np.ndarray, step: float = FD_STEP) -> tuple[np.
             basis = np.zeros((min(256, size - lo), size))
             basis[np.arange(len(basis)), lo + np.arange(len(basis))] = h
             basis = basis.reshape(len(basis), *x.shape)
-            plus.append(np.asarray(twin(x + basis, training=False), np.float64))
-            minus.append(np.asarray(twin(x - basis, training=False), np.float64))
+            plus.append(np.asarray(f(x + basis), np.float64))
+            minus.append(np.asarray(f(x - basis), np.float64))
         return np.concatenate(plus), np.concatenate(minus)  # (size, *out)
 
-    y0 = np.asarray(twin(x[None], training=False), np.float64)[0]
+    y0 = np.asarray(f(x[None]), np.float64)[0]
     yp, ym = evaluate(step)
     yp_small, ym_small = evaluate(step / 10)
     central = (yp - ym) / (2 * step)
@@ -267,6 +262,20 @@ def _finite_differences(twin, x: np.ndarray, step: float = FD_STEP) -> tuple[np.
     return np.moveaxis(central, 0, -1).reshape(*central.shape[1:], *x.shape), not kinked
 
 
+def _store_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _as_stored(reference: np.ndarray, store: np.dtype) -> np.ndarray:
+    """The reference rounded as the stored values were (a float16 overflow is inf in both)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(reference).astype(store).astype(np.float64)
+
+
 def _recompute(
     root: Path, manifest: dict[str, Any], shards: list[tuple[str, np.ndarray]], samples: int, seed: int, report: Report
 ) -> None:
@@ -276,6 +285,13 @@ def _recompute(
     from transforms.models import load
     from transforms.readers import open_rows
 
+    stored_kind = manifest.get("stored", {}).get("reduce", "none")
+    if stored_kind != "none":
+        report.notes.append(
+            f"jacobian.reduce {stored_kind}: the stored products are not recomputed (only full Jacobians and "
+            "selected rows of them are); checksums and ids were checked"
+        )
+        return
     ends = np.cumsum([len(ids) for _, ids in shards])
     if not len(ends) or not ends[-1]:
         return
@@ -296,9 +312,14 @@ def _recompute(
         )
         return
     shape = tuple(manifest["input_shape"])
+    outputs = int(np.prod(manifest["output_shape"], dtype=np.int64))
+    store = _store_dtype(manifest.get("dtype", "float32"))
+    # Values stored in float16/bfloat16 carry its rounding: the tolerances grow to cover it.
+    eps = {"float16": 2 * 2.0**-10, "bfloat16": 2 * 2.0**-7}.get(store.name, 0.0)  # twice the unit roundoff
+    tolerances = {"output": max(OUTPUT_RTOL, eps), "tape": max(TAPE_RTOL, eps), "finite_differences": max(FD_RTOL, eps)}
     one = _tape_function(loaded.call, shape)
     size = int(np.prod(shape))
-    twin, why_not = (None, f"inputs have {size} elements, more than {FD_MAX_ELEMENTS}") if size > FD_MAX_ELEMENTS else float64_twin(loaded.keras_model)
+    twin, why_not = (None, f"inputs have {size} elements, more than {FD_MAX_ELEMENTS}") if size > FD_MAX_ELEMENTS else float64_twin(loaded)
     errors: dict[str, list[float]] = {"output": [], "tape": [], "finite_differences": []}
     kinked = []  # samples at which the model is not differentiable
     for sample_id in report.samples:
@@ -309,32 +330,42 @@ def _recompute(
         with h5py.File(root / file, "r") as h5:
             stored_jac, stored_out = h5["jacobian"][row], h5["output"][row]
             flagged = bool(h5[NONFINITE][row]) if NONFINITE in h5 else False
+            # outputs: indices/argmax/top_k/label store the selected rows of the Jacobian, and which they are.
+            selected = np.asarray(h5["output_index"][row]).reshape(-1) if "output_index" in h5 else None
+
+        def stored_rows(full: np.ndarray) -> np.ndarray:
+            full = full.reshape(outputs, *shape)
+            return _as_stored(full if selected is None else full[selected], store).reshape(stored_jac.shape)
+
         y, jac = one(tf.constant(x))
-        jac = jac.numpy().reshape(stored_jac.shape)
         nonfinite = not (np.isfinite(stored_jac).all() and np.isfinite(stored_out).all())
         if flagged != nonfinite:
             report.problems.append(f"sample {sample_id}: nonfinite flag {flagged}, but its stored values are {'not ' if nonfinite else ''}all finite")
-        for name, value, reference, tolerance in (
-            ("output", stored_out, y.numpy().reshape(stored_out.shape), OUTPUT_RTOL),
-            ("tape", stored_jac, jac, TAPE_RTOL),
+        for name, value, reference in (
+            ("output", stored_out, _as_stored(y.numpy(), store).reshape(stored_out.shape)),
+            ("tape", stored_jac, stored_rows(jac.numpy())),
         ):
             error = _rel_error(value, reference)
             errors[name].append(error)
-            if not error <= tolerance:
-                report.problems.append(f"sample {sample_id} ({file} row {row}): {name} max relative error {error:.3g} > {tolerance:g}")
+            if not error <= tolerances[name]:
+                report.problems.append(f"sample {sample_id} ({file} row {row}): {name} max relative error {error:.3g} > {tolerances[name]:g}")
         if twin is not None and not nonfinite:
-            if _rel_error(np.asarray(twin(x.astype(np.float64), training=False)).reshape(stored_out.shape), stored_out) > 1e-3:
+            if _rel_error(twin(x.astype(np.float64)).reshape(stored_out.shape), stored_out) > max(1e-3, eps):
                 twin, why_not = None, "the float64 rebuild of the model does not reproduce its outputs"
                 continue
             central, differentiable = _finite_differences(twin, x[0].astype(np.float64))
             if not differentiable:
                 kinked.append(sample_id)
                 continue
-            error = _rel_error(stored_jac, central.reshape(stored_jac.shape))
+            error = _rel_error(stored_jac, stored_rows(central))
             errors["finite_differences"].append(error)
-            if not error <= FD_RTOL:
-                report.problems.append(f"sample {sample_id} ({file} row {row}): finite differences max relative error {error:.3g} > {FD_RTOL:g}")
+            if not error <= tolerances["finite_differences"]:
+                report.problems.append(
+                    f"sample {sample_id} ({file} row {row}): finite differences max relative error {error:.3g} "
+                    f"> {tolerances['finite_differences']:g}"
+                )
     report.max_rel_error = {name: (max(values) if values else None) for name, values in errors.items()}
+    report.tolerances = tolerances
     left_out = (
         f"; {len(kinked)} sample(s) left out: the model is not differentiable there (ReLU/max-pool kinks), "
         f"e.g. id {kinked[0]}" if kinked else ""
@@ -388,9 +419,10 @@ def format_report(report: Report) -> str:
         errors = report.max_rel_error
         show = lambda key: "n/a" if errors.get(key) is None else f"{errors[key]:.2e}"  # noqa: E731
         lines.append(f"  recomputed  {len(report.samples)} sample(s), max relative error:")
-        lines.append(f"    output                  {show('output')} (tolerance {OUTPUT_RTOL:g})")
-        lines.append(f"    per-sample tape         {show('tape')} (tolerance {TAPE_RTOL:g})")
-        lines.append(f"    finite differences      {show('finite_differences')} (tolerance {FD_RTOL:g})")
+        tolerance = report.tolerances
+        lines.append(f"    output                  {show('output')} (tolerance {tolerance['output']:g})")
+        lines.append(f"    per-sample tape         {show('tape')} (tolerance {tolerance['tape']:g})")
+        lines.append(f"    finite differences      {show('finite_differences')} (tolerance {tolerance['finite_differences']:g})")
         lines.append(f"    ({report.finite_differences})")
     lines += [f"  note: {note}" for note in report.notes]
     lines += [f"  problem: {problem}" for problem in report.problems]

@@ -65,3 +65,81 @@ def scalar_model(dtype: str = "float32") -> keras.Model:
     )
     seeded_weights(model, seed=4)
     return model
+
+
+def two_inputs(dtype: str = "float32") -> keras.Model:
+    """image[4, 4, 1] and meta[3] -> y[5]: a model with two named inputs."""
+    image = keras.Input((4, 4, 1), dtype=dtype, name="image")
+    meta = keras.Input((3,), dtype=dtype, name="meta")
+    flat = keras.layers.Flatten(dtype=dtype)(image)
+    hidden = keras.layers.Dense(8, activation="tanh", dtype=dtype)(keras.layers.Concatenate(dtype=dtype)([flat, meta]))
+    model = keras.Model([image, meta], keras.layers.Dense(5, dtype=dtype)(hidden))
+    seeded_weights(model, seed=5)
+    return model
+
+
+def upsampler(dtype: str = "float32") -> keras.Model:
+    """x[4, 4, 1] -> bilinear resize to 6x6 -> tanh -> y[36]. pfor cannot vectorise the resize's
+    gradient (it falls back to a while_loop) and forward mode has no rule for it."""
+    model = keras.Sequential(
+        [
+            keras.Input((4, 4, 1), dtype=dtype),
+            keras.layers.Resizing(6, 6, interpolation="bilinear", dtype=dtype),
+            keras.layers.Activation("tanh", dtype=dtype),
+            keras.layers.Flatten(dtype=dtype),
+        ]
+    )
+    return model
+
+
+class _HostConstant(keras.layers.Layer):
+    """Scales by a constant computed in Python through ``tf.py_function``: XLA cannot compile it."""
+
+    def call(self, x):
+        import tensorflow as tf
+
+        scale = tf.py_function(lambda: tf.constant(2.0, self.compute_dtype), [], self.compute_dtype)
+        return x * scale
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+def not_xla_compilable(dtype: str = "float32") -> keras.Model:
+    """x[6] -> Dense 4 tanh -> times a host-computed constant 2 -> y[4]."""
+    model = keras.Sequential(
+        [keras.Input((6,), dtype=dtype), keras.layers.Dense(4, activation="tanh", dtype=dtype), _HostConstant(dtype=dtype)]
+    )
+    seeded_weights(model, seed=6)
+    return model
+
+
+def batch_coupled(dtype: str = "float32") -> keras.Model:
+    """x[5] -> x - mean over the batch -> Dense 3: each output depends on the other samples."""
+    model = keras.Sequential(
+        [
+            keras.Input((5,), dtype=dtype),
+            keras.layers.Lambda(lambda x: x - keras.ops.mean(x, axis=0, keepdims=True), dtype=dtype),
+            keras.layers.Dense(3, dtype=dtype),
+        ]
+    )
+    seeded_weights(model, seed=7)
+    return model
+
+
+def coupling_flow(dtype: str = "float32") -> keras.Model:
+    """x[8] -> two affine coupling layers (half of x through Dense 16 tanh -> scale, shift), the halves
+    swapped between them -> y[8]: a square, invertible map with a non-trivial Jacobian."""
+    x = keras.Input((8,), dtype=dtype)
+    h = x
+    for _ in range(2):
+        first = keras.layers.Lambda(lambda v: v[:, :4], dtype=dtype)(h)
+        second = keras.layers.Lambda(lambda v: v[:, 4:], dtype=dtype)(h)
+        hidden = keras.layers.Dense(16, activation="tanh", dtype=dtype)(first)
+        scale = keras.layers.Dense(4, activation="tanh", dtype=dtype)(hidden)
+        shift = keras.layers.Dense(4, dtype=dtype)(hidden)
+        moved = keras.layers.Lambda(lambda a: a[0] * keras.ops.exp(a[1]) + a[2], dtype=dtype)([second, scale, shift])
+        h = keras.layers.Concatenate(dtype=dtype)([moved, first])  # swap halves for the next layer
+    model = keras.Model(x, h)
+    seeded_weights(model, seed=8)
+    return model

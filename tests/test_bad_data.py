@@ -288,3 +288,21 @@ def test_keras_file_with_code_is_refused_and_imports_nothing(tmp_path, monkeypat
     with pytest.raises(ModelError, match=r"evil.keras: cannot load"):
         load(path=str(tmp_path / "evil.keras"))
     assert not marker.exists()
+
+
+def test_skip_with_aggregates_and_a_fully_rejected_range(tmp_path, rng):
+    """Aggregates sum over stored samples only; a range without a shard contributes no partial sums."""
+    data = tmp_path / "data"
+    data.mkdir()
+    x = rng.normal(size=(24, 12)).astype(np.float32)
+    x[8:16] = np.nan
+    np.save(data / "x.npy", x)
+    cfg = _config(data, tmp_path / "out", "skip").model_dump(mode="json")
+    cfg["jacobian"]["aggregate"] = ["mean", "mean_abs"]
+    manifest = runner.run(config.validate(cfg), [], show_progress=False).manifest
+    kept = np.r_[0:8, 16:24]
+    reference = tape_loop(test_models.small_mlp(), x[kept]).astype(np.float64)
+    assert manifest["aggregates"]["count"] == 16
+    with h5py.File(tmp_path / "out" / "aggregates.h5") as agg:
+        np.testing.assert_allclose(agg["mean"][:], reference.mean(axis=0), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(agg["mean_abs"][:], np.abs(reference).mean(axis=0), rtol=1e-5, atol=1e-7)

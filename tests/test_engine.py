@@ -5,14 +5,14 @@ import pytest
 
 from tests import models as test_models
 from tests.reference import assert_close, central_differences, tape_loop
-from transforms.engine import EngineOptions, JacobianEngine
+from transforms.engine import JacobianEngine
+from transforms.spec import EngineOptions
 from transforms.errors import ModelError
-from transforms.models import LoadedModel, build_cnn, build_mlp, load
+from transforms.models import build_cnn, build_mlp, load, wrap_model
 
 
-def _engine(model, batch_size=8, jit_compile=False):
-    loaded = LoadedModel(lambda x: model(x, training=False), list(model.weights), "test")
-    return JacobianEngine(loaded, model.input_shape[1:], EngineOptions(batch_size=batch_size, jit_compile=jit_compile))
+def _engine(model, batch_size=8, **options):
+    return JacobianEngine(wrap_model(model, "test"), model.input_shape[1:], EngineOptions(batch_size=batch_size, **options))
 
 
 @pytest.mark.parametrize("build", [test_models.small_mlp, test_models.small_cnn, test_models.grid_model,
@@ -51,9 +51,8 @@ def test_short_batches_do_not_retrace(rng):
 
 def test_sample_shape_that_the_model_rejects_is_a_model_error():
     model = test_models.small_mlp()
-    loaded = LoadedModel(lambda x: model(x, training=False), list(model.weights), "small_mlp")
-    with pytest.raises(ModelError, match=r"small_mlp: cannot compute Jacobians for samples of shape \(7,\)"):
-        JacobianEngine(loaded, (7,), EngineOptions(batch_size=2))
+    with pytest.raises(ModelError, match=r"small_mlp expects samples of shape \(12,\); the inputs hold samples of shape \(7,\)"):
+        JacobianEngine(wrap_model(model, "small_mlp"), (7,), EngineOptions(batch_size=2))
 
 
 def test_fingerprint_hashes_the_weights():

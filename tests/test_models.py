@@ -34,7 +34,7 @@ def test_keras_file_and_exported_savedmodel_match_the_model(saved, rng):
     x = rng.normal(size=(4, 12)).astype(np.float32)
     for path in (folder / "mlp.keras", folder / "mlp_savedmodel"):
         loaded = load(path=str(path))
-        np.testing.assert_allclose(loaded.call(tf.constant(x)).numpy(), model(x).numpy(), rtol=1e-6)
+        np.testing.assert_allclose(loaded.call([tf.constant(x)]).numpy(), model(x).numpy(), rtol=1e-6)
     assert load(path=str(folder / "mlp.keras")).fingerprint() == load(factory="tests.models:small_mlp").fingerprint()
 
 
@@ -43,7 +43,7 @@ def test_plain_tf_module_savedmodel_is_called_directly(saved, rng):
     loaded = load(path=str(folder / "module_savedmodel"))
     x = rng.normal(size=(3, 12)).astype(np.float32)
     expected = np.tanh(x @ (np.arange(60, dtype=np.float32).reshape(12, 5) / 60))
-    np.testing.assert_allclose(loaded.call(tf.constant(x)).numpy(), expected, rtol=1e-5)
+    np.testing.assert_allclose(loaded.call([tf.constant(x)]).numpy(), expected, rtol=1e-5)
 
 
 def test_model_errors_name_the_source(tmp_path):

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import h5py
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -113,6 +114,25 @@ def test_shards_layout_and_manifest(cnn_run):
     assert set(manifest["versions"]) >= {"tensorflow", "apache_beam", "h5py", "numpy", "python", "jacobeam"}
 
 
+def test_engine_settings_reach_shards_and_manifest(cnn_run, tmp_path):
+    root, samples, _ = cnn_run
+    cfg = job_config(str(root / "data" / "*.npy"), tmp_path / "out").model_dump(mode="json")
+    cfg["jacobian"].update(mode="forward", compute_dtype="float64", store_dtype="bfloat16", memory_budget="40KiB")
+    manifest = run(config.validate(cfg))
+
+    engine = manifest["engine"]
+    assert (engine["mode"], engine["compute_dtype"], engine["store_dtype"]) == ("forward", "float64", "bfloat16")
+    assert engine["block_rows"]["x"] < 64 and engine["retraces_after_setup"] == 0
+    assert manifest["dtype"] == "bfloat16"
+    with h5py.File(tmp_path / "out" / "jacobians.h5") as view:
+        stored = view["jacobian"][:]  # bfloat16 on disk, read back as float32
+        expected = tape_loop(test_models.small_cnn(), samples)
+        eps = float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps)
+        np.testing.assert_allclose(stored, expected, rtol=eps, atol=eps * np.abs(expected).max())
+    with h5py.File(tmp_path / "out" / manifest["shards"][0]["file"]) as shard:
+        assert shard["jacobian"].id.get_type().get_size() == 2
+
+
 def test_view_reads_from_a_moved_folder(cnn_run, tmp_path, monkeypatch):
     root, samples, _ = cnn_run
     moved = tmp_path / "moved"
@@ -217,3 +237,22 @@ def test_rows_with_a_sample_shape_the_model_rejects(tmp_path):
     with pytest.raises(Exception, match=r"factory:tests.models:small_cnn expects samples of shape \(8, 8, 1\); the inputs hold samples of shape \(7,\)"):
         run(job_config(str(tmp_path / "data" / "*.npy"), tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("folder", ["cnn", "grid"])
+def test_inspect_plot_draws_a_png_of_the_promised_size(cnn_run, tmp_path, folder, capsys):
+    from PIL import Image
+
+    root, _, _ = cnn_run
+    out = root / "out"
+    if folder == "grid":
+        write_inputs(tmp_path / "data", (4, 3))
+        run(job_config(str(tmp_path / "data" / "*.npy"), tmp_path / "out", "tests.models:grid_model"))
+        out = tmp_path / "out"
+    picture = tmp_path / "plot.png"
+    assert cli.main(["inspect", str(out), "--plot", str(picture), "--samples", "0,7,39"]) == 0
+    with Image.open(picture) as image:
+        assert image.format == "PNG"
+        assert image.size[0] == 640 and image.size[1] >= 3 * 3 * 80  # three sample rows and the histogram
+    assert cli.main(["inspect", str(out), "--plot", str(picture), "--samples", "40"]) == 2
+    assert "--samples [40]: ids run from 0 to 39" in capsys.readouterr().err

@@ -42,10 +42,11 @@ def test_slices_cover_a_range_across_files_in_sorted_path_order(tmp_path, rng):
 
     batches = list(iter_slices(files, 3, 19, max_rows=5))
 
-    assert [len(ids) for ids, _ in batches] == [4, 2, 5, 5]
-    ids = np.concatenate([ids for ids, _ in batches])
+    assert [len(ids) for ids, _, _ in batches] == [4, 2, 5, 5]
+    ids = np.concatenate([ids for ids, _, _ in batches])
     np.testing.assert_array_equal(ids, np.arange(3, 19))
-    np.testing.assert_array_equal(np.concatenate([x for _, x in batches]), everything[3:19])
+    np.testing.assert_array_equal(np.concatenate([x for _, x, _ in batches]), everything[3:19])
+    assert all(labels is None for _, _, labels in batches)
 
 
 def test_npy_is_read_in_slices_not_whole(tmp_path, rng, monkeypatch):

@@ -128,15 +128,18 @@ def test_unfinished_folder_fails_verification(copy):
 
 
 def test_float64_twin_matches_the_model_and_computes_in_float64(rng):
+    from transforms.models import LoadedModel, wrap_model
+
     for build in (test_models.small_mlp, test_models.small_cnn, test_models.grid_model, test_models.scalar_model):
         model = build()
-        twin, why_not = float64_twin(model)
+        twin, why_not = float64_twin(wrap_model(model, "test"))
         assert why_not is None
         x = rng.normal(size=(3, *model.input_shape[1:]))
-        y64 = np.asarray(twin(x))
+        y64 = twin(x)
         assert y64.dtype == np.float64
         np.testing.assert_allclose(y64, build("float64")(x).numpy(), rtol=1e-12, atol=1e-12)
-    assert float64_twin(None)[0] is None
+    plain = LoadedModel(lambda xs: xs[0] * 2, [], "a plain function")
+    assert float64_twin(plain) == (None, "the model is not a Keras model (a SavedModel or tf.Module cannot be rebuilt in float64)")
 
 
 def test_finite_differences_match_the_analytic_jacobian_and_detect_kinks(rng):
@@ -144,7 +147,7 @@ def test_finite_differences_match_the_analytic_jacobian_and_detect_kinks(rng):
 
     model = test_models.small_mlp("float64")
     x = rng.normal(size=12)
-    central, differentiable = _finite_differences(model, x)
+    central, differentiable = _finite_differences(lambda z: model(z).numpy(), x)
     w1, b1 = model.layers[0].get_weights()
     w2, _ = model.layers[1].get_weights()
     analytic = (w2.T * (1 - np.tanh(x @ w1 + b1) ** 2)) @ w1.T  # (5, 12)
@@ -152,8 +155,8 @@ def test_finite_differences_match_the_analytic_jacobian_and_detect_kinks(rng):
     np.testing.assert_allclose(central, analytic, atol=1e-8 * np.abs(analytic).max())
 
     relu = keras.Sequential([keras.Input((3,), dtype="float64"), keras.layers.ReLU(dtype="float64")])
-    assert _finite_differences(relu, np.array([1.0, -2.0, 0.5]))[1]
-    assert not _finite_differences(relu, np.array([1.0, 0.0, 0.5]))[1]  # relu at exactly 0
+    assert _finite_differences(lambda z: relu(z).numpy(), np.array([1.0, -2.0, 0.5]))[1]
+    assert not _finite_differences(lambda z: relu(z).numpy(), np.array([1.0, 0.0, 0.5]))[1]  # relu at exactly 0
 
 
 def test_samples_at_kinks_are_left_out_of_the_finite_difference_check(tmp_path):
@@ -169,3 +172,26 @@ def test_samples_at_kinks_are_left_out_of_the_finite_difference_check(tmp_path):
     assert report.ok, report.problems
     assert "on 3 sample(s); 1 sample(s) left out: the model is not differentiable there" in report.finite_differences
     assert "e.g. id 2" in report.finite_differences
+
+
+def test_selected_rows_and_half_precision_storage_are_verified_against_the_same_rows(tmp_path):
+    """outputs: top_k stores k rows per sample (and which, in output_index); float16 storage rounds.
+    verify compares exactly those rows, within float16's rounding, and still catches a wrong row."""
+    write_inputs(tmp_path / "data", (8, 8, 1))
+    cfg = _config(tmp_path / "data", tmp_path / "out").model_dump(mode="json")
+    cfg["jacobian"].update(outputs={"top_k": 2}, store_dtype="float16")
+    runner.run(config.validate(cfg), [], show_progress=False)
+    report = verify(tmp_path / "out", samples=5)
+    assert report.ok, report.problems
+    assert report.tolerances["tape"] == 2 * 2.0**-10
+    assert report.max_rel_error["tape"] <= 2 * 2.0**-10  # both rounded to float16: mostly equal
+
+    shard = tmp_path / "out" / "shards" / "shard-000000000000-000000000016.h5"
+    with h5py.File(shard, "r+") as h5:
+        index = h5["output_index"][3]
+        h5["output_index"][3] = index[::-1]  # claim the two rows are the other way round
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    manifest["shards"][0]["sha256"] = sha256_file(shard)
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
+    report = verify(tmp_path / "out", samples=40)
+    assert [p.split(" (")[0] for p in report.problems if p.startswith("sample")] == ["sample 3", "sample 3"]

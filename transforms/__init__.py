@@ -3,8 +3,22 @@
 Importing this package is light; TensorFlow is imported only where a worker needs it.
 """
 
+from transforms.aggregates import Aggregate
 from transforms.compute import ComputeShardFn, ComputeShards
 from transforms.finalize import Finalize
-from transforms.spec import JobSpec, ModelSource, ShardRange
+from transforms.inference import JacobianModelHandler
+from transforms.spec import EngineOptions, JobSpec, ModelSource, OutputSelection, Reduction, ShardRange
 
-__all__ = ["ComputeShardFn", "ComputeShards", "Finalize", "JobSpec", "ModelSource", "ShardRange"]
+__all__ = [
+    "Aggregate",
+    "ComputeShardFn",
+    "ComputeShards",
+    "EngineOptions",
+    "Finalize",
+    "JacobianModelHandler",
+    "JobSpec",
+    "ModelSource",
+    "OutputSelection",
+    "Reduction",
+    "ShardRange",
+]

@@ -23,11 +23,12 @@ import time
 from collections.abc import Iterator
 
 import apache_beam as beam
+import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.utils import shared
 
-from transforms import faults
-from transforms.errors import InputError, OutputError
+from transforms import aggregates, faults
+from transforms.errors import InputError, ModelError, OutputError
 from transforms.readers import iter_slices
 from transforms.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_path
 from transforms.spec import JobSpec, ShardRange, version
@@ -36,6 +37,7 @@ REJECTED = "rejected"  # the dead-letter output's tag
 
 log = logging.getLogger(__name__)
 _NAMESPACE = "jacobeam"
+AGGREGATES_TAG = "aggregates"
 
 # Engines built in this process: lets tests (and the manifest) show that setup work happens once per
 # worker process, not per bundle or element.
@@ -62,14 +64,10 @@ def configure_tf_threads(threads: int | None) -> None:
 def build_engine(spec: JobSpec):
     """Load the model and build, trace and warm up the Jacobian function (once per process)."""
     global _engine_builds
-    from transforms.engine import EngineOptions, JacobianEngine
+    from transforms.engine import JacobianEngine
 
     configure_tf_threads(spec.tf_threads)
-    engine = JacobianEngine(
-        spec.model.load(),
-        spec.sample_shape,
-        EngineOptions(batch_size=spec.batch_size, jit_compile=spec.jit_compile),
-    )
+    engine = JacobianEngine(spec.model.load(), spec.sample_shape, spec.engine)
     with _builds_lock:
         _engine_builds += 1
     return engine
@@ -86,21 +84,31 @@ class ComputeShardFn(beam.DoFn):
         self._written = Metrics.counter(_NAMESPACE, "shards_written")
         self._skipped = Metrics.counter(_NAMESPACE, "shards_skipped")
         self._latency = Metrics.distribution(_NAMESPACE, "batch_latency_ms")
+        self._retraces = Metrics.gauge(_NAMESPACE, "retraces_after_setup")
+        self._fallbacks = Metrics.gauge(_NAMESPACE, "pfor_fallbacks")
+        self._oom_retries = Metrics.gauge(_NAMESPACE, "oom_retries")
+        self._peak_rss = Metrics.gauge(_NAMESPACE, "peak_rss_mb")
 
     def setup(self) -> None:
         faults.reached("setup")
         self._engine = self._shared.acquire(lambda: build_engine(self._spec), tag=self._spec.run_key)
+        self._positions = {shard.start: i for i, shard in enumerate(self._spec.stored_ranges())}
 
-    def process(self, shard: ShardRange) -> Iterator[ShardRecord]:
+    def process(self, shard: ShardRange) -> Iterator[ShardRecord | beam.pvalue.TaggedOutput]:
         for rejected in shard.rejected:
             yield beam.pvalue.TaggedOutput(REJECTED, rejected)
         final = shard_path(self._spec.output_dir, shard.start, shard.stop)
-        if shard.rows == 0:
-            pass  # every sample of the range was rejected: no shard
+        if shard.rows == 0:  # every sample of the range was rejected: no shard, no partial sums
+            record = sums = None
         elif final.exists():
-            yield self._keep(final, shard)
+            record = self._keep(final, shard)
+            sums = aggregates.read_partial(final) if self._spec.engine.aggregate else None
         else:
-            yield self._compute(shard)
+            record, sums = self._compute(shard)
+        if record is not None:
+            yield record
+        if sums is not None:
+            yield beam.pvalue.TaggedOutput(AGGREGATES_TAG, (self._positions[shard.start], sums))
 
     def _keep(self, path, shard: ShardRange) -> ShardRecord:
         attrs = read_attrs(path)
@@ -111,54 +119,69 @@ class ComputeShardFn(beam.DoFn):
                     f"{expected!r}); use a new output.path or remove that folder"
                 )
         self._skipped.inc()
-        return existing_record(self._spec.output_dir, shard.start, shard.stop, self._engine.fingerprint)
+        return existing_record(
+            self._spec.output_dir, shard.start, shard.stop, self._engine.fingerprint, self._engine.describe()
+        )
 
     def _batches_of(self, shard: ShardRange):
         """tf.data over the shard's samples: file slices, rebatched across file boundaries, prefetched
         so that reading overlaps computing. Only the shard's last batch can be short."""
         import tensorflow as tf
 
-        spec = self._spec
+        spec, dtype = self._spec, self._spec.engine.compute_dtype
+        label_key = spec.label_key if spec.engine.outputs.rule == "label" else None
 
         def slices():
+            batch = self._engine.batch_size
             for lo, hi in shard.kept():  # rejected samples are never read
-                for ids, samples in iter_slices(spec.files, lo, hi, spec.batch_size):
+                for ids, samples, labels in iter_slices(spec.files, lo, hi, batch, label_key):
                     _check_finite(spec, ids, samples)
-                    yield ids, samples.astype("float32", copy=False)
+                    labels = np.zeros(len(ids)) if labels is None else labels.astype(np.float64)
+                    yield ids, samples.astype(dtype, copy=False), labels
 
         signature = (
             tf.TensorSpec((None,), tf.int64),
-            tf.TensorSpec((None, *spec.sample_shape), tf.float32),
+            tf.TensorSpec((None, *spec.sample_shape), dtype),
+            tf.TensorSpec((None,), tf.float64),
         )
         dataset = tf.data.Dataset.from_generator(slices, output_signature=signature)
-        return dataset.rebatch(spec.batch_size).prefetch(2)
+        return dataset.rebatch(self._engine.batch_size).prefetch(2)
 
-    def _compute(self, shard: ShardRange) -> ShardRecord:
+    def _compute(self, shard: ShardRange) -> tuple[ShardRecord, aggregates.Partial | None]:
         engine, spec = self._engine, self._spec
+        sums = None
         began = time.perf_counter()
         attrs = {
             "input_shape": spec.sample_shape,
             "output_shape": engine.output_shape,
-            "dtype": "float32",
+            "dtype": spec.engine.store_dtype,
             "model_fingerprint": engine.fingerprint,
             "run_key": spec.run_key,
             "jacobeam_version": version(),
         }
         attrs.update(shard_attrs(spec, shard))
         with ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression, rows=shard.rows) as writer:
-            for ids, samples in self._batches_of(shard):
+            for ids, samples, labels in self._batches_of(shard):
                 tick = time.perf_counter()
-                result = engine(samples)
-                self._latency.update(int(1000 * (time.perf_counter() - tick)))
                 ids = ids.numpy()
+                try:
+                    result, full = engine.compute(samples.numpy(), labels.numpy())
+                except ModelError as err:
+                    raise ModelError(f"samples {ids[0]}..{ids[-1]}: {err}") from err
+                self._latency.update(int(1000 * (time.perf_counter() - tick)))
                 writer.write(int(ids[0]), {**result, "sample_id": ids})
+                if full is not None:
+                    sums = aggregates.add(sums, aggregates.partial(full, spec.engine.aggregate))
                 self._batches.inc()
                 self._samples.inc(len(ids))
+            if sums is not None:
+                writer.attach(aggregates.PARTIALS, sums)
             checksum = writer.commit()
         self._written.inc()
+        self._report(engine.describe())
         seconds = time.perf_counter() - began
         log.info("shard %s: %d samples in %.2fs", writer.final_path.name, shard.stop - shard.start, seconds)
-        return ShardRecord(
+        record = ShardRecord(
             file=str(writer.final_path.relative_to(spec.output_dir)),
             start=shard.start,
             stop=shard.stop,
@@ -168,9 +191,17 @@ class ComputeShardFn(beam.DoFn):
             seconds=seconds,
             worker_pid=os.getpid(),
             engine_builds=_engine_builds,
+            engine=engine.describe(),
             rows=shard.rows,
             nonfinite=writer.nonfinite,
         )
+        return record, sums
+
+    def _report(self, engine: dict) -> None:
+        self._retraces.set(engine["retraces_after_setup"])
+        self._fallbacks.set(len(engine["pfor_fallbacks"]))
+        self._oom_retries.set(engine["oom_retries"])
+        self._peak_rss.set(engine["peak_rss_bytes"] // 2**20)
 
 
 def shard_attrs(spec: JobSpec, shard: ShardRange) -> dict[str, str]:
@@ -186,8 +217,6 @@ def shard_attrs(spec: JobSpec, shard: ShardRange) -> dict[str, str]:
 
 def _check_finite(spec: JobSpec, ids, samples) -> None:
     """The plan scanned every input; a non-finite sample it did not reject means the file changed since."""
-    import numpy as np
-
     bad = ~np.isfinite(samples.reshape(len(samples), -1)).all(axis=1)
     if bad.any():
         sample_id = int(ids[int(np.argmax(bad))])
@@ -196,24 +225,32 @@ def _check_finite(spec: JobSpec, ids, samples) -> None:
             f"{source.path}: row {sample_id - source.first_id} (sample id {sample_id}) holds NaN or Inf but "
             "did not when the run was planned; the input file changed during the run"
         )
+        return record, sums
+
+    def _report(self, engine: dict) -> None:
+        self._retraces.set(engine["retraces_after_setup"])
+        self._fallbacks.set(len(engine["pfor_fallbacks"]))
+        self._oom_retries.set(engine["oom_retries"])
+        self._peak_rss.set(engine["peak_rss_bytes"] // 2**20)
 
 
 class ComputeShards(beam.PTransform):
-    """``PBegin -> {"shards": PCollection[ShardRecord], "rejected": PCollection[Rejected]}``: every shard
-    of the job, spread over the workers, and the dead-letter output of rejected samples."""
+    """``PBegin -> (records, aggregates, rejected)``: every shard of the job, spread over the workers.
+
+    ``records`` is a ``PCollection[ShardRecord]``; ``aggregates`` holds each shard's partial sums
+    ``(shard position, Partial)`` when the job asks for aggregates; ``rejected`` is the dead-letter
+    output: the ``Rejected`` runs of samples left out of each range (``input.on_bad_sample: skip``).
+    """
 
     def __init__(self, spec: JobSpec):
         super().__init__()
         self._spec = spec
 
     def expand(self, pbegin):
-        outputs = (
+        return (
             pbegin
             | "ShardRanges" >> beam.Create(self._spec.ranges())
             | "Spread" >> beam.Reshuffle()
-            | "ComputeShard" >> beam.ParDo(ComputeShardFn(self._spec)).with_outputs(REJECTED, main="shards")
+            | "ComputeShard"
+            >> beam.ParDo(ComputeShardFn(self._spec)).with_outputs(AGGREGATES_TAG, REJECTED, main="records")
         )
-        # Files that could not be opened at all have no ids, hence no range: the plan's records join here.
-        unreadable = pbegin | "UnreadableFiles" >> beam.Create(list(self._spec.file_rejects))
-        rejected = (outputs[REJECTED], unreadable) | "AllRejected" >> beam.Flatten()
-        return {"shards": outputs.shards, "rejected": rejected}

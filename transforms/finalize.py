@@ -24,6 +24,7 @@ from typing import Any
 import apache_beam as beam
 
 from transforms import faults
+from transforms.aggregates import PARTIALS
 from transforms.errors import OutputError
 from transforms.shards import SHARDS_DIR, ShardRecord, durable, is_temp_file, read_attrs
 from transforms.spec import JobSpec, Rejected, version
@@ -33,7 +34,7 @@ VIEW = "jacobians.h5"
 REJECTED_FILE = "rejected.jsonl"
 # Temporary names of the files above (and of the launcher's write test): jacobeam's own, safe to remove.
 _ROOT_TEMP = re.compile(
-    r"^\.(manifest\.json|jacobians\.h5|rejected\.jsonl)\.tmp-\d+$|^\.jacobeam-write-test-[0-9a-f]+$"
+    r"^\.(manifest\.json|jacobians\.h5|rejected\.jsonl|aggregates\.h5)\.tmp-\d+$|^\.jacobeam-write-test-[0-9a-f]+$"
 )
 
 
@@ -102,8 +103,14 @@ def write_virtual_view(output_dir: str, records: Sequence[ShardRecord]) -> dict[
 
     root = Path(output_dir)
     total = sum(record.num_samples for record in records)
+    fields: dict[str, tuple] = {}
+
+    def per_sample(name: str, item) -> None:
+        if isinstance(item, h5py.Dataset) and not name.startswith(f"{PARTIALS}/"):
+            fields[name] = (item.shape[1:], item.dtype)
+
     with h5py.File(root / records[0].file, "r") as first:
-        fields = {name: (ds.shape[1:], ds.dtype) for name, ds in first.items() if isinstance(ds, h5py.Dataset)}
+        first.visititems(per_sample)
     layouts = {name: h5py.VirtualLayout((total, *shape), dtype) for name, (shape, dtype) in fields.items()}
     row = 0
     for record in records:
@@ -185,9 +192,12 @@ def build_manifest(
         "output_shape": [int(d) for d in attrs["output_shape"]],
         "dtype": str(attrs["dtype"]),
         "model_fingerprint": records[0].model_fingerprint,
+        # What the engine ran and why, as the first worker's engine reported it.
+        "engine": records[0].engine,
         "run_key": spec.run_key,
         "run_identity": spec.identity,
         "datasets": {name: {"shape": ["n", *shape], "dtype": dtype} for name, (shape, dtype) in fields.items()},
+        "stored": _stored(spec),
         "inputs": [
             {
                 "path": source.path,
@@ -235,6 +245,25 @@ def build_manifest(
     }
 
 
+def _stored(spec: JobSpec) -> dict[str, Any]:
+    """How the stored datasets were made: the rows rule, the reduction and its parameters."""
+    selection, reduction = spec.engine.outputs, spec.engine.reduce
+    stored: dict[str, Any] = {"outputs": selection.rule, "reduce": reduction.kind}
+    if selection.rule == "indices":
+        stored["indices"] = list(selection.indices)
+    if selection.rule == "top_k":
+        stored["top_k"] = selection.k
+    if selection.rule == "label":
+        stored["labels_key"] = spec.label_key
+    if reduction.kind in ("vjp", "jvp"):
+        stored["vectors"] = reduction.vectors
+    if reduction.kind == "project":
+        stored["projection"] = {"dim": reduction.project_dim, "kind": reduction.project_kind, "seed": reduction.project_seed}
+    if reduction.kind == "basis":
+        stored["basis"] = {"input": reduction.basis_input, "output": reduction.basis_output}
+    return stored
+
+
 def remove_temp_files(output_dir: str) -> None:
     """Delete temporary files that killed writers left behind (only jacobeam's own names)."""
     root = Path(output_dir)
@@ -252,29 +281,43 @@ def write_manifest(output_dir: str, manifest: dict[str, Any]) -> None:
     _write_atomically(Path(output_dir) / MANIFEST, lambda temp: temp.write_text(text), "manifest")
 
 
-def finalize(records: Sequence[ShardRecord], spec: JobSpec, rejected: Sequence[Rejected] = ()) -> dict[str, Any]:
+def finalize(
+    records: Sequence[ShardRecord],
+    spec: JobSpec,
+    aggregates: dict[str, Any] | None = None,
+    rejected: Sequence[Rejected] | None = None,
+) -> dict[str, Any]:
+    """``rejected``: the compute step's dead-letter output (rejected sample runs); files that could not
+    be opened have no ids, hence no range, and come from the plan. Without it, the plan's list."""
+    rejected = spec.rejected() if rejected is None else [*spec.file_rejects, *rejected]
     ordered = check_coverage(records, spec.num_samples, rejected)
     fields = write_virtual_view(spec.output_dir, ordered)
     rejected_sha256 = write_rejected(spec.output_dir, rejected)
     remove_temp_files(spec.output_dir)
     manifest = build_manifest(spec, ordered, fields, rejected, rejected_sha256)
+    manifest["aggregates"] = aggregates or {}
     write_manifest(spec.output_dir, manifest)
     return manifest
 
 
 class Finalize(beam.PTransform):
-    """``PCollection[ShardRecord]`` (or ``ComputeShards``' dict of shards and rejected samples)
-    ``-> PCollection[manifest dict]``: one step after every shard is done."""
+    """``PCollection[ShardRecord] -> PCollection[manifest dict]``: one step after every shard is done
+    (and after ``aggregates``, a single-element ``PCollection`` from ``Aggregate``, if given).
+    ``rejected`` is the compute step's dead-letter output (``PCollection[Rejected]``), if given."""
 
-    def __init__(self, spec: JobSpec):
+    def __init__(self, spec: JobSpec, aggregates=None, rejected=None):
         super().__init__()
         self._spec = spec
+        self._aggregates = aggregates
+        self._rejected = rejected
 
-    def expand(self, inputs):
-        records, side = inputs, {}
-        if isinstance(inputs, dict):
-            records = inputs["shards"]
-            side["rejected"] = beam.pvalue.AsList(inputs["rejected"])
+    def expand(self, records):
+        side = {} if self._aggregates is None else {"aggregates": beam.pvalue.AsSingleton(self._aggregates)}
+        if self._rejected is not None:
+            # Collected by a step of its own: Beam's BundleBasedDirectRunner hands the main output of a
+            # ParDo to a side input read straight from that ParDo's tagged output (seen in Beam 2.77).
+            collected = self._rejected | "CollectRejected" >> beam.combiners.ToList()
+            side["rejected"] = beam.pvalue.AsSingleton(collected)
         return (
             records
             | "AllShards" >> beam.combiners.ToList()

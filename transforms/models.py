@@ -22,13 +22,28 @@ BUILTIN_SEED = 0
 
 @dataclass
 class LoadedModel:
-    """A model ready to call on a batch: ``call(x[n, *input_shape]) -> y[n, *output_shape]``."""
+    """A model ready to call on a batch.
 
-    call: Callable[[tf.Tensor], tf.Tensor]
+    ``call(xs)`` takes a list with one tensor ``(n, *input_shape_k)`` per model input, in the order of
+    ``input_names``, and returns one tensor ``(n, *output_shape)``.
+    """
+
+    call: Callable[[list[tf.Tensor]], tf.Tensor]
     variables: list[tf.Variable]
     source: str
-    input_shape: tuple[int | None, ...] | None = None  # per sample, where the model declares it
-    keras_model: Any = None  # the Keras model itself, when it is one (``jacobeam verify`` clones it in float64)
+    input_names: tuple[str, ...] = ("x",)
+    input_shapes: tuple[tuple[int | None, ...], ...] | None = None  # per sample, where the model declares them
+    keras_model: keras.Model | None = None
+
+    def with_dtype(self, dtype: str) -> LoadedModel:
+        """The same model computing in ``dtype`` (a float64 twin with identical weights, say)."""
+        if self.keras_model is None:
+            if dtype == "float32":
+                return self
+            raise ModelError(f"{self.source}: compute_dtype {dtype} needs a Keras model (this one is not)")
+        if self.keras_model.dtype == dtype:
+            return self
+        return wrap_model(_keras_in_dtype(self.keras_model, dtype), self.source)
 
     def fingerprint(self) -> str:
         """sha256 over the model's weights (shapes, dtypes and values, in the model's order)."""
@@ -89,14 +104,38 @@ def build_cnn(seed: int = BUILTIN_SEED, dtype: str = "float32") -> keras.Model:
 BUILTINS: dict[str, Callable[..., keras.Model]] = {"mlp": build_mlp, "cnn": build_cnn}
 
 
-def _from_object(obj: Any, source: str) -> LoadedModel:
+def _keras_in_dtype(model: keras.Model, dtype: str) -> keras.Model:
+    def clone_layer(layer):
+        return layer.__class__.from_config({**layer.get_config(), "dtype": dtype})
+
+    inputs = [keras.Input(shape=t.shape[1:], dtype=dtype, name=t.name) for t in model.inputs]
+    clone = keras.models.clone_model(
+        model, input_tensors=inputs[0] if len(inputs) == 1 else inputs, clone_function=clone_layer
+    )
+    clone.set_weights([weight.astype(dtype) for weight in model.get_weights()])
+    return clone
+
+
+def wrap_model(obj: Any, source: str) -> LoadedModel:
+    """A Keras model, or any callable taking one batch tensor, as a ``LoadedModel``."""
     if isinstance(obj, keras.Model):
-        declared = obj.input_shape if isinstance(obj.input_shape, tuple) else None  # one input only
+        inputs = obj.inputs or []
+        if len(inputs) > 1:
+            return LoadedModel(
+                lambda xs: obj(list(xs), training=False),
+                list(obj.weights),
+                source,
+                input_names=tuple(t.name for t in inputs),
+                input_shapes=tuple(tuple(t.shape[1:]) for t in inputs),
+                keras_model=obj,
+            )
+        declared = (tuple(inputs[0].shape[1:]),) if inputs else None
         return LoadedModel(
-            lambda x: obj(x, training=False), list(obj.weights), source, declared[1:] if declared else None, obj
+            lambda xs: obj(xs[0], training=False), list(obj.weights), source,
+            input_shapes=declared, keras_model=obj,
         )
     if callable(obj):
-        return LoadedModel(obj, _variables(obj), source)
+        return LoadedModel(lambda xs: obj(xs[0]), _variables(obj), source)
     raise ModelError(f"{source}: expected a Keras model or a callable tf.Module, got {type(obj).__name__}")
 
 
@@ -118,7 +157,7 @@ def _load_saved_model(path: str) -> LoadedModel:
     # ``__call__`` when it was a tf.function; anything else is served through its signature.
     fn = getattr(loaded, "serve", None) or (loaded if callable(loaded) else None)
     if fn is not None:
-        return LoadedModel(fn, _variables(loaded), path)
+        return LoadedModel(lambda xs: fn(xs[0]), _variables(loaded), path)
     signature = loaded.signatures.get("serving_default")
     if signature is None:
         raise ModelError(f"{path}: SavedModel has no 'serve' function and no 'serving_default' signature")
@@ -130,20 +169,20 @@ def _load_saved_model(path: str) -> LoadedModel:
             "expected one input and one output"
         )
     (input_name,), (output_name,) = inputs, outputs
-    return LoadedModel(lambda x: signature(**{input_name: x})[output_name], _variables(loaded), path)
+    return LoadedModel(lambda xs: signature(**{input_name: xs[0]})[output_name], _variables(loaded), path)
 
 
 def load(path: str | None = None, factory: str | None = None, builtin: str | None = None) -> LoadedModel:
     """Load a model from exactly one source (see ``pipeline.config.ModelConfig``)."""
     if builtin is not None:
-        return _from_object(BUILTINS[builtin](), f"builtin:{builtin}")
+        return wrap_model(BUILTINS[builtin](), f"builtin:{builtin}")
     if factory is not None:
         module_name, _, attr = factory.partition(":")
         try:
             build = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as err:
             raise ModelError(f"model.factory {factory!r}: cannot import: {err}") from err
-        return _from_object(build(), f"factory:{factory}")
+        return wrap_model(build(), f"factory:{factory}")
     assert path is not None
     if not tf.io.gfile.exists(path):
         raise ModelError(f"model.path {path}: no such file or directory")
@@ -161,7 +200,7 @@ def load(path: str | None = None, factory: str | None = None, builtin: str | Non
                 f"model.path {path}: refused: loading it would run Python code stored in the file (Keras "
                 "safe_mode). Build such a model in a Python function and name it in model.factory instead"
             ) from err
-        return _from_object(model, path)
+        return wrap_model(model, path)
     if tf.io.gfile.isdir(path):
         return _load_saved_model(path)
     raise ModelError(f"model.path {path}: expected a .keras file or a SavedModel directory")

@@ -175,6 +175,15 @@ def describe(path: str, key: str | None) -> SourceFile:
 def unreadable_file(path: str, key: str | None, reason: str) -> SourceFile:
     """A file that cannot be opened at all: it holds no samples, hence no ids (``on_bad_sample: skip``)."""
     return SourceFile(path=path, key=key, num_samples=0, sample_shape=(), dtype="", unreadable=reason)
+def check_labels(source: SourceFile, label_key: str) -> None:
+    """The file holds one label per sample under ``label_key``."""
+    with open_rows(source.path, label_key) as labels:
+        shape = tuple(int(d) for d in labels.shape)
+    if shape not in ((source.num_samples,), (source.num_samples, 1)):
+        raise InputError(
+            f"{source.path}: labels {label_key!r} of shape {shape}; expected ({source.num_samples},), "
+            "one output index per sample"
+        )
 
 
 def check_consistent(files: Sequence[SourceFile]) -> None:
@@ -201,18 +210,25 @@ def assign_ids(files: Sequence[SourceFile]) -> list[SourceFile]:
 
 
 def iter_slices(
-    files: Sequence[SourceFile], start: int, stop: int, max_rows: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yield ``(sample_ids, samples)`` covering ids ``[start, stop)`` in order, in slices of at most
-    ``max_rows`` rows, each from one file. ``samples`` has shape ``(rows, *sample_shape)`` and the
-    file's own dtype; slices end at file boundaries, so batching across files is the caller's job.
+    files: Sequence[SourceFile], start: int, stop: int, max_rows: int, label_key: str | None = None
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+    """Yield ``(sample_ids, samples, labels)`` covering ids ``[start, stop)`` in order, in slices of
+    at most ``max_rows`` rows, each from one file. ``samples`` has shape ``(rows, *sample_shape)`` and
+    the file's own dtype; ``labels`` ``(rows,)`` come from the array ``label_key`` of the same file
+    (None without one). Slices end at file boundaries, so batching across files is the caller's job.
     """
     for source in files:
         lo, hi = max(start, source.first_id), min(stop, source.stop_id)
         if lo >= hi:
             continue
-        with open_rows(source.path, source.key) as rows:
+        with contextlib.ExitStack() as stack:
+            rows = stack.enter_context(open_rows(source.path, source.key))
+            labels = stack.enter_context(open_rows(source.path, label_key)) if label_key else None
             for first in range(lo, hi, max_rows):
                 last = min(first + max_rows, hi)
-                ids = np.arange(first, last, dtype=np.int64)
-                yield ids, rows.read(first - source.first_id, last - source.first_id)
+                local = slice(first - source.first_id, last - source.first_id)
+                yield (
+                    np.arange(first, last, dtype=np.int64),
+                    rows.read(local.start, local.stop),
+                    labels.read(local.start, local.stop).reshape(-1) if labels else None,
+                )

@@ -44,6 +44,7 @@ class ShardRecord:
     engine_builds: int = 0  # engines built in that worker process so far
     rows: int | None = None  # samples stored; fewer than stop - start when some were rejected
     nonfinite: int = 0  # rows whose results hold NaN or Inf
+    engine: dict[str, Any] | None = None  # what the engine ran and why (``JacobianEngine.describe()``)
 
     @property
     def num_samples(self) -> int:
@@ -88,7 +89,9 @@ def read_attrs(path: str | os.PathLike) -> dict[str, Any]:
         return dict(h5.attrs)
 
 
-def existing_record(output_dir: str, start: int, stop: int, model_fingerprint: str) -> ShardRecord:
+def existing_record(
+    output_dir: str, start: int, stop: int, model_fingerprint: str, engine: dict[str, Any] | None = None
+) -> ShardRecord:
     """The record of a complete shard found on disk (kept, not recomputed)."""
     path = shard_path(output_dir, start, stop)
     attrs = read_attrs(path)
@@ -101,6 +104,7 @@ def existing_record(output_dir: str, start: int, stop: int, model_fingerprint: s
         computed=False,
         rows=int(attrs.get("num_rows", stop - start)),
         nonfinite=int(attrs.get("nonfinite_count", 0)),
+        engine=engine,
     )
 
 
@@ -108,6 +112,8 @@ def nonfinite_rows(arrays: dict[str, np.ndarray]) -> np.ndarray:
     """Per row: does any float array (all but ``sample_id``) hold NaN or Inf there?"""
     mask = None
     for name, values in arrays.items():
+        if values.dtype.name == "bfloat16":  # ml_dtypes' type: not a numpy floating subtype
+            values = values.astype(np.float32)
         if name == "sample_id" or not np.issubdtype(values.dtype, np.floating):
             continue
         bad = ~np.isfinite(values.reshape(len(values), -1)).all(axis=1)
@@ -168,11 +174,27 @@ class ShardWriter:
             self._h5.create_dataset(
                 name,
                 shape=(rows, *like.shape[1:]),
-                dtype=like.dtype,
+                dtype=self._h5_dtype(like.dtype),
                 chunks=(chunk_rows, *like.shape[1:]),
                 compression=self._compression,
             )
         return self._h5[name]
+
+    def _h5_dtype(self, dtype: np.dtype):
+        """bfloat16 has no numpy-native HDF5 type: store it as an HDF5 float of bfloat16's layout
+        (2 bytes on disk; h5py and other HDF5 readers read it back as float32)."""
+        if dtype.name != "bfloat16":
+            return dtype
+        if "bfloat16" not in self._h5:
+            import h5py
+
+            bfloat16 = h5py.h5t.IEEE_F32LE.copy()
+            bfloat16.set_fields(15, 7, 8, 0, 7)  # sign bit, exponent at 7 (8 bits), mantissa 7 bits
+            bfloat16.set_precision(16)
+            bfloat16.set_size(2)
+            bfloat16.set_ebias(127)
+            bfloat16.commit(self._h5.id, b"bfloat16")  # a named type: self-describing in the file
+        return self._h5["bfloat16"]
 
     def write(self, first_id: int, arrays: dict[str, np.ndarray]) -> None:
         """Append the next rows (every array in ``arrays``, all of one length); ``first_id`` is the sample
@@ -184,12 +206,21 @@ class ShardWriter:
             raise OutputError(f"{self.final_path.name}: more than the planned {self.rows} rows")
         mask = nonfinite_rows(arrays)
         for name, values in {**arrays, NONFINITE: mask}.items():
-            self._dataset(name, values)[self._written : self._written + count] = values
+            dataset = self._dataset(name, values)
+            if values.dtype.name == "bfloat16":  # exact: HDF5 converts float32 holding bfloat16 values
+                values = values.astype(np.float32)
+            dataset[self._written : self._written + count] = values
         self._written += count
         self._next_id = first_id + count
         self.nonfinite += int(mask.sum())
         faults.reached("shard_write")
         faults.fail_shard_once(self.start)
+
+    def attach(self, group: str, arrays: dict[str, np.ndarray]) -> None:
+        """Store per-shard side data (not per-sample datasets) in a group of its own."""
+        target = self._h5.require_group(group)
+        for name, values in arrays.items():
+            target[name] = values
 
     def commit(self) -> str:
         """Close, checksum and rename into place; returns the sha256 of the complete shard."""

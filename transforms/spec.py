@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from importlib import metadata
-from typing import Any
+from typing import Any, Literal
 
 from transforms.readers import SourceFile
 
@@ -73,6 +73,51 @@ class Rejected:
 
 
 @dataclasses.dataclass(frozen=True)
+class OutputSelection:
+    """Which output rows to differentiate: all, fixed flat ``indices``, each sample's ``argmax``,
+    its ``label``, or its ``top_k`` outputs (largest first)."""
+
+    rule: Literal["all", "indices", "argmax", "label", "top_k"] = "all"
+    indices: tuple[int, ...] = ()
+    k: int = 1
+
+    @property
+    def count(self) -> int | None:
+        """Rows per sample; None for all rows."""
+        return {"all": None, "indices": len(self.indices), "argmax": 1, "label": 1, "top_k": self.k}[self.rule]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """What to keep of each sample's Jacobian (``jacobian.reduce`` and its parameters)."""
+
+    kind: str = "none"
+    vectors: str | None = None  # .npy of fixed vectors for vjp (over outputs) / jvp (over inputs)
+    project_dim: int = 256
+    project_kind: Literal["rademacher", "gaussian"] = "rademacher"
+    project_seed: int = 0
+    basis_input: str | None = None  # .npy (d, q): V in U^T J V
+    basis_output: str | None = None  # .npy (m, p): U in U^T J V
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How the engine computes Jacobians (see ``transforms.engine.JacobianEngine``)."""
+
+    batch_size: int = 256
+    mode: Literal["auto", "reverse", "reverse_loop", "forward", "autotune"] = "auto"
+    jit_compile: bool | Literal["auto"] = False
+    memory_budget: int = 2 * 2**30  # bytes for one block's working set, results included
+    wrt: tuple[str, ...] | None = None  # model inputs to differentiate by; None: all
+    compute_dtype: Literal["float32", "float64"] = "float32"
+    store_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float32"
+    check_batch_independence: bool = True
+    outputs: OutputSelection = OutputSelection()
+    reduce: Reduction = Reduction()
+    aggregate: tuple[str, ...] = ()  # any of mean, mean_abs, jtj
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardRange:
     """Sample ids ``[start, stop)``: one Beam element, one shard.
 
@@ -107,11 +152,11 @@ class JobSpec:
     files: tuple[SourceFile, ...]
     output_dir: str
     run_key: str  # identifies what the shards hold; shards from another run are never mixed in
-    batch_size: int = 256
-    jit_compile: bool = False
+    engine: EngineOptions = EngineOptions()
     samples_per_shard: int = 4096
     compression: str = "none"
     tf_threads: int | None = None  # TensorFlow threads per worker process; None keeps TF's default
+    label_key: str | None = None  # the array of per-sample labels in each input file (outputs: label)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the resolved config, for the manifest
     started_at: float = 0.0
     # Set by the planner (pipeline.plan); the defaults describe a fresh run without bad samples.
@@ -134,6 +179,10 @@ class JobSpec:
             return list(self.shard_ranges)
         step = self.samples_per_shard
         return [ShardRange(lo, min(lo + step, self.num_samples)) for lo in range(0, self.num_samples, step)]
+
+    def stored_ranges(self) -> list[ShardRange]:
+        """The ranges that have a shard: all but those whose samples were all rejected."""
+        return [r for r in self.ranges() if r.rows]
 
     def rejected(self) -> list[Rejected]:
         """Every rejected sample run (and unreadable file) of the plan."""

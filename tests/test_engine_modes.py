@@ -1,0 +1,209 @@
+"""Engine modes, XLA, memory budget, multi-input models and guards, each against an independent reference."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import models as test_models
+from tests.reference import assert_close, central_differences, tape_loop
+from transforms import strategies
+from transforms.engine import JacobianEngine
+from transforms.errors import ModelError
+from transforms.models import wrap_model
+from transforms.spec import EngineOptions
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _engine(model, **options):
+    options.setdefault("batch_size", 8)
+    return JacobianEngine(wrap_model(model, model.name), model.input_shape[1:], EngineOptions(**options))
+
+
+def _samples(model, n, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, *model.input_shape[1:])).astype(np.float32)
+
+
+@pytest.mark.parametrize("mode", ["reverse", "reverse_loop", "forward"])
+@pytest.mark.parametrize("build", [test_models.small_cnn, test_models.grid_model], ids=["cnn", "grid"])
+def test_each_mode_matches_the_tape_loop(mode, build):
+    model = build()
+    x = _samples(model, 11)
+    engine = _engine(model, mode=mode)
+    assert engine.describe()["mode"] == mode
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
+def test_forward_and_reverse_agree_and_auto_picks_by_size():
+    model = test_models.grid_model()  # 12 inputs, 6 outputs
+    x = _samples(model, 9)
+    forward, reverse = _engine(model, mode="forward")(x), _engine(model, mode="reverse")(x)
+    assert_close(forward["jacobian"], reverse["jacobian"].astype(np.float64), rtol=1e-6)
+    assert _engine(model, mode="auto").describe()["mode"] == "reverse"
+    assert _engine(test_models.upsampler(), mode="auto", check_batch_independence=True).describe()["mode"] != "forward"
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_float64_compute_matches_float64_finite_differences(mode):
+    model = test_models.small_mlp()
+    x = _samples(model, 4)
+    result = _engine(model, mode=mode, compute_dtype="float64", store_dtype="float64")(x)
+    assert result["jacobian"].dtype == np.float64
+    assert_close(result["jacobian"], central_differences(test_models.small_mlp("float64"), x), rtol=1e-8)
+
+
+@pytest.mark.parametrize("store", ["float16", "bfloat16"])
+def test_store_dtypes_round_the_float32_result(store):
+    model = test_models.small_mlp()
+    x = _samples(model, 5)
+    stored = _engine(model, store_dtype=store)(x)["jacobian"]
+    expected = tape_loop(model, x)
+    dtype = np.float16 if store == "float16" else ml_dtypes.bfloat16
+    assert stored.dtype == dtype
+    # Rounding to the storage type is the only difference: at most half a unit in the last place.
+    eps = float(ml_dtypes.finfo(dtype).eps)
+    np.testing.assert_allclose(stored.astype(np.float32), expected, rtol=eps, atol=eps * np.abs(expected).max())
+
+
+def test_two_input_model_gives_one_jacobian_per_input_and_wrt_selects():
+    model = test_models.two_inputs()
+    rng = np.random.default_rng(3)
+    xs = {"image": rng.normal(size=(6, 4, 4, 1)).astype(np.float32), "meta": rng.normal(size=(6, 3)).astype(np.float32)}
+    shapes = {"image": (4, 4, 1), "meta": (3,)}
+    engine = JacobianEngine(wrap_model(model, "two"), shapes, EngineOptions(batch_size=4))
+    result = engine(xs)
+    assert set(result) == {"output", "jacobian/image", "jacobian/meta"}
+
+    for name in ("image", "meta"):
+        expected = []
+        for i in range(6):
+            sample = {k: tf.constant(v[i : i + 1]) for k, v in xs.items()}
+            with tf.GradientTape() as tape:
+                tape.watch(sample[name])
+                y = model([sample["image"], sample["meta"]])[0]
+            jac = tape.jacobian(y, sample[name]).numpy()
+            expected.append(jac.reshape(5, *shapes[name]))
+        assert_close(result[f"jacobian/{name}"], np.stack(expected), rtol=1e-5)
+
+    only_meta = JacobianEngine(wrap_model(model, "two"), shapes, EngineOptions(batch_size=4, wrt=("meta",)))(xs)
+    assert set(only_meta) == {"output", "jacobian/meta"}
+    assert_close(only_meta["jacobian/meta"], result["jacobian/meta"].astype(np.float64), rtol=1e-5)
+    with pytest.raises(ModelError, match=r"jacobian.wrt: two has no input\(s\) \['label'\]"):
+        JacobianEngine(wrap_model(model, "two"), shapes, EngineOptions(wrt=("label",)))
+
+
+def test_pfor_fallback_is_reported_and_forward_without_a_rule_fails_over():
+    model = test_models.upsampler()  # 16 inputs < 36 outputs: auto prefers forward
+    x = _samples(model, 5)
+    auto = _engine(model, mode="auto")
+    described = auto.describe()
+    assert described["mode"] == "reverse"
+    assert any("forward" in reason and "forward-mode rule" in reason for reason in described["reasons"])
+    assert "ResizeBilinearGrad" in described["pfor_fallbacks"]
+    assert_close(auto(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+    with pytest.raises(ModelError, match=r"forward mode dropped the tangent"):
+        _engine(model, mode="forward")
+
+
+def test_xla_failure_falls_back_under_auto_and_is_an_error_when_required():
+    model = test_models.not_xla_compilable()
+    x = _samples(model, 6)
+    engine = _engine(model, jit_compile="auto")
+    described = engine.describe()
+    assert described["jit_compile"] is False
+    assert any("XLA failed" in reason for reason in described["reasons"])
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+    with pytest.raises(ModelError, match=r"XLA compilation failed \(jit_compile: true\)"):
+        _engine(model, jit_compile=True)
+
+
+def test_xla_is_used_under_auto_when_it_agrees_and_rejected_when_it_does_not(monkeypatch):
+    model = test_models.small_mlp()
+    assert _engine(model, jit_compile="auto").describe()["jit_compile"] is True
+
+    real = strategies.build_block
+
+    def wrong_under_xla(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs):
+        fn = real(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs)
+        if not jit_compile:
+            return fn
+        return tf.function(lambda *args: (lambda y, block: (y, block * 1.01))(*fn(*args)))
+
+    monkeypatch.setattr("transforms.engine.build_block", wrong_under_xla)
+    engine = _engine(model, jit_compile="auto")
+    assert engine.describe()["jit_compile"] is False
+    assert any("disagrees" in reason for reason in engine.describe()["reasons"])
+    x = _samples(model, 3)
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_small_budget_forces_blocks_and_smaller_batches(mode):
+    model = test_models.small_cnn()  # 64 inputs, 3 outputs
+    x = _samples(model, 10)
+    engine = _engine(model, mode=mode, memory_budget=6_000)
+    described = engine.describe()
+    extent = 64 if mode == "forward" else 3
+    assert described["batch_size"] < 8 and described["block_rows"]["x"] < extent
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+    assert engine.describe()["retraces_after_setup"] == 0
+
+
+def test_out_of_memory_is_retried_with_smaller_blocks(monkeypatch):
+    model = test_models.small_cnn()
+    x = _samples(model, 7)
+    engine = _engine(model, mode="reverse")
+    real_block = engine._block
+    failures = []
+
+    def block_failing_once(mode, jit, k, rows):
+        fn = real_block(mode, jit, k, rows)
+
+        def run(*args):
+            if not failures:
+                failures.append(rows)
+                raise tf.errors.ResourceExhaustedError(None, None, "injected OOM")
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(engine, "_block", block_failing_once)
+    result = engine(x)
+    assert failures == [3]
+    described = engine.describe()
+    assert described["oom_retries"] == 1 and described["block_rows"]["x"] == 1
+    assert_close(result["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
+def test_batch_coupled_model_is_refused():
+    with pytest.raises(ModelError, match=r"depends on the other samples in its batch"):
+        _engine(test_models.batch_coupled())
+
+
+def test_autotune_times_every_path_and_keeps_a_correct_one():
+    model = test_models.small_cnn()
+    x = _samples(model, 9)
+    engine = _engine(model, mode="autotune", jit_compile="auto")
+    described = engine.describe()
+    paths = {c["path"] for c in described["candidates"]}
+    assert {"reverse", "reverse_loop"} <= paths
+    timed = [c for c in described["candidates"] if "seconds_per_sample" in c]
+    assert len(timed) >= 3
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_thousand_outputs_on_224x224x3_within_a_2gib_budget():
+    """Peak memory is measured in a fresh process: one sample's Jacobian alone is 602 MB."""
+    script = REPO / "tests" / "budget_probe.py"
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = dict(line.split("=", 1) for line in done.stdout.split() if "=" in line)
+    assert int(report["batch"]) == 1
+    assert float(report["max_rel_error"]) < 1e-5
+    assert int(report["growth"]) <= 2 * 2**30, report

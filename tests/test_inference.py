@@ -1,0 +1,49 @@
+"""RunInference with JacobianModelHandler: RunInference's batching and model sharing, our engine."""
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.ml.inference.base import RunInference
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+from apache_beam.testing.util import assert_that
+
+from tests import models as test_models
+from tests.reference import assert_close, tape_loop
+from transforms.inference import JacobianModelHandler
+from transforms.spec import EngineOptions, ModelSource, Reduction
+
+
+def test_run_inference_yields_each_samples_jacobian():
+    samples = np.random.default_rng(2).normal(size=(10, 8, 8, 1)).astype(np.float32)
+    expected = tape_loop(test_models.small_cnn(), samples)
+    handler = JacobianModelHandler(
+        ModelSource(factory="tests.models:small_cnn"), (8, 8, 1), EngineOptions(batch_size=4), min_batch_size=3
+    )
+
+    def check(results):
+        assert len(results) == 10
+        by_first_value = {float(r.example.ravel()[0]): r for r in results}
+        for sample, jacobian in zip(samples, expected):
+            result = by_first_value[float(sample.ravel()[0])]
+            assert result.inference["jacobian"].shape == (3, 8, 8, 1)
+            assert_close(result.inference["jacobian"], jacobian, rtol=1e-5)
+            assert len(result.model_id) == 16
+
+    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+        results = pipeline | beam.Create(list(samples)) | RunInference(handler)
+        assert_that(results, check)
+
+
+def test_reductions_work_through_run_inference():
+    samples = np.random.default_rng(3).normal(size=(6, 8)).astype(np.float32)
+    full = tape_loop(test_models.coupling_flow(), samples).astype(np.float64)
+    handler = JacobianModelHandler(
+        ModelSource(factory="tests.models:coupling_flow"), (8,), EngineOptions(batch_size=4, reduce=Reduction("slogdet"))
+    )
+
+    def check(results):
+        found = {float(r.example[0]): r.inference for r in results}
+        for sample, jacobian in zip(samples, full):
+            np.testing.assert_allclose(found[float(sample[0])]["logabsdet"], np.linalg.slogdet(jacobian)[1], atol=1e-5)
+
+    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+        assert_that(pipeline | beam.Create(list(samples)) | RunInference(handler), check)

@@ -1,0 +1,61 @@
+"""Jacobians through Beam's ``RunInference``: a ``ModelHandler`` whose "inference" is the Jacobian.
+
+``RunInference(JacobianModelHandler(...))`` brings RunInference's own batching, per-process model
+sharing and metrics. Unlike Beam's TensorFlow handler it needs no ``tensorflow_hub``, and TensorFlow is
+imported only when a worker loads the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from apache_beam.ml.inference.base import ModelHandler, PredictionResult
+
+from transforms.spec import EngineOptions, ModelSource
+
+
+class JacobianModelHandler(ModelHandler[np.ndarray, dict, Any]):
+    """Examples are single samples ``(*input_shape)`` (numpy); each ``PredictionResult.inference`` is
+    a dict of that sample's datasets, e.g. ``{"jacobian": (*output_shape, *input_shape),
+    "output": (*output_shape)}`` (see ``transforms.engine.JacobianEngine``).
+
+    ``model`` is a ``ModelSource``; ``options`` the engine's (mode, XLA, memory budget, what to
+    store). Batching keywords (``min_batch_size``, ``max_batch_size``, ...) go to ``BatchElements``;
+    the largest batch defaults to ``options.batch_size``.
+    """
+
+    def __init__(
+        self,
+        model: ModelSource,
+        input_shape: Sequence[int],
+        options: EngineOptions = EngineOptions(),
+        **batching: Any,
+    ):
+        batching.setdefault("max_batch_size", options.batch_size)
+        super().__init__(**batching)
+        self._model = model
+        self._input_shape = tuple(input_shape)
+        self._options = options
+
+    def load_model(self):
+        """The engine: built, checked and warmed up once per worker process (RunInference shares it)."""
+        from transforms.engine import JacobianEngine
+
+        return JacobianEngine(self._model.load(), self._input_shape, self._options)
+
+    def run_inference(
+        self, batch: Sequence[np.ndarray], model, inference_args: dict[str, Any] | None = None
+    ) -> Iterable[PredictionResult]:
+        labels = (inference_args or {}).get("labels")
+        datasets = model(np.stack(batch), labels)
+        model_id = model.fingerprint[:16]
+        for i, example in enumerate(batch):
+            yield PredictionResult(example, {name: value[i] for name, value in datasets.items()}, model_id)
+
+    def get_num_bytes(self, batch: Sequence[np.ndarray]) -> int:
+        return sum(np.asarray(example).nbytes for example in batch)
+
+    def get_metrics_namespace(self) -> str:
+        return "jacobeam"

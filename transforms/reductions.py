@@ -1,0 +1,63 @@
+"""What is kept of each sample's Jacobian: exact reductions of ``J`` and the fixed matrices that
+products with ``J`` use. Numpy only.
+
+Shapes: a batch's Jacobians arrive flattened as ``J`` of shape ``(n, r, d)`` (``r`` output rows, the
+selected ones if any, ``d`` input entries); results are reshaped to the output and input shapes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from transforms.errors import ModelError
+
+FULL = ("none", "frobenius", "diagonal", "trace", "slogdet", "max_abs_over_outputs", "sum_abs_over_channels")
+PRODUCTS = ("vjp", "jvp", "project", "basis")
+SQUARE = ("diagonal", "trace", "slogdet")
+KINDS = FULL + PRODUCTS
+
+
+def projection_matrix(d: int, dim: int, kind: str, seed: int) -> np.ndarray:
+    """The seeded input-side projection ``P`` of shape ``(d, dim)``, float64.
+
+    ``numpy.random.default_rng(seed)``; rademacher: ``rng.choice([-1.0, 1.0], size=(d, dim))``,
+    gaussian: ``rng.standard_normal((d, dim))``; both divided by ``sqrt(dim)`` so that
+    ``E[P P^T] = I``. Stored results are ``J P``.
+    """
+    rng = np.random.default_rng(seed)
+    if kind == "rademacher":
+        matrix = rng.choice([-1.0, 1.0], size=(d, dim))
+    elif kind == "gaussian":
+        matrix = rng.standard_normal((d, dim))
+    else:
+        raise ModelError(f"jacobian.project.kind: expected rademacher or gaussian, got {kind!r}")
+    return matrix / np.sqrt(dim)
+
+
+def reduce_full(
+    kind: str, jacobian: np.ndarray, rows_shape: tuple[int, ...], input_shape: tuple[int, ...]
+) -> dict[str, np.ndarray]:
+    """Datasets for a reduction of full Jacobians ``(n, r, d)``; ``rows_shape`` is the shape of the
+    ``r`` rows (the output shape, or ``(k,)`` for selected rows)."""
+    n = len(jacobian)
+    if kind == "none":
+        return {"jacobian": jacobian.reshape((n, *rows_shape, *input_shape))}
+    wide = jacobian.astype(np.float64)  # float64 sums and determinants: no overflow, stable
+    if kind == "frobenius":
+        # Scaled by the largest entry so that squaring can neither overflow nor underflow.
+        scale = np.abs(wide).max(axis=(1, 2), keepdims=True)
+        scale[scale == 0] = 1.0
+        return {"frobenius": scale[:, 0, 0] * np.sqrt(np.sum((wide / scale) ** 2, axis=(1, 2)))}
+    if kind == "diagonal":
+        return {"diagonal": np.diagonal(jacobian, axis1=1, axis2=2).copy()}
+    if kind == "trace":
+        return {"trace": np.trace(wide, axis1=1, axis2=2)}
+    if kind == "slogdet":
+        sign, logabsdet = np.linalg.slogdet(wide)
+        return {"sign": sign, "logabsdet": logabsdet}
+    if kind == "max_abs_over_outputs":
+        return {"saliency": np.abs(jacobian).max(axis=1).reshape((n, *input_shape))}
+    if kind == "sum_abs_over_channels":
+        shaped = np.abs(jacobian).reshape((n, *rows_shape, *input_shape))
+        return {"saliency": shaped.sum(axis=-1, dtype=np.float64)}
+    raise ModelError(f"jacobian.reduce: {kind!r} is not a reduction of the full Jacobian")

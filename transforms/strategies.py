@@ -1,0 +1,118 @@
+"""The ways to compute one block of a batch's Jacobians, each as one compiled TensorFlow function.
+
+A *block* is a slice of ``L J_i R`` for every sample ``i`` of a batch, where ``J_i = d y_i / d x_i``
+has the output flattened to ``m`` entries and input ``k`` flattened to ``d`` entries:
+
+- ``reverse``: ``tape.batch_jacobian`` (pfor-vectorised reverse mode) of rows ``[start, start + c)``
+  of ``L y``: ``(n, c, d)``. Cost grows with the number of rows.
+- ``reverse_loop``: the same rows through a graph-mode loop of batched gradients, one per row
+  (``batch_jacobian`` without pfor). Slower where pfor vectorises well, faster where its kernels are
+  poor (max-pooling CNNs on CPU, see shared/benchmarks.md).
+- ``forward``: ``tf.autodiff.ForwardAccumulator`` over a vectorised batch of tangents, the columns
+  ``[start, start + c)`` of ``R``: ``(n, m, c)``. Cost grows with the number of columns.
+
+``L`` (reverse only) is the identity, a per-sample choice of rows (``left="index"``: an int tensor
+``(n, k)``) or a fixed matrix (``left="matrix"``: ``(r, m)``, vector-Jacobian products). ``R``
+(forward only) is the identity or a fixed matrix given by its columns as rows (``right="matrix"``:
+``(r, d)``, Jacobian-vector products and projections). Neither ever forms the full Jacobian.
+
+The block size ``c`` is fixed per function, so a function traces once; ``start`` is a tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import numpy as np
+import tensorflow as tf
+
+from transforms.errors import ModelError
+
+MODES = ("reverse", "reverse_loop", "forward")
+
+Call = Callable[[list[tf.Tensor]], tf.Tensor]
+
+
+class ForwardModeUnsupported(ModelError):
+    """Forward mode dropped the tangent: an op on the path has no forward-mode rule."""
+
+
+def _flat_output(call: Call, xs: list[tf.Tensor], dtype: tf.DType) -> tf.Tensor:
+    y = tf.cast(call(xs), dtype)
+    return tf.reshape(y, (tf.shape(y)[0], -1))
+
+
+def build_block(
+    mode: str,
+    call: Call,
+    input_shapes: Sequence[tuple[int, ...]],
+    wrt: int,
+    rows: int,
+    total: int,
+    dtype: tf.DType,
+    jit_compile: bool,
+    operand: Literal["identity", "index", "matrix"] = "identity",
+) -> Callable:
+    """A compiled ``block(xs, start, operand) -> (y_flat (n, m), block)`` for model input ``wrt``.
+
+    ``rows`` is the block size ``c`` and ``total`` the full extent being blocked (rows of ``L y`` for
+    the reverse modes, columns of ``R`` for forward). ``start`` must satisfy
+    ``0 <= start <= total - rows``. ``operand`` says what the third argument is (see the module
+    docstring); with ``"identity"`` pass an empty ``(0, 0)`` tensor. With ``rows == total`` and the
+    identity, reverse modes differentiate the whole output without slicing it (a slice adds a scatter
+    of one-hot cotangents per row).
+    """
+    shape = tuple(input_shapes[wrt])
+    size = int(np.prod(shape, dtype=np.int64))
+    operand_spec = tf.TensorSpec((None, None), tf.int32 if operand == "index" else dtype)
+    signature = [
+        [tf.TensorSpec((None, *s), dtype) for s in input_shapes],
+        tf.TensorSpec((), tf.int32),
+        operand_spec,
+    ]
+
+    def targets(y, start, given):
+        if operand == "index":
+            y = tf.gather(y, given, batch_dims=1)
+        elif operand == "matrix":
+            y = tf.matmul(y, given, transpose_b=True)
+        return y if rows == total else y[:, start : start + rows]
+
+    def reverse(xs, start, given):
+        xs = list(xs)
+        with tf.GradientTape() as tape:
+            tape.watch(xs[wrt])
+            y = _flat_output(call, xs, dtype)
+            target = targets(y, start, given)
+        block = tape.batch_jacobian(target, xs[wrt], experimental_use_pfor=mode == "reverse")
+        return y, tf.reshape(block, (tf.shape(y)[0], rows, size))
+
+    def forward(xs, start, given):
+        xs = list(xs)
+        n = tf.shape(xs[wrt])[0]
+        if operand == "matrix":
+            directions = given[start : start + rows]  # (c, d)
+        else:
+            directions = tf.one_hot(start + tf.range(rows), size, dtype=dtype)
+        tangents = tf.broadcast_to(tf.reshape(directions, (rows, 1, *shape)), tf.concat([[rows, n], shape], 0))
+
+        def jvp(tangent):
+            with tf.autodiff.ForwardAccumulator(xs[wrt], tangent) as accumulator:
+                y = _flat_output(call, xs, dtype)
+            column = accumulator.jvp(y)
+            if column is None:
+                raise ForwardModeUnsupported(
+                    "forward mode dropped the tangent: an op between input and output has no "
+                    "forward-mode rule (image resizing is one); use mode reverse"
+                )
+            return column
+
+        y = _flat_output(call, xs, dtype)
+        columns = tf.vectorized_map(jvp, tangents)  # (c, n, m)
+        return y, tf.transpose(columns, (1, 2, 0))
+
+    body = forward if mode == "forward" else reverse
+    # No autograph: the bodies have no tensor-dependent Python control flow, and errors raised while
+    # tracing (ForwardModeUnsupported) must reach the engine as themselves.
+    return tf.function(body, input_signature=signature, jit_compile=jit_compile, autograph=False)
