@@ -225,13 +225,6 @@ def _check_finite(spec: JobSpec, ids, samples) -> None:
             f"{source.path}: row {sample_id - source.first_id} (sample id {sample_id}) holds NaN or Inf but "
             "did not when the run was planned; the input file changed during the run"
         )
-        return record, sums
-
-    def _report(self, engine: dict) -> None:
-        self._retraces.set(engine["retraces_after_setup"])
-        self._fallbacks.set(len(engine["pfor_fallbacks"]))
-        self._oom_retries.set(engine["oom_retries"])
-        self._peak_rss.set(engine["peak_rss_bytes"] // 2**20)
 
 
 class ComputeShards(beam.PTransform):
