@@ -16,6 +16,7 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 
+from transforms import storage
 from transforms.errors import OutputError
 from transforms.shards import read_attrs, shard_path
 from transforms.spec import JobSpec
@@ -40,9 +41,7 @@ def partial(jacobians: np.ndarray, kinds: Sequence[str]) -> Partial:
 
 
 def read_partial(path: str | os.PathLike) -> Partial:
-    import h5py
-
-    with h5py.File(path, "r") as h5:
+    with storage.open_h5(path) as h5:
         if PARTIALS not in h5:
             raise OutputError(f"{path}: holds no partial aggregates (written by a run without aggregate)")
         return {name: dataset[()] for name, dataset in h5[PARTIALS].items()}
@@ -121,10 +120,9 @@ def write_aggregates(sums: Partial | None, spec: JobSpec) -> dict[str, Any]:
     rows_shape = output_shape if spec.engine.outputs.count is None else (spec.engine.outputs.count,)
     output_dir, input_shape = spec.output_dir, spec.sample_shape
     count = int(sums["count"])
-    path = Path(output_dir) / AGGREGATES
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shape = (*rows_shape, *input_shape)
-    try:
+
+    def write(temp: Path) -> None:
         with h5py.File(temp, "w") as h5:
             h5["count"] = count
             if "sum" in sums:
@@ -133,9 +131,8 @@ def write_aggregates(sums: Partial | None, spec: JobSpec) -> dict[str, Any]:
                 h5["mean_abs"] = (sums["sum_abs"] / count).reshape(shape)
             if "jtj" in sums:
                 h5["jtj"] = sums["jtj"]
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
+
+    storage.write_via_local_temp(storage.join(output_dir, AGGREGATES), write)
     return {"file": AGGREGATES, "count": count, "datasets": sorted(k for k in ("mean", "mean_abs", "jtj") if k in _names(sums))}
 
 

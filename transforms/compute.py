@@ -30,7 +30,7 @@ from apache_beam.utils import shared
 from transforms import aggregates, faults
 from transforms.errors import InputError, ModelError, OutputError
 from transforms.readers import iter_slices
-from transforms.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_path
+from transforms.shards import ShardRecord, ShardWriter, existing_record, proven_checksum, read_attrs, shard_file, shard_path
 from transforms.spec import JobSpec, ShardRange, version
 
 REJECTED = "rejected"  # the dead-letter output's tag
@@ -98,10 +98,11 @@ class ComputeShardFn(beam.DoFn):
         for rejected in shard.rejected:
             yield beam.pvalue.TaggedOutput(REJECTED, rejected)
         final = shard_path(self._spec.output_dir, shard.start, shard.stop)
+        checksum = None if shard.rows == 0 else proven_checksum(final)
         if shard.rows == 0:  # every sample of the range was rejected: no shard, no partial sums
             record = sums = None
-        elif final.exists():
-            record = self._keep(final, shard)
+        elif checksum is not None:
+            record = self._keep(final, shard, checksum)
             sums = aggregates.read_partial(final) if self._spec.engine.aggregate else None
         else:
             record, sums = self._compute(shard)
@@ -110,7 +111,7 @@ class ComputeShardFn(beam.DoFn):
         if sums is not None:
             yield beam.pvalue.TaggedOutput(AGGREGATES_TAG, (self._positions[shard.start], sums))
 
-    def _keep(self, path, shard: ShardRange) -> ShardRecord:
+    def _keep(self, path: str, shard: ShardRange, checksum: str) -> ShardRecord:
         attrs = read_attrs(path)
         for name, expected in (("run_key", self._spec.run_key), ("model_fingerprint", self._engine.fingerprint)):
             if attrs.get(name) != expected:
@@ -120,7 +121,7 @@ class ComputeShardFn(beam.DoFn):
                 )
         self._skipped.inc()
         return existing_record(
-            self._spec.output_dir, shard.start, shard.stop, self._engine.fingerprint, self._engine.describe()
+            self._spec.output_dir, shard.start, shard.stop, self._engine.fingerprint, self._engine.describe(), checksum
         )
 
     def _batches_of(self, shard: ShardRange):
@@ -180,9 +181,9 @@ class ComputeShardFn(beam.DoFn):
         self._written.inc()
         self._report(engine.describe())
         seconds = time.perf_counter() - began
-        log.info("shard %s: %d samples in %.2fs", writer.final_path.name, shard.stop - shard.start, seconds)
+        log.info("shard %s: %d samples in %.2fs", writer.name, shard.stop - shard.start, seconds)
         record = ShardRecord(
-            file=str(writer.final_path.relative_to(spec.output_dir)),
+            file=shard_file(shard.start, shard.stop),
             start=shard.start,
             stop=shard.stop,
             sha256=checksum,

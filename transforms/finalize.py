@@ -2,8 +2,9 @@
 then write ``jacobians.h5``, ``rejected.jsonl`` and ``manifest.json``.
 
 Each file is written under a temporary name and renamed into place, so a reader (or the next run) sees
-the old file or the new one, never half of one. The manifest is written last: an output folder is
-complete exactly when it has a manifest. Leftover temporary files of a killed run are removed by the
+the old file or the new one, never half of one (in a remote folder: written locally, copied to the
+temporary remote name, then renamed; see ``transforms.storage``). The manifest is written last: an
+output folder is complete exactly when it has a manifest, and what it holds is what the manifest lists. Leftover temporary files of a killed run are removed by the
 next run (at its start and here) and never read.
 """
 
@@ -13,7 +14,6 @@ import bisect
 import datetime
 import hashlib
 import json
-import os
 import platform
 import re
 import time
@@ -23,10 +23,10 @@ from typing import Any
 
 import apache_beam as beam
 
-from transforms import faults
+from transforms import faults, storage
 from transforms.aggregates import PARTIALS
 from transforms.errors import OutputError
-from transforms.shards import SHARDS_DIR, ShardRecord, durable, is_temp_file, read_attrs
+from transforms.shards import SHARDS_DIR, ShardRecord, is_temp_file, read_attrs
 from transforms.spec import JobSpec, Rejected, version
 
 MANIFEST = "manifest.json"
@@ -78,19 +78,6 @@ def check_coverage(
     return ordered
 
 
-def _write_atomically(path: Path, write, point: str | None = None) -> None:
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(temp)
-        durable(temp)
-        if point:
-            faults.reached(point)
-        os.replace(temp, path)
-        durable(path.parent)
-    finally:
-        temp.unlink(missing_ok=True)
-
-
 def write_virtual_view(output_dir: str, records: Sequence[ShardRecord]) -> dict[str, tuple[tuple[int, ...], str]]:
     """Write ``jacobians.h5``: one virtual dataset per shard dataset, all shards in id order.
 
@@ -101,7 +88,6 @@ def write_virtual_view(output_dir: str, records: Sequence[ShardRecord]) -> dict[
     """
     import h5py
 
-    root = Path(output_dir)
     total = sum(record.num_samples for record in records)
     fields: dict[str, tuple] = {}
 
@@ -109,7 +95,7 @@ def write_virtual_view(output_dir: str, records: Sequence[ShardRecord]) -> dict[
         if isinstance(item, h5py.Dataset) and not name.startswith(f"{PARTIALS}/"):
             fields[name] = (item.shape[1:], item.dtype)
 
-    with h5py.File(root / records[0].file, "r") as first:
+    with storage.open_h5(storage.join(output_dir, records[0].file)) as first:
         first.visititems(per_sample)
     layouts = {name: h5py.VirtualLayout((total, *shape), dtype) for name, (shape, dtype) in fields.items()}
     row = 0
@@ -126,7 +112,7 @@ def write_virtual_view(output_dir: str, records: Sequence[ShardRecord]) -> dict[
                 view.create_virtual_dataset(name, layout)
                 faults.reached("view_write")
 
-    _write_atomically(root / VIEW, write, "view")
+    storage.write_via_local_temp(storage.join(output_dir, VIEW), write, "view")
     return {name: (tuple(int(d) for d in shape), dtype.name) for name, (shape, dtype) in fields.items()}
 
 
@@ -162,7 +148,7 @@ def write_rejected(output_dir: str, rejected: Sequence[Rejected]) -> str:
     order, files without ids first; empty when nothing was rejected. Returns its sha256."""
     ordered = sorted(rejected, key=lambda r: (r.start is not None, r.start or 0, r.file))
     text = "".join(json.dumps(line) + "\n" for run in ordered for line in run.lines())
-    _write_atomically(Path(output_dir) / REJECTED_FILE, lambda temp: temp.write_text(text), "rejected")
+    storage.write_via_local_temp(storage.join(output_dir, REJECTED_FILE), lambda temp: temp.write_text(text), "rejected")
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -173,7 +159,7 @@ def build_manifest(
     rejected: Sequence[Rejected] = (),
     rejected_sha256: str | None = None,
 ) -> dict[str, Any]:
-    attrs = read_attrs(Path(spec.output_dir) / records[0].file)
+    attrs = read_attrs(storage.join(spec.output_dir, records[0].file))
     wall = time.time() - spec.started_at
     computed = sum(record.num_samples for record in records if record.computed)
     stored = sum(record.num_samples for record in records)
@@ -266,19 +252,14 @@ def _stored(spec: JobSpec) -> dict[str, Any]:
 
 def remove_temp_files(output_dir: str) -> None:
     """Delete temporary files that killed writers left behind (only jacobeam's own names)."""
-    root = Path(output_dir)
-    shards = root / SHARDS_DIR
-    for path in shards.iterdir() if shards.is_dir() else ():
-        if is_temp_file(path.name):
-            path.unlink(missing_ok=True)
-    for path in root.iterdir() if root.is_dir() else ():
-        if is_root_temp_file(path.name):
-            path.unlink(missing_ok=True)
+    shards = storage.join(output_dir, SHARDS_DIR)
+    storage.delete(*(storage.join(shards, name) for name in storage.listdir(shards) if is_temp_file(name)))
+    storage.delete(*(storage.join(output_dir, name) for name in storage.listdir(output_dir) if is_root_temp_file(name)))
 
 
 def write_manifest(output_dir: str, manifest: dict[str, Any]) -> None:
     text = json.dumps(manifest, indent=2) + "\n"
-    _write_atomically(Path(output_dir) / MANIFEST, lambda temp: temp.write_text(text), "manifest")
+    storage.write_via_local_temp(storage.join(output_dir, MANIFEST), lambda temp: temp.write_text(text), "manifest")
 
 
 def finalize(

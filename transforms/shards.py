@@ -1,7 +1,15 @@
 """HDF5 shards: one file per id range, written under a temporary name and renamed when complete.
 
-The rename is the only thing that marks a shard complete: an h5py writer killed mid-write can leave a
-file that opens and looks plausible, so nothing else may be trusted.
+Locally, the rename is the only thing that marks a shard complete: an h5py writer killed mid-write can
+leave a file that opens and looks plausible, so nothing else may be trusted.
+
+In a remote folder (``gs://``, ``s3://``, ...) h5py writes the shard to a local temporary file, which is
+stream-copied to a temporary remote name and renamed (on GCS and S3 a copy and a delete). A rename made
+of a copy is not what a local rename is (a non-atomic store could show a partial copy), so after it a
+sidecar ``shards/NAME.sha256`` records the sha256 of the shard's bytes. A remote shard counts as
+complete only when its sidecar exists and matches its bytes; any other file under a shard's name is
+computed again. (Resuming already reads every kept shard to checksum it for the manifest, so the proof
+costs one small read per shard.)
 
 Besides the engine's arrays, every shard holds a ``nonfinite`` mask over its rows: True where a
 sample's results (Jacobian, output, ...) hold NaN or Inf although its input was finite.
@@ -10,7 +18,6 @@ sample's results (Jacobian, output, ...) hold NaN or Inf although its input was 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import re
 import uuid
@@ -19,14 +26,16 @@ from typing import Any
 
 import numpy as np
 
-from transforms import faults
+from transforms import faults, storage
 from transforms.errors import OutputError
+from transforms.storage import durable  # noqa: F401  (imported from here by other modules)
 
 SHARDS_DIR = "shards"
 _SHARD_NAME = re.compile(r"^shard-(\d{12})-(\d{12})\.h5$")
 _TEMP_NAME = re.compile(r"^\.shard-\d{12}-\d{12}\.h5\.tmp-[0-9a-f]+$|^\.jacobeam-write-test-[0-9a-f]+$")
 _CHUNK_BYTES = 1 << 20
 NONFINITE = "nonfinite"
+CHECKSUM_SUFFIX = ".sha256"  # a remote shard's sidecar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,50 +65,66 @@ def shard_name(start: int, stop: int) -> str:
     return f"shard-{start:012d}-{stop:012d}.h5"
 
 
-def shard_path(output_dir: str, start: int, stop: int) -> Path:
-    return Path(output_dir) / SHARDS_DIR / shard_name(start, stop)
+def shard_path(output_dir: str, start: int, stop: int) -> str:
+    return storage.join(output_dir, SHARDS_DIR, shard_name(start, stop))
+
+
+def shard_file(start: int, stop: int) -> str:
+    """The shard's path relative to the output folder, as the manifest and the view name it."""
+    return f"{SHARDS_DIR}/{shard_name(start, stop)}"
+
+
+def is_shard_file(name: str) -> bool:
+    return bool(_SHARD_NAME.match(name))
 
 
 def is_temp_file(name: str) -> bool:
     return bool(_TEMP_NAME.match(name))
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        for block in iter(lambda: stream.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def is_checksum_file(name: str) -> bool:
+    return name.endswith(CHECKSUM_SUFFIX) and is_shard_file(name[: -len(CHECKSUM_SUFFIX)])
 
 
-def durable(path: str | os.PathLike) -> None:
-    """Flush a file (or folder) to the disk. Before a rename, so that a machine that loses power (a
-    preempted VM) cannot leave a complete-looking name with missing data; after it, for the rename."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+sha256_file = storage.sha256
+
+
+def proven_checksum(path: str) -> str | None:
+    """The sha256 of a complete shard at ``path``, or None when there is no complete shard there.
+
+    Locally a shard's name is proof (only a rename gives it); remotely, the sidecar must match the bytes.
+    """
+    if storage.is_local(path):
+        return sha256_file(path) if os.path.exists(path) else None
+    sidecar = path + CHECKSUM_SUFFIX
+    if not (storage.exists(sidecar) and storage.exists(path)):
+        return None
+    recorded = storage.read_text(sidecar).strip()
+    actual = sha256_file(path)
+    return actual if recorded == actual else None
 
 
 def read_attrs(path: str | os.PathLike) -> dict[str, Any]:
-    import h5py
-
-    with h5py.File(path, "r") as h5:
+    with storage.open_h5(path) as h5:
         return dict(h5.attrs)
 
 
 def existing_record(
-    output_dir: str, start: int, stop: int, model_fingerprint: str, engine: dict[str, Any] | None = None
+    output_dir: str,
+    start: int,
+    stop: int,
+    model_fingerprint: str,
+    engine: dict[str, Any] | None = None,
+    checksum: str | None = None,
 ) -> ShardRecord:
-    """The record of a complete shard found on disk (kept, not recomputed)."""
+    """The record of a complete shard found on disk (kept, not recomputed); ``checksum`` when known."""
     path = shard_path(output_dir, start, stop)
     attrs = read_attrs(path)
     return ShardRecord(
-        file=str(path.relative_to(output_dir)),
+        file=shard_file(start, stop),
         start=start,
         stop=stop,
-        sha256=sha256_file(path),
+        sha256=checksum or sha256_file(path),
         model_fingerprint=model_fingerprint,
         computed=False,
         rows=int(attrs.get("num_rows", stop - start)),
@@ -140,8 +165,14 @@ class ShardWriter:
         compression: str = "none",
         rows: int | None = None,
     ):
+        self.name = shard_name(start, stop)
         self.final_path = shard_path(output_dir, start, stop)
-        self.temp_path = self.final_path.with_name(f".{self.final_path.name}.tmp-{uuid.uuid4().hex[:12]}")
+        self._remote = not storage.is_local(output_dir)
+        temp_name = f".{self.name}.tmp-{uuid.uuid4().hex[:12]}"
+        # Remote: the same temporary name in the remote folder, while h5py writes a local scratch file.
+        self.remote_temp = storage.join(output_dir, SHARDS_DIR, temp_name) if self._remote else None
+        self._scratch = None
+        self.temp_path = Path(storage.join(output_dir, SHARDS_DIR, temp_name)) if not self._remote else None
         self.start, self.stop = start, stop
         self.rows = stop - start if rows is None else rows
         self.nonfinite = 0  # rows flagged in the nonfinite mask so far
@@ -154,7 +185,11 @@ class ShardWriter:
     def __enter__(self) -> ShardWriter:
         import h5py
 
-        self.final_path.parent.mkdir(parents=True, exist_ok=True)
+        if self._remote:
+            self._scratch = storage.local_scratch()
+            self.temp_path = self._scratch.__enter__() / self.name
+        else:
+            self.temp_path.parent.mkdir(parents=True, exist_ok=True)
         self._h5 = h5py.File(self.temp_path, "w")
         self._h5.attrs.update(self._attrs)
         self._h5.attrs.update(id_start=self.start, id_stop=self.stop)
@@ -165,6 +200,9 @@ class ShardWriter:
             self._h5.close()
             self._h5 = None
         self.temp_path.unlink(missing_ok=True)
+        if self._remote:
+            storage.delete(self.remote_temp)
+            self._scratch.__exit__(None, None, None)
 
     def _dataset(self, name: str, like: np.ndarray):
         if name not in self._h5:
@@ -200,10 +238,10 @@ class ShardWriter:
         """Append the next rows (every array in ``arrays``, all of one length); ``first_id`` is the sample
         id of their first row. Ids must increase from call to call (rejected ids are simply left out)."""
         if not self.start <= self._next_id <= first_id < self.stop:
-            raise OutputError(f"{self.final_path.name}: rows for id {first_id} arrive out of order or out of range")
+            raise OutputError(f"{self.name}: rows for id {first_id} arrive out of order or out of range")
         count = len(next(iter(arrays.values())))
         if self._written + count > self.rows:
-            raise OutputError(f"{self.final_path.name}: more than the planned {self.rows} rows")
+            raise OutputError(f"{self.name}: more than the planned {self.rows} rows")
         mask = nonfinite_rows(arrays)
         for name, values in {**arrays, NONFINITE: mask}.items():
             dataset = self._dataset(name, values)
@@ -225,14 +263,20 @@ class ShardWriter:
     def commit(self) -> str:
         """Close, checksum and rename into place; returns the sha256 of the complete shard."""
         if self._written != self.rows:
-            raise OutputError(f"{self.final_path.name}: {self._written} rows written, {self.rows} planned")
+            raise OutputError(f"{self.name}: {self._written} rows written, {self.rows} planned")
         self._h5.attrs.update(num_rows=self.rows, nonfinite_count=self.nonfinite)
         self._h5.close()
         self._h5 = None
         checksum = sha256_file(self.temp_path)
-        durable(self.temp_path)
-        faults.reached("shard_commit")
-        os.replace(self.temp_path, self.final_path)
-        durable(self.final_path.parent)
+        if self._remote:
+            storage.copy_from_local(self.temp_path, self.remote_temp)
+            faults.reached("shard_commit")
+            storage.rename(self.remote_temp, self.final_path)
+            storage.write_bytes(self.final_path + CHECKSUM_SUFFIX, checksum.encode())
+        else:
+            durable(self.temp_path)
+            faults.reached("shard_commit")
+            os.replace(self.temp_path, self.final_path)
+            durable(os.path.dirname(self.final_path))
         faults.reached("shard_done")
         return checksum

@@ -1,0 +1,229 @@
+"""Files of an output folder, local or remote (``gs://``, ``s3://``, ``hdfs://``, any Beam ``FileSystem``).
+
+Local paths keep the fast, POSIX way: write under a temporary name beside the target, fsync, rename
+(atomic). Remote paths go through Beam's ``FileSystems``. h5py needs a seekable file to write, and a
+remote write stream (GCS, S3) is not seekable, so a remote file is written to a local temporary file,
+stream-copied to a temporary remote name, and "renamed" into place: ``FileSystems.rename``, which on
+GCS and S3 is a copy and a delete, not an atomic rename. An object store makes each object visible
+only once its upload finished, but what a remote *folder* holds is complete only as far as its
+manifest says (see ``transforms.shards`` for how a remote shard proves itself complete).
+
+The rest of the code calls these helpers instead of branching on schemes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from transforms import faults
+
+_COPY_BYTES = 8 << 20
+
+
+def is_local(path: str | os.PathLike) -> bool:
+    return "://" not in str(path)
+
+
+def normalize(path: str | os.PathLike) -> str:
+    """An absolute local path, or the remote URL without a trailing slash."""
+    text = str(path)
+    return str(Path(text).resolve()) if is_local(text) else text.rstrip("/")
+
+
+def join(root: str | os.PathLike, *parts: str) -> str:
+    if is_local(root):
+        return os.path.join(root, *parts)
+    from apache_beam.io.filesystems import FileSystems
+
+    return FileSystems.join(str(root), *parts)
+
+
+def name_of(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def exists(path: str | os.PathLike) -> bool:
+    if is_local(path):
+        return os.path.exists(path)
+    from apache_beam.io.filesystems import FileSystems
+
+    return FileSystems.exists(str(path))
+
+
+def is_file(path: str | os.PathLike) -> bool:
+    return os.path.isfile(path) if is_local(path) else exists(path)
+
+
+def is_folder(path: str | os.PathLike) -> bool:
+    """A local folder, or a remote name prefix under which some object exists."""
+    if is_local(path):
+        return os.path.isdir(path)
+    from apache_beam.io.filesystems import FileSystems
+
+    (match,) = FileSystems.match([str(path).rstrip("/") + "/**"], limits=[1])
+    return bool(match.metadata_list)
+
+
+def listdir(folder: str | os.PathLike) -> list[str]:
+    """Names of the files directly in ``folder`` (sorted; empty when there is none). On object stores a
+    folder is a name prefix: it "exists" exactly when some object starts with it."""
+    if is_local(folder):
+        return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    from apache_beam.io.filesystems import FileSystems
+
+    prefix = str(folder).rstrip("/") + "/"
+    (match,) = FileSystems.match([prefix + "*"])
+    return sorted(m.path[len(prefix):] for m in match.metadata_list if "/" not in m.path[len(prefix):])
+
+
+def open_read(path: str | os.PathLike) -> IO[bytes]:
+    if is_local(path):
+        return open(path, "rb")
+    from apache_beam.io.filesystem import CompressionTypes
+    from apache_beam.io.filesystems import FileSystems
+
+    return FileSystems.open(str(path), compression_type=CompressionTypes.UNCOMPRESSED)
+
+
+def read_text(path: str | os.PathLike) -> str:
+    with open_read(path) as stream:
+        return stream.read().decode()
+
+
+@contextlib.contextmanager
+def open_h5(path: str | os.PathLike) -> Iterator[Any]:
+    """An HDF5 file opened for reading; a remote one through a file object (h5py never sees a URL)."""
+    import h5py
+
+    if is_local(path):
+        with h5py.File(path, "r") as h5:
+            yield h5
+        return
+    with open_read(path) as stream, h5py.File(stream, "r") as h5:
+        yield h5
+
+
+def sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open_read(path) as stream:
+        for block in iter(lambda: stream.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def durable(path: str | os.PathLike) -> None:
+    """Flush a local file (or folder) to the disk. Before a rename, so that a machine that loses power
+    (a preempted VM) cannot leave a complete-looking name with missing data; after it, for the rename."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def copy_from_local(local: str | os.PathLike, remote: str) -> None:
+    """Stream a local file to ``remote`` (the write stream need not seek)."""
+    from apache_beam.io.filesystem import CompressionTypes
+    from apache_beam.io.filesystems import FileSystems
+
+    with open(local, "rb") as source, FileSystems.create(remote, compression_type=CompressionTypes.UNCOMPRESSED) as target:
+        shutil.copyfileobj(source, target, _COPY_BYTES)
+
+
+def copy_to_local(remote: str, local: str | os.PathLike) -> None:
+    with open_read(remote) as source, open(local, "wb") as target:
+        shutil.copyfileobj(source, target, _COPY_BYTES)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Write a small file directly (no temporary name): for files whose content proves itself."""
+    if is_local(path):
+        Path(path).write_bytes(data)
+        return
+    from apache_beam.io.filesystem import CompressionTypes
+    from apache_beam.io.filesystems import FileSystems
+
+    with FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED) as stream:
+        stream.write(data)
+
+
+def rename(source: str, target: str) -> None:
+    """Move ``source`` to ``target``, replacing it. Atomic locally; a copy and a delete on GCS and S3."""
+    if is_local(source):
+        os.replace(source, target)
+        return
+    from apache_beam.io.filesystems import FileSystems
+
+    if FileSystems.exists(target):  # GCS/S3 overwrite on copy; other file systems refuse to
+        FileSystems.delete([target])
+    FileSystems.rename([source], [target])
+
+
+def delete(*paths: str | os.PathLike) -> None:
+    """Remove files that exist; a missing one is no error."""
+    for path in paths:
+        if is_local(path):
+            Path(path).unlink(missing_ok=True)
+            continue
+        from apache_beam.io.filesystems import FileSystems
+
+        if FileSystems.exists(str(path)):
+            FileSystems.delete([str(path)])
+
+
+def makedirs(folder: str | os.PathLike) -> None:
+    """Create a local folder; object stores have no folders (a name prefix needs no creating)."""
+    if is_local(folder):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def local_scratch() -> Iterator[Path]:
+    """A private local folder for files on their way to a remote folder, removed afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix="jacobeam-"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def write_via_local_temp(path: str, write: Callable[[Path], None], point: str | None = None) -> None:
+    """Write ``path`` so that it appears whole or not at all: ``write(local_file)`` fills a local file,
+    which then takes ``path``'s name (locally: a temporary name beside it, fsync, atomic rename; remotely:
+    copied to a temporary remote name ``.NAME.tmp-PID``, then renamed). ``point`` is a fault-injection
+    point reached just before the rename."""
+    folder, name = (os.path.dirname(path), os.path.basename(path)) if is_local(path) else path.rsplit("/", 1)
+    temp = join(folder, f".{name}.tmp-{os.getpid()}")
+    if is_local(path):
+        try:
+            write(Path(temp))
+            durable(temp)
+            if point:
+                faults.reached(point)
+            os.replace(temp, path)
+            durable(folder or ".")
+        finally:
+            Path(temp).unlink(missing_ok=True)
+        return
+    with local_scratch() as scratch:
+        local = scratch / name
+        write(local)
+        try:
+            copy_from_local(local, temp)
+            if point:
+                faults.reached(point)
+            rename(temp, path)
+        finally:
+            delete(temp)
+
+
+def unique_suffix() -> str:
+    return uuid.uuid4().hex[:12]
