@@ -62,6 +62,11 @@ def check_model(model: ModelSource, files: list[SourceFile], tf_threads: int | N
 def check_writable(folder: str | Path) -> None:
     """Create the output folder if needed and prove that files can be created in it (and in ``shards/``):
     permission bits say little on network file systems, read-only mounts or for root, so try it."""
+    from transforms import storage
+
+    if not storage.is_local(folder):
+        _check_remote_writable(str(folder))
+        return
     from transforms.shards import SHARDS_DIR
 
     root = Path(folder)
@@ -80,3 +85,15 @@ def check_writable(folder: str | Path) -> None:
         except OSError as err:
             raise OutputError(f"output.path {root}: cannot write in {place}: {err.strerror or err}") from err
         probe.unlink()
+
+
+def _check_remote_writable(folder: str) -> None:
+    """Create and delete a probe object: the only way to learn that credentials and bucket allow writes."""
+    from transforms import storage
+
+    probe = storage.join(folder, f".jacobeam-write-test-{uuid.uuid4().hex[:12]}")
+    try:
+        storage.write_bytes(probe, b"")
+        storage.delete(probe)
+    except Exception as err:  # Beam wraps every file-system failure in its own error types
+        raise OutputError(f"output.path {folder}: cannot write there: {err}") from err

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from transforms import storage
 from transforms.errors import JacobeamError
 
 log = logging.getLogger("jacobeam")
@@ -70,8 +71,8 @@ def _count(text: str) -> int:
 
 def _summary(result) -> str:
     manifest, run = result.manifest, result.manifest["run"]
-    out = Path(manifest["config"]["output"]["path"]).resolve()
-    view = out / "jacobians.h5"
+    out = storage.normalize(manifest["config"]["output"]["path"])
+    view = storage.join(out, "jacobians.h5")
     shapes = ", ".join(
         f"{name} ({', '.join(str(d) for d in info['shape'])})" for name, info in manifest["datasets"].items()
     )
@@ -81,7 +82,7 @@ def _summary(result) -> str:
     if rejected["count"] or rejected["unreadable_files"]:
         warnings.append(
             f"rejected: {rejected['count']:,} bad sample(s), {len(rejected['unreadable_files'])} unreadable file(s); "
-            f"listed in {out / rejected['file']}"
+            f"listed in {storage.join(out, rejected['file'])}"
         )
     if nonfinite:
         warnings.append(f"nonfinite: {nonfinite:,} sample(s) with NaN/Inf results (the 'nonfinite' dataset flags them)")
@@ -93,7 +94,7 @@ def _summary(result) -> str:
             *warnings,
             f"metrics: {metrics}",
             f"output: {out}",
-            f"  {view.name}: {shapes}",
+            f"  {storage.name_of(view)}: {shapes}",
             "read it:",
             "  import h5py",
             f"  with h5py.File({str(view)!r}) as f:",
@@ -150,6 +151,11 @@ def _inspect(args) -> int:
     if args.plot and report.ok:
         from pipeline.plot import plot
 
+        if not storage.is_local(args.folder):
+            raise JacobeamError(
+                f"{args.folder}: --plot reads jacobians.h5, whose virtual datasets HDF5 resolves only on a "
+                "local file system; copy the folder to a local disk and plot that"
+            )
         try:
             print(f"plot: {plot(args.folder, report.manifest, args.plot, args.samples)}")
         except ValueError as err:

@@ -21,18 +21,27 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 from pipeline.config import Config, ConfigError, to_dict
+from transforms import storage
 from transforms.errors import CorruptInputError, InputError, OutputError
 from transforms.aggregates import AGGREGATES
 from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file, remove_temp_files
 from transforms.readers import SourceFile, assign_ids, check_consistent, check_labels, describe, unreadable_file
 from transforms.scan import FileScan, scan_files
-from transforms.shards import SHARDS_DIR, is_temp_file, read_attrs, shard_name
+from transforms.shards import (
+    CHECKSUM_SUFFIX,
+    SHARDS_DIR,
+    is_checksum_file,
+    is_temp_file,
+    proven_checksum,
+    read_attrs,
+    shard_name,
+)
 from transforms.spec import JobSpec, ModelSource, Rejected, ShardRange, shard_inputs
 
 log = logging.getLogger(__name__)
@@ -221,21 +230,20 @@ def shard_ranges(segments: list[tuple[int, int]], step: int, runs: list[Rejected
 class Folder:
     """A read-only look at an output folder: what jacobeam wrote there before."""
 
-    root: Path
+    root: str  # absolute local path or remote URL
     manifest: dict[str, Any] | None = None
     shards: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # file name -> attrs
-    owned: list[Path] = dataclasses.field(default_factory=list)  # files jacobeam wrote (shown by content)
+    owned: list[str] = dataclasses.field(default_factory=list)  # files jacobeam wrote (shown by content)
     alien: list[str] = dataclasses.field(default_factory=list)  # jacobeam's names, not jacobeam's content
+    unproven: list[str] = dataclasses.field(default_factory=list)  # remote shards not proven complete
 
     @property
     def empty(self) -> bool:
         return self.manifest is None and not self.shards
 
 
-def _is_jacobeam_view(path: Path) -> bool:
-    import h5py
-
-    with h5py.File(path, "r") as view:
+def _is_jacobeam_view(path: str) -> bool:
+    with storage.open_h5(path) as view:
         if "jacobeam_version" in view.attrs:
             return True
         datasets = list(view.values())
@@ -246,63 +254,70 @@ def _is_jacobeam_view(path: Path) -> bool:
         )
 
 
-def _is_aggregates(path: Path) -> bool:
-    import h5py
-
-    with h5py.File(path, "r") as h5:
+def _is_aggregates(path: str) -> bool:
+    with storage.open_h5(path) as h5:
         return "count" in h5 and set(h5) <= {"count", "mean", "mean_abs", "jtj"}
 
 
-def _is_rejected_list(path: Path) -> bool:
-    with open(path) as stream:
-        for line in stream:
-            record = json.loads(line)
-            if not isinstance(record, dict) or set(record) != {"id", "file", "row", "reason"}:
-                return False
+def _is_rejected_list(path: str) -> bool:
+    for line in storage.read_text(path).splitlines():
+        record = json.loads(line)
+        if not isinstance(record, dict) or set(record) != {"id", "file", "row", "reason"}:
+            return False
     return True
 
 
-def read_folder(output_dir: str | Path) -> Folder:
+def read_folder(output_dir: str) -> Folder:
     """What the folder holds, judged by content: a file with one of jacobeam's names counts as jacobeam's
-    only if it looks like what jacobeam writes; otherwise it is listed as alien and never touched."""
-    root = Path(output_dir)
+    only if it looks like what jacobeam writes; otherwise it is listed as alien and never touched.
+
+    In a remote folder a shard counts only when its checksum sidecar proves it complete (see
+    ``transforms.shards``); an unproven one that jacobeam wrote (it has a sidecar, or a ``run_key``) is
+    listed as owned, not as a shard, and is computed again."""
+    root = storage.normalize(output_dir)
     folder = Folder(root)
-    if not root.is_dir():
-        return folder
-    for path in sorted(root.iterdir()):
-        if is_root_temp_file(path.name):
+    for name in storage.listdir(root):
+        path = storage.join(root, name)
+        if is_root_temp_file(name):
             folder.owned.append(path)
             continue
-        if path.name not in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES) or not path.is_file():
+        if name not in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES) or not storage.is_file(path):
             continue
         try:
-            if path.name == MANIFEST:
-                manifest = json.loads(path.read_text())
+            if name == MANIFEST:
+                manifest = json.loads(storage.read_text(path))
                 ours = isinstance(manifest, dict) and {"jacobeam_version", "run_key", "inputs"} <= set(manifest)
                 folder.manifest = manifest if ours else None
-            elif path.name == VIEW:
+            elif name == VIEW:
                 ours = _is_jacobeam_view(path)
-            elif path.name == AGGREGATES:
+            elif name == AGGREGATES:
                 ours = _is_aggregates(path)
             else:
                 ours = _is_rejected_list(path)
         except (OSError, ValueError):
             ours = False
-        (folder.owned.append(path) if ours else folder.alien.append(str(path)))
-    shards = root / SHARDS_DIR
-    for path in sorted(shards.iterdir()) if shards.is_dir() else ():
-        if is_temp_file(path.name):
+        (folder.owned.append(path) if ours else folder.alien.append(path))
+    shards = storage.join(root, SHARDS_DIR)
+    names = storage.listdir(shards)
+    for name in names:
+        path = storage.join(shards, name)
+        if is_temp_file(name) or is_checksum_file(name):
             folder.owned.append(path)
-        elif _SHARD_FILE.match(path.name):
+        elif _SHARD_FILE.match(name):
             try:
                 attrs = read_attrs(path)
             except (OSError, ValueError):
                 attrs = {}
-            if "run_key" in attrs:
-                folder.shards[path.name] = attrs
+            complete = storage.is_local(root) or proven_checksum(path) is not None
+            if "run_key" in attrs and complete:
+                folder.shards[name] = attrs
                 folder.owned.append(path)
+            elif not complete and ("run_key" in attrs or name + CHECKSUM_SUFFIX in names):
+                log.warning("%s: not proven complete (no matching checksum sidecar); computing it again", path)
+                folder.owned.append(path)
+                folder.unproven += [path, path + CHECKSUM_SUFFIX]
             else:
-                folder.alien.append(str(path))
+                folder.alien.append(path)
     return folder
 
 
@@ -358,7 +373,7 @@ def folder_differences(folder: Folder, spec: JobSpec, fingerprint: str | None) -
 class Job:
     spec: JobSpec
     already_done: int  # samples in complete shards that this run keeps
-    remove: list[Path]  # jacobeam's files that --overwrite replaces (removed by prepare_output)
+    remove: list[str]  # jacobeam's files to remove first: --overwrite's, unproven remote shards
     model_output_shape: tuple[int, ...] | None = None
 
 
@@ -390,7 +405,7 @@ def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fi
     return JobSpec(
         model=ModelSource(**to_dict(config)["model"]),
         files=tuple(files),
-        output_dir=str(Path(config.output.path).resolve()),
+        output_dir=storage.normalize(config.output.path),
         run_key=run_key(identity),
         engine=config.jacobian.engine_options(),
         samples_per_shard=config.output.samples_per_shard,
@@ -420,8 +435,6 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
     for source in files if _label_key(config) else ():
         if source.unreadable is None:
             check_labels(source, _label_key(config))
-    if "://" in config.output.path:
-        raise ConfigError(f"output.path {config.output.path}: only local output folders are supported so far")
     scans = scan_inputs(files, policy)
     files = _with_hashes(files, scans)
     fingerprint, output_shape = None, None
@@ -433,23 +446,23 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
     folder = read_folder(config.output.path)
     if folder.alien:
         raise OutputError(
-            f"output folder {folder.root.resolve()}: " + "; ".join(folder.alien[:_MAX_LISTED])
+            f"output folder {folder.root}: " + "; ".join(folder.alien[:_MAX_LISTED])
             + " — jacobeam uses these names, but did not write these files; move them away or choose another output.path"
         )
     placed, segments, differences = place_files(files, folder.manifest)
     spec = _build_spec(config, placed, segments, scans, identity, tf_threads, fingerprint)
     differences += folder_differences(folder, spec, fingerprint)
-    remove: list[Path] = []
+    remove: list[str] = list(folder.unproven)
     if differences:
         if not overwrite:
             listed = "\n  ".join(differences[:_MAX_LISTED])
             more = f"\n  ... and {len(differences) - _MAX_LISTED} more" if len(differences) > _MAX_LISTED else ""
             raise OutputError(
-                f"output folder {folder.root.resolve()} holds the result of a different run:\n  {listed}{more}\n"
+                f"output folder {folder.root} holds the result of a different run:\n  {listed}{more}\n"
                 "use --overwrite to replace it (jacobeam removes only files it wrote), or choose another output.path"
             )
-        log.warning("--overwrite: replacing the different run in %s", folder.root.resolve())
-        remove = [p for p in folder.owned if p.exists()]
+        log.warning("--overwrite: replacing the different run in %s", folder.root)
+        remove = list(folder.owned)
         placed, segments, _ = place_files(files, None)
         spec = _build_spec(config, placed, segments, scans, identity, tf_threads, fingerprint)
         already_done = 0
@@ -464,11 +477,10 @@ def prepare_output(job: Job) -> None:
     ``--overwrite`` (only files jacobeam wrote), remove temporary files that a killed run left."""
     from pipeline.checks import check_writable
 
-    root = Path(job.spec.output_dir)
+    root = job.spec.output_dir
     check_writable(root)
-    for path in job.remove:
-        path.unlink(missing_ok=True)
-    shards = root / SHARDS_DIR
-    if job.remove and shards.is_dir() and not any(shards.iterdir()):
-        shards.rmdir()
-    remove_temp_files(str(root))
+    storage.delete(*job.remove)
+    shards = storage.join(root, SHARDS_DIR)
+    if job.remove and storage.is_local(root) and os.path.isdir(shards) and not os.listdir(shards):
+        os.rmdir(shards)
+    remove_temp_files(root)

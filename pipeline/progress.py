@@ -10,9 +10,9 @@ import datetime
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import TextIO
 
+from transforms import storage
 from transforms.shards import SHARDS_DIR, shard_name
 from transforms.spec import JobSpec
 
@@ -23,7 +23,7 @@ class ShardProgress:
 
     def __init__(self, spec: JobSpec, already_done: int, stream: TextIO = sys.stderr, every: float = 2.0):
         self._sizes = {shard_name(r.start, r.stop): r.rows for r in spec.ranges() if r.rows}
-        self._shards = Path(spec.output_dir) / SHARDS_DIR
+        self._shards = storage.join(spec.output_dir, SHARDS_DIR)
         self._total = sum(self._sizes.values())
         self._baseline = already_done
         self._stream = stream
@@ -33,9 +33,7 @@ class ShardProgress:
         self._bar = None
 
     def done(self) -> int:
-        if not self._shards.is_dir():
-            return 0
-        return sum(self._sizes.get(path.name, 0) for path in self._shards.iterdir())
+        return sum(self._sizes.get(name, 0) for name in storage.listdir(self._shards))
 
     def line(self, done: int, elapsed: float) -> str:
         rate = (done - self._baseline) / elapsed if elapsed > 0 else 0.0

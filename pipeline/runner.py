@@ -7,7 +7,6 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import apache_beam as beam
@@ -16,7 +15,7 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 from pipeline import plan
 from pipeline.config import Config
 from pipeline.progress import ShardProgress
-from transforms import faults
+from transforms import faults, storage
 from transforms.aggregates import Aggregate
 from transforms.compute import ComputeShards
 from transforms.finalize import MANIFEST, Finalize
@@ -64,6 +63,22 @@ def build(pipeline: beam.Pipeline, spec: JobSpec):
     return shards.records | "Finalize" >> Finalize(spec, summary, shards.rejected)
 
 
+def with_filesystem_plugins(options: PipelineOptions) -> PipelineOptions:
+    """Name every Beam ``FileSystem`` known here in ``--beam_plugins``, so that worker processes import
+    them too (Beam finds a file system by subclass; only the DataflowRunner passes them on by itself).
+    A file system of a project's own, registered by importing its module, then works on every runner."""
+    from apache_beam.io.filesystem import FileSystem
+    from apache_beam.options.pipeline_options import SetupOptions
+
+    setup = options.view_as(SetupOptions)
+    known = list(setup.beam_plugins or [])
+    for plugin in FileSystem.get_all_plugin_paths():
+        if plugin not in known and not plugin.startswith("apache_beam."):
+            known.append(plugin)
+    setup.beam_plugins = known or None
+    return options
+
+
 def _runner(options: PipelineOptions):
     if not is_local(options):
         return None  # Beam picks the runner named by --runner
@@ -97,7 +112,7 @@ def run(
 ) -> RunResult:
     """Plan (checking everything first), build and run the job; blocks until the manifest is written.
     With ``verify_samples``, verify the output afterwards and record the result in the manifest."""
-    options = PipelineOptions(beam_args)
+    options = with_filesystem_plugins(PipelineOptions(beam_args))
     job = plan.make_job(config, tf_threads(config, options), overwrite=overwrite)
     spec, already_done = job.spec, job.already_done
     plan.prepare_output(job)
@@ -115,7 +130,7 @@ def run(
         build(pipeline, spec)
         result = pipeline.run()
         result.wait_until_finish()
-    manifest = json.loads((Path(spec.output_dir) / MANIFEST).read_text())
+    manifest = json.loads(storage.read_text(storage.join(spec.output_dir, MANIFEST)))
     verification = None
     if verify_samples:
         from pipeline import verify
