@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from transforms import storage
 from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file
-from transforms.shards import SHARDS_DIR, is_temp_file
+from transforms.shards import SHARDS_DIR, is_shard_file, is_temp_file
 
 
 @dataclass
@@ -40,36 +40,33 @@ class Report:
         }
 
 
-def _check_view(root: Path, report: Report) -> None:
-    import h5py
-
-    path = root / VIEW
-    if not path.exists():
+def _check_view(root: str, report: Report) -> None:
+    path = storage.join(root, VIEW)
+    if not storage.exists(path):
         report.problems.append(f"{VIEW} is missing")
         return
-    with h5py.File(path, "r") as view:
+    with storage.open_h5(path) as view:  # only its layout is read: remote sources need not resolve
         for name, dataset in view.items():
             report.view[name] = {"shape": list(dataset.shape), "dtype": dataset.dtype.name}
             sources = {source.file_name for source in dataset.virtual_sources()} if dataset.is_virtual else set()
             for source in sorted(sources):
-                if not (root / source).exists():
+                if not storage.exists(storage.join(root, source)):
                     report.problems.append(f"{VIEW}:{name} reads from {source}, which is missing")
 
 
 def inspect(folder: str) -> Report:
-    root = Path(folder)
-    if not root.is_dir():
+    root = storage.normalize(folder)
+    top = storage.listdir(root)
+    if not storage.is_folder(root):
         raise FileNotFoundError(f"{folder}: no such output folder")
-    shards = root / SHARDS_DIR
-    names = sorted(path.name for path in shards.iterdir()) if shards.is_dir() else []
-    manifest_path = root / MANIFEST
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+    names = storage.listdir(storage.join(root, SHARDS_DIR))
+    manifest_path = storage.join(root, MANIFEST)
+    manifest = json.loads(storage.read_text(manifest_path)) if MANIFEST in top else None
     report = Report(
-        folder=str(root.resolve()),
+        folder=root,
         manifest=manifest,
-        shards_on_disk=[name for name in names if name.startswith("shard-")],
-        temp_files=[name for name in names if is_temp_file(name)]
-        + [path.name for path in root.iterdir() if is_root_temp_file(path.name)],
+        shards_on_disk=[name for name in names if is_shard_file(name)],
+        temp_files=[name for name in names if is_temp_file(name)] + [name for name in top if is_root_temp_file(name)],
     )
     if manifest is None:
         report.problems.append(
@@ -78,9 +75,9 @@ def inspect(folder: str) -> Report:
         )
         return report
     for shard in manifest["shards"]:
-        if not (root / shard["file"]).exists():
+        if not storage.exists(storage.join(root, shard["file"])):
             report.problems.append(f"{shard['file']} is listed in the manifest but missing")
-    if "rejected" in manifest and not (root / REJECTED_FILE).exists():
+    if "rejected" in manifest and REJECTED_FILE not in top:
         report.problems.append(f"{REJECTED_FILE} is missing")
     _check_view(root, report)
     return report

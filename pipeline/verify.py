@@ -44,8 +44,9 @@ from typing import Any
 
 import numpy as np
 
+from transforms import storage
 from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, write_manifest
-from transforms.shards import NONFINITE, SHARDS_DIR, sha256_file
+from transforms.shards import NONFINITE, SHARDS_DIR, is_shard_file, sha256_file
 
 TAPE_RTOL = 1e-4  # per-sample tape (float32) vs stored (float32)
 OUTPUT_RTOL = 1e-5  # recomputed model output vs stored output
@@ -107,10 +108,8 @@ def _rel_error(actual: np.ndarray, reference: np.ndarray) -> float:
 # --- structure: checksums and coverage ------------------------------------------------------------------
 
 
-def _check_structure(root: Path, manifest: dict[str, Any], report: Report) -> list[tuple[str, np.ndarray]]:
+def _check_structure(root: str, manifest: dict[str, Any], report: Report) -> list[tuple[str, np.ndarray]]:
     """Checksums and id coverage; returns each readable shard's file and ``sample_id`` column."""
-    import h5py
-
     num_samples = int(manifest["num_samples"])
     inputs_stop = max((entry["stop_id"] for entry in manifest["inputs"]), default=0)
     if inputs_stop != num_samples:
@@ -119,14 +118,14 @@ def _check_structure(root: Path, manifest: dict[str, Any], report: Report) -> li
     where: list[tuple[str, np.ndarray]] = []
     column = []
     for shard in manifest["shards"]:
-        path = root / shard["file"]
-        if not path.exists():
+        path = storage.join(root, shard["file"])
+        if not storage.exists(path):
             report.problems.append(f"{shard['file']}: listed in the manifest but missing")
             continue
         if sha256_file(path) != shard["sha256"]:
             report.problems.append(f"{shard['file']}: sha256 differs from the manifest's (the file was changed)")
         report.shards_checked += 1
-        with h5py.File(path, "r") as h5:
+        with storage.open_h5(path) as h5:
             ids = h5["sample_id"][:]
             mask = h5[NONFINITE][:] if NONFINITE in h5 else np.zeros(len(ids), bool)
         column.append(ids)
@@ -151,34 +150,37 @@ def _check_structure(root: Path, manifest: dict[str, Any], report: Report) -> li
     return where
 
 
-def _rejected_ids(root: Path, manifest: dict[str, Any], report: Report) -> np.ndarray:
+def _rejected_ids(root: str, manifest: dict[str, Any], report: Report) -> np.ndarray:
     info = manifest.get("rejected")
-    path = root / REJECTED_FILE
+    path = storage.join(root, REJECTED_FILE)
     if info is None:
         return np.zeros(0, np.int64)
-    if not path.exists():
+    if not storage.exists(path):
         report.problems.append(f"{REJECTED_FILE}: missing")
         return np.zeros(0, np.int64)
     if info.get("sha256") and sha256_file(path) != info["sha256"]:
         report.problems.append(f"{REJECTED_FILE}: sha256 differs from the manifest's (the file was changed)")
-    ids = [record["id"] for record in map(json.loads, path.read_text().splitlines()) if record["id"] is not None]
+    ids = [record["id"] for record in map(json.loads, storage.read_text(path).splitlines()) if record["id"] is not None]
     if len(ids) != info.get("count", len(ids)):
         report.problems.append(f"{REJECTED_FILE}: {len(ids)} rejected ids, the manifest says {info['count']}")
     return np.asarray(ids, np.int64)
 
 
-def _check_view(root: Path, column: np.ndarray, report: Report) -> None:
-    import h5py
-
-    path = root / VIEW
-    if not path.exists():
+def _check_view(root: str, column: np.ndarray, report: Report) -> None:
+    path = storage.join(root, VIEW)
+    if not storage.exists(path):
         report.problems.append(f"{VIEW}: missing")
         return
-    with h5py.File(path, "r") as view:
+    with storage.open_h5(path) as view:
         for name, dataset in view.items():
             for source in {s.file_name for s in dataset.virtual_sources()} if dataset.is_virtual else ():
-                if not (root / source).exists():
+                if not storage.exists(storage.join(root, source)):
                     report.problems.append(f"{VIEW}:{name} reads from {source}, which is missing")
+        if not storage.is_local(root):
+            # HDF5 resolves a virtual dataset's sources only on a local file system: read remotely, the
+            # view would show fill values. Its sources were checked above; the shards themselves were read.
+            report.notes.append(f"{VIEW}: remote folder, so its values were not read (its sources exist)")
+            return
         if "sample_id" in view and not report.problems and not np.array_equal(view["sample_id"][:], column):
             report.problems.append(f"{VIEW}: its sample_id column differs from the shards'")
 
@@ -277,9 +279,8 @@ def _as_stored(reference: np.ndarray, store: np.dtype) -> np.ndarray:
 
 
 def _recompute(
-    root: Path, manifest: dict[str, Any], shards: list[tuple[str, np.ndarray]], samples: int, seed: int, report: Report
+    root: str, manifest: dict[str, Any], shards: list[tuple[str, np.ndarray]], samples: int, seed: int, report: Report
 ) -> None:
-    import h5py
     import tensorflow as tf
 
     from transforms.models import load
@@ -327,7 +328,7 @@ def _recompute(
         with open_rows(entry["path"], entry.get("key")) as rows:
             x = np.asarray(rows.read(sample_id - entry["first_id"], sample_id - entry["first_id"] + 1), np.float32)
         file, row = where[sample_id]
-        with h5py.File(root / file, "r") as h5:
+        with storage.open_h5(storage.join(root, file)) as h5:
             stored_jac, stored_out = h5["jacobian"][row], h5["output"][row]
             flagged = bool(h5[NONFINITE][row]) if NONFINITE in h5 else False
             # outputs: indices/argmax/top_k/label store the selected rows of the Jacobian, and which they are.
@@ -382,19 +383,19 @@ def _recompute(
 
 def verify(folder: str | Path, samples: int = 0, seed: int = 0) -> Report:
     """Check the output folder (see the module docstring); recompute ``samples`` random samples."""
-    root = Path(folder)
-    if not root.is_dir():
+    root = storage.normalize(folder)
+    top = storage.listdir(root)
+    if not storage.is_folder(root):
         raise FileNotFoundError(f"{folder}: no such output folder")
-    report = Report(folder=str(root.resolve()))
-    manifest_path = root / MANIFEST
-    if not manifest_path.exists():
+    report = Report(folder=root)
+    if MANIFEST not in top:
         report.problems.append(f"no {MANIFEST}: the run did not finish; nothing to verify")
         return report
-    manifest = json.loads(manifest_path.read_text())
+    manifest = json.loads(storage.read_text(storage.join(root, MANIFEST)))
     where = _check_structure(root, manifest, report)
-    listed = {Path(shard["file"]).name for shard in manifest["shards"]}
-    shards = root / SHARDS_DIR
-    extra = sorted(p.name for p in shards.glob("shard-*.h5") if p.name not in listed) if shards.is_dir() else []
+    listed = {storage.name_of(shard["file"]) for shard in manifest["shards"]}
+    on_disk = storage.listdir(storage.join(root, SHARDS_DIR))
+    extra = [name for name in on_disk if is_shard_file(name) and name not in listed]
     if extra:
         report.notes.append(f"{len(extra)} shard file(s) not in the manifest (an unfinished later run?): {extra[:3]}")
     if samples > 0 and _check_inputs(manifest, report):
@@ -404,8 +405,7 @@ def verify(folder: str | Path, samples: int = 0, seed: int = 0) -> Report:
 
 def record(folder: str | Path, report: Report) -> dict[str, Any]:
     """Store the report in the manifest (``verify``); returns the manifest."""
-    path = Path(folder) / MANIFEST
-    manifest = json.loads(path.read_text())
+    manifest = json.loads(storage.read_text(storage.join(str(folder), MANIFEST)))
     manifest["verify"] = report.as_dict()
     write_manifest(str(folder), manifest)
     return manifest
