@@ -1,0 +1,200 @@
+"""Inputs and output on a remote file system: the ``fakegcs://`` scheme of ``tests/remote_fs.py`` (non-seekable
+uploads, rename as copy + delete, no folders, no local paths). Every result is compared with a local run of
+the same job, bit for bit, and with the per-sample tape reference."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from pipeline import cli
+from tests import remote_fs
+from tests.reference import assert_close, tape_loop
+from tests.models import small_cnn
+from tests.test_pipeline import job_config, run, write_inputs
+from transforms import storage
+from transforms.shards import CHECKSUM_SUFFIX
+
+OUT = "fakegcs://bucket/out"
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    root = tmp_path / "store"
+    root.mkdir()
+    monkeypatch.setenv(remote_fs.ROOT_ENV, str(root))
+    return root
+
+
+def _jobs(tmp_path: Path):
+    """One job with inputs under fakegcs://bucket/data, its output in a local folder and in a remote one
+    (the input paths are part of each shard's attributes, so both read the same URLs). Returns the
+    samples in id order and the two configs."""
+    samples = write_inputs(remote_fs.local_path("fakegcs://bucket/data"), (8, 8, 1))
+    data = "fakegcs://bucket/data/*.npy"
+    return samples, job_config(data, tmp_path / "local"), job_config(data, OUT)
+
+
+def _remote_bytes(url: str) -> bytes:
+    with storage.open_read(url) as stream:
+        return stream.read()
+
+
+def _copy_back(url: str, target: Path) -> None:
+    """Copy a remote folder to a local one through Beam's FileSystems (as ``gsutil cp -r`` would)."""
+    (target / "shards").mkdir(parents=True)
+    for name in storage.listdir(url):
+        storage.copy_to_local(storage.join(url, name), target / name)
+    for name in storage.listdir(storage.join(url, "shards")):
+        storage.copy_to_local(storage.join(url, "shards", name), target / "shards" / name)
+
+
+def test_the_test_file_system_refuses_what_gcs_refuses(store):
+    from apache_beam.io.filesystems import FileSystems
+
+    stream = FileSystems.create("fakegcs://bucket/x.bin")
+    stream.write(b"abc")
+    with pytest.raises(OSError):
+        stream.seek(0)
+    assert not FileSystems.exists("fakegcs://bucket/x.bin")  # visible only once the upload is closed
+    stream.close()
+    assert _remote_bytes("fakegcs://bucket/x.bin") == b"abc"
+    with pytest.raises(Exception):  # h5py cannot write to a non-seekable stream: why shards go via local files
+        with FileSystems.create("fakegcs://bucket/y.h5") as upload, h5py.File(upload, "w") as h5:
+            h5["a"] = np.zeros(10)
+
+
+@pytest.fixture
+def remote_and_local(tmp_path, store):
+    samples, local_cfg, remote_cfg = _jobs(tmp_path)
+    local = run(local_cfg)
+    remote = run(remote_cfg)
+    return tmp_path, samples, local, remote, remote_cfg
+
+
+def test_remote_output_equals_a_local_run_bit_for_bit(remote_and_local):
+    tmp_path, samples, local, remote, _ = remote_and_local
+
+    assert [s["file"] for s in remote["shards"]] == [s["file"] for s in local["shards"]]
+    for mine, theirs in zip(remote["shards"], local["shards"]):
+        data = _remote_bytes(f"{OUT}/{mine['file']}")
+        assert data == (tmp_path / "local" / theirs["file"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == mine["sha256"] == theirs["sha256"]
+        assert _remote_bytes(f"{OUT}/{mine['file']}{CHECKSUM_SUFFIX}").decode() == mine["sha256"]
+    # Nothing temporary is left, and the folder holds exactly what jacobeam writes.
+    assert storage.listdir(OUT) == ["jacobians.h5", "manifest.json", "rejected.jsonl"]
+    assert not [n for n in storage.listdir(f"{OUT}/shards") if n.startswith(".")]
+
+    copied = tmp_path / "copied"
+    _copy_back(OUT, copied)
+    with h5py.File(copied / "jacobians.h5") as a, h5py.File(tmp_path / "local" / "jacobians.h5") as b:
+        assert set(a) == set(b)
+        for name in b:
+            np.testing.assert_array_equal(a[name][:], b[name][:])
+        assert_close(a["jacobian"][:5], tape_loop(small_cnn(), samples[:5]))
+    assert json.loads((copied / "manifest.json").read_text())["num_samples"] == len(samples)
+
+
+def test_resume_after_a_remote_shard_is_deleted_or_unproven(remote_and_local):
+    tmp_path, _, local, _, remote_cfg = remote_and_local
+    first, second, third = (f"{OUT}/{s['file']}" for s in local["shards"])
+    storage.delete(first)  # gone: computed again
+    path = remote_fs.local_path(second)
+    path.write_bytes(path.read_bytes()[:-100])  # a partial copy under the final name: its sidecar no longer matches
+    storage.delete(third + CHECKSUM_SUFFIX)  # no proof at all: computed again
+
+    resumed = run(remote_cfg)
+
+    assert [s["computed_in_this_run"] for s in resumed["shards"]] == [True, True, True]
+    for mine, theirs in zip(resumed["shards"], local["shards"]):
+        assert _remote_bytes(f"{OUT}/{mine['file']}") == (tmp_path / "local" / theirs["file"]).read_bytes()
+        assert _remote_bytes(f"{OUT}/{mine['file']}{CHECKSUM_SUFFIX}").decode() == theirs["sha256"]
+
+
+def test_resume_keeps_proven_remote_shards(remote_and_local):
+    _, _, local, _, remote_cfg = remote_and_local
+    storage.delete(f"{OUT}/{local['shards'][1]['file']}")
+
+    resumed = run(remote_cfg)
+
+    assert [s["computed_in_this_run"] for s in resumed["shards"]] == [False, True, False]
+    assert [s["sha256"] for s in resumed["shards"]] == [s["sha256"] for s in local["shards"]]
+
+
+def test_inspect_and_verify_read_a_remote_folder(remote_and_local, capsys):
+    _, _, local, _, _ = remote_and_local
+
+    assert cli.main(["inspect", OUT, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["complete"] and report["view"]["jacobian"]["shape"] == [40, 3, 8, 8, 1]
+    assert report["shards_on_disk"] == [Path(s["file"]).name for s in local["shards"]]
+
+    assert cli.main(["verify", OUT, "--samples", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["shards_checked"] == 3 and report["max_rel_error"]["tape"] <= 1e-4
+
+    path = remote_fs.local_path(f"{OUT}/{local['shards'][0]['file']}")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert cli.main(["verify", OUT, "--json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert any(local["shards"][0]["file"] in p and "sha256" in p for p in problems)
+
+
+def test_a_remote_folder_without_manifest_is_reported_incomplete(store, capsys):
+    storage.write_bytes(f"{OUT}/shards/.shard-000000000000-000000000016.h5.tmp-abc", b"x")
+    assert cli.main(["inspect", OUT]) == 1
+    assert "NOT COMPLETE" in capsys.readouterr().out
+    assert cli.main(["inspect", "fakegcs://bucket/nothing"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_remote_output_from_worker_processes(tmp_path, store):
+    """Worker processes import the test file system through --beam_plugins, which runner.run fills in."""
+    _, local_cfg, remote_cfg = _jobs(tmp_path)
+    local = run(local_cfg)
+    remote = run(remote_cfg, ["--direct_running_mode=multi_processing", "--direct_num_workers=2"])
+    assert [s["sha256"] for s in remote["shards"]] == [s["sha256"] for s in local["shards"]]
+    assert any(s["worker_pid"] != __import__("os").getpid() for s in remote["shards"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_remote_output_through_the_standalone_job_service(tmp_path, store):
+    """The README's local stand-in for a Flink or Spark job server: Beam's Python job service on a port,
+    PortableRunner with --job_endpoint and LOOPBACK workers; output on the remote file system."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    service = subprocess.Popen(
+        [sys.executable, "-m", "apache_beam.runners.portability.local_job_service_main", f"--port={port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        _, local_cfg, remote_cfg = _jobs(tmp_path)
+        local = run(local_cfg)
+        args = ["--runner=PortableRunner", f"--job_endpoint=localhost:{port}", "--environment_type=LOOPBACK"]
+        remote = run(remote_cfg, args)
+    finally:
+        os.killpg(service.pid, 9)
+        service.wait()
+    assert [s["sha256"] for s in remote["shards"]] == [s["sha256"] for s in local["shards"]]
+    for shard in remote["shards"]:
+        assert _remote_bytes(f"{OUT}/{shard['file']}{CHECKSUM_SUFFIX}").decode() == shard["sha256"]
