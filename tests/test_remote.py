@@ -198,3 +198,56 @@ def test_remote_output_through_the_standalone_job_service(tmp_path, store):
     assert [s["sha256"] for s in remote["shards"]] == [s["sha256"] for s in local["shards"]]
     for shard in remote["shards"]:
         assert _remote_bytes(f"{OUT}/{shard['file']}{CHECKSUM_SUFFIX}").decode() == shard["sha256"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("point", ["shard_commit:2", "shard_renamed:1", "shard_renamed:3", "view", "manifest"])
+def test_a_run_killed_while_writing_a_remote_folder_resumes_to_the_same_output(tmp_path, store, point):
+    """SIGKILL of a run writing fakegcs:// (between copy and rename, between rename and sidecar, while
+    finalizing), then the same command again: every shard byte for byte that of an uninterrupted run,
+    and nothing temporary left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from transforms import faults
+
+    _, clean_cfg, _ = _jobs(tmp_path)
+    clean = run(clean_cfg)
+    config = tmp_path / "remote.yaml"
+    config.write_text(json.dumps({
+        "model": {"factory": "tests.models:small_cnn"},
+        "input": {"paths": ["fakegcs://bucket/data/*.npy"]},
+        "jacobian": {"batch_size": 8},
+        "output": {"path": OUT, "samples_per_shard": 16},
+    }))
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo), faults.KILL_AT: point}
+    launcher = "import sys, tests.remote_fs; from pipeline.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", launcher, "-q", "run", str(config)], cwd=repo, env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.wait(timeout=240) == -signal.SIGKILL
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert "manifest.json" not in storage.listdir(OUT)
+    left = storage.listdir(f"{OUT}/shards")
+    unproven = [n for n in left if n.endswith(".h5") and not n.startswith(".") and n + CHECKSUM_SUFFIX not in left]
+    assert len(unproven) == (1 if point.startswith("shard_renamed") else 0)
+
+    assert cli.main(["-q", "run", str(config)]) == 0
+
+    resumed = json.loads(_remote_bytes(f"{OUT}/manifest.json"))
+    computed = {Path(s["file"]).name for s in resumed["shards"] if s["computed_in_this_run"]}
+    assert set(unproven) <= computed  # a shard without its sidecar is never trusted
+    assert [s["sha256"] for s in resumed["shards"]] == [s["sha256"] for s in clean["shards"]]
+    for shard in resumed["shards"]:
+        assert _remote_bytes(f"{OUT}/{shard['file']}") == (tmp_path / "local" / shard["file"]).read_bytes()
+        assert _remote_bytes(f"{OUT}/{shard['file']}{CHECKSUM_SUFFIX}").decode() == shard["sha256"]
+    names = storage.listdir(OUT) + storage.listdir(f"{OUT}/shards")
+    assert not [n for n in names if n.startswith(".")], names

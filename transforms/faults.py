@@ -8,7 +8,8 @@ process die, or a shard fail, at named points:
     SIGKILL this process the N-th time (default 1st) it reaches ``POINT``. Points: ``plan`` (checks
     passed, before the pipeline), ``setup`` (a worker loading the model), ``shard_write`` (part of a
     shard written to its temporary file), ``shard_commit`` (shard complete in its temporary file, not
-    yet renamed), ``shard_done`` (renamed, not yet reported), ``view_write`` (inside ``jacobians.h5``'s
+    yet renamed), ``shard_renamed`` (remote folder only: renamed, its checksum sidecar not yet written),
+    ``shard_done`` (renamed, not yet reported), ``view_write`` (inside ``jacobians.h5``'s
     temporary file), ``view``, ``rejected``, ``manifest`` (that file's temporary file written, not yet
     renamed into place).
 ``JACOBEAM_TEST_FAIL_SHARD_ONCE=ID``

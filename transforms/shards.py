@@ -272,6 +272,7 @@ class ShardWriter:
             storage.copy_from_local(self.temp_path, self.remote_temp)
             faults.reached("shard_commit")
             storage.rename(self.remote_temp, self.final_path)
+            faults.reached("shard_renamed")
             storage.write_bytes(self.final_path + CHECKSUM_SUFFIX, checksum.encode())
         else:
             durable(self.temp_path)
