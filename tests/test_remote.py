@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from pipeline import cli
+from pipeline import cli, runner
 from tests import remote_fs
 from tests.reference import assert_close, tape_loop
 from tests.models import small_cnn
@@ -251,3 +251,41 @@ def test_a_run_killed_while_writing_a_remote_folder_resumes_to_the_same_output(t
         assert _remote_bytes(f"{OUT}/{shard['file']}{CHECKSUM_SUFFIX}").decode() == shard["sha256"]
     names = storage.listdir(OUT) + storage.listdir(f"{OUT}/shards")
     assert not [n for n in names if n.startswith(".")], names
+
+
+@pytest.mark.parametrize("suffix, key, factory", [(".npz", "x", "grid_model"), (".h5", "x", "small_mlp")])
+def test_npz_and_h5_inputs_are_read_through_file_objects(tmp_path, store, suffix, key, factory):
+    """Remote .npz and .h5 inputs: the same stored values as the same files read from a local folder."""
+    from tests import models as test_models
+
+    model = getattr(test_models, factory)()
+    samples = write_inputs(tmp_path / "data", model.input_shape[1:], suffix=suffix)
+    write_inputs(remote_fs.local_path("fakegcs://bucket/data"), model.input_shape[1:], suffix=suffix)
+    local = run(job_config(str(tmp_path / "data" / f"*{suffix}"), tmp_path / "local", f"tests.models:{factory}", key))
+    remote = run(job_config(f"fakegcs://bucket/data/*{suffix}", OUT, f"tests.models:{factory}", key))
+
+    assert [i["path"] for i in remote["inputs"]] == [f"fakegcs://bucket/data/{n}{suffix}" for n in "abc"]
+    assert [i["data_sha256"] for i in remote["inputs"]] == [i["data_sha256"] for i in local["inputs"]]
+    for mine, theirs in zip(remote["shards"], local["shards"]):
+        with storage.open_h5(f"{OUT}/{mine['file']}") as a, h5py.File(tmp_path / "local" / theirs["file"]) as b:
+            for name in ("jacobian", "output", "sample_id"):
+                np.testing.assert_array_equal(a[name][:], b[name][:])
+    copied = tmp_path / "copied"
+    _copy_back(OUT, copied)
+    with h5py.File(copied / "jacobians.h5") as view:
+        assert_close(view["jacobian"][:], tape_loop(model, samples))
+
+
+def test_a_foreign_remote_folder_is_refused_and_overwrite_removes_only_our_files(remote_and_local):
+    tmp_path, _, _, _, remote_cfg = remote_and_local
+    storage.write_bytes(f"{OUT}/notes.txt", b"mine")
+    other = remote_cfg.model_copy(update={"jacobian": remote_cfg.jacobian.model_copy(update={"batch_size": 4})})
+
+    with pytest.raises(Exception, match=r"fakegcs://bucket/out holds the result of a different run"):
+        run(other)
+    replaced = runner.run(other, [], show_progress=False, overwrite=True).manifest
+
+    assert all(s["computed_in_this_run"] for s in replaced["shards"])
+    assert _remote_bytes(f"{OUT}/notes.txt") == b"mine"
+    for shard in replaced["shards"]:
+        assert _remote_bytes(f"{OUT}/{shard['file']}{CHECKSUM_SUFFIX}").decode() == shard["sha256"]
