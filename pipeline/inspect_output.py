@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file
+from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file, missing_sources, view_datasets
 from transforms.shards import SHARDS_DIR, is_temp_file
 
 
@@ -48,12 +48,9 @@ def _check_view(root: Path, report: Report) -> None:
         report.problems.append(f"{VIEW} is missing")
         return
     with h5py.File(path, "r") as view:
-        for name, dataset in view.items():
+        for name, dataset in view_datasets(view).items():
             report.view[name] = {"shape": list(dataset.shape), "dtype": dataset.dtype.name}
-            sources = {source.file_name for source in dataset.virtual_sources()} if dataset.is_virtual else set()
-            for source in sorted(sources):
-                if not (root / source).exists():
-                    report.problems.append(f"{VIEW}:{name} reads from {source}, which is missing")
+        report.problems.extend(missing_sources(root, view))
 
 
 def inspect(folder: str) -> Report:

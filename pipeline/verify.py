@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, write_manifest
+from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, missing_sources, write_manifest
 from transforms.shards import NONFINITE, SHARDS_DIR, sha256_file
 
 TAPE_RTOL = 1e-4  # per-sample tape (float32) vs stored (float32)
@@ -175,10 +175,7 @@ def _check_view(root: Path, column: np.ndarray, report: Report) -> None:
         report.problems.append(f"{VIEW}: missing")
         return
     with h5py.File(path, "r") as view:
-        for name, dataset in view.items():
-            for source in {s.file_name for s in dataset.virtual_sources()} if dataset.is_virtual else ():
-                if not (root / source).exists():
-                    report.problems.append(f"{VIEW}:{name} reads from {source}, which is missing")
+        report.problems.extend(missing_sources(root, view))
         if "sample_id" in view and not report.problems and not np.array_equal(view["sample_id"][:], column):
             report.problems.append(f"{VIEW}: its sample_id column differs from the shards'")
 
