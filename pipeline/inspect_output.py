@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transforms import storage
-from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file
+from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file, missing_sources, view_datasets
 from transforms.shards import SHARDS_DIR, is_shard_file, is_temp_file
 
 
@@ -46,12 +46,9 @@ def _check_view(root: str, report: Report) -> None:
         report.problems.append(f"{VIEW} is missing")
         return
     with storage.open_h5(path) as view:  # only its layout is read: remote sources need not resolve
-        for name, dataset in view.items():
+        for name, dataset in view_datasets(view).items():
             report.view[name] = {"shape": list(dataset.shape), "dtype": dataset.dtype.name}
-            sources = {source.file_name for source in dataset.virtual_sources()} if dataset.is_virtual else set()
-            for source in sorted(sources):
-                if not storage.exists(storage.join(root, source)):
-                    report.problems.append(f"{VIEW}:{name} reads from {source}, which is missing")
+        report.problems.extend(missing_sources(root, view))
 
 
 def inspect(folder: str) -> Report:

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from transforms import storage
-from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, write_manifest
+from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, missing_sources, write_manifest
 from transforms.shards import NONFINITE, SHARDS_DIR, is_shard_file, sha256_file
 
 TAPE_RTOL = 1e-4  # per-sample tape (float32) vs stored (float32)
@@ -172,10 +172,7 @@ def _check_view(root: str, column: np.ndarray, report: Report) -> None:
         report.problems.append(f"{VIEW}: missing")
         return
     with storage.open_h5(path) as view:
-        for name, dataset in view.items():
-            for source in {s.file_name for s in dataset.virtual_sources()} if dataset.is_virtual else ():
-                if not storage.exists(storage.join(root, source)):
-                    report.problems.append(f"{VIEW}:{name} reads from {source}, which is missing")
+        report.problems.extend(missing_sources(root, view))
         if not storage.is_local(root):
             # HDF5 resolves a virtual dataset's sources only on a local file system: read remotely, the
             # view would show fill values. Its sources were checked above; the shards themselves were read.

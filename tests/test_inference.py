@@ -47,3 +47,31 @@ def test_reductions_work_through_run_inference():
 
     with beam.Pipeline(runner=FnApiRunner()) as pipeline:
         assert_that(pipeline | beam.Create(list(samples)) | RunInference(handler), check)
+
+
+def test_a_two_input_model_through_run_inference():
+    import tensorflow as tf
+
+    rng = np.random.default_rng(5)
+    examples = [{"image": rng.normal(size=(4, 4, 1)).astype(np.float32), "meta": rng.normal(size=3).astype(np.float32)}
+                for _ in range(5)]
+    model = test_models.two_inputs()
+    handler = JacobianModelHandler(
+        ModelSource(factory="tests.models:two_inputs"), {"image": (4, 4, 1), "meta": (3,)}, EngineOptions(batch_size=2)
+    )
+
+    def expected(example, name):
+        sample = {k: tf.constant(v[None]) for k, v in example.items()}
+        with tf.GradientTape() as tape:
+            tape.watch(sample[name])
+            y = model([sample["image"], sample["meta"]])[0]
+        return tape.jacobian(y, sample[name]).numpy().reshape(5, *example[name].shape)
+
+    def check(results):
+        assert len(results) == 5
+        for result in results:
+            for name in ("image", "meta"):
+                assert_close(result.inference[f"jacobian/{name}"], expected(result.example, name), rtol=1e-5)
+
+    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+        assert_that(pipeline | beam.Create(examples) | RunInference(handler), check)

@@ -302,8 +302,9 @@ class JacobianEngine:
         item = np.dtype(self.options.compute_dtype).itemsize
         budget, m = self.options.memory_budget, self._outputs
         forward = mode == "forward"
-        result = sum((m if forward else self._extent(mode, k)) * (self._extent(mode, k) if forward else self._size(k))
-                     for k in self._wrt) * item
+        # A block's finished result per sample: all outputs by the columns (forward), or the rows by
+        # all input entries (reverse).
+        result = sum(self._extent(mode, k) * (m if forward else self._size(k)) for k in self._wrt) * item
         batch = int(min(self.options.batch_size, max(1, (budget // 2) // max(result, 1))))
         notes = []
         if batch < self.options.batch_size:

@@ -116,6 +116,26 @@ def write_virtual_view(output_dir: str, records: Sequence[ShardRecord]) -> dict[
     return {name: (tuple(int(d) for d in shape), dtype.name) for name, (shape, dtype) in fields.items()}
 
 
+def view_datasets(view) -> dict[str, Any]:
+    """Every dataset of an open ``jacobians.h5``, nested ones (``jacobian/<input>``) included."""
+    import h5py
+
+    found: dict[str, Any] = {}
+    view.visititems(lambda name, item: found.setdefault(name, item) if isinstance(item, h5py.Dataset) else None)
+    return found
+
+
+def missing_sources(root: str | Path, view) -> list[str]:
+    """Problems with an open ``jacobians.h5``: each virtual source file that is missing. (HDF5 reads a
+    missing source as fill values without an error, so a reader must check.)"""
+    problems = []
+    for name, dataset in view_datasets(view).items():
+        sources = sorted({s.file_name for s in dataset.virtual_sources()}) if dataset.is_virtual else []
+        missing = [s for s in sources if not storage.exists(storage.join(root, s))]
+        problems += [f"{VIEW}:{name} reads from {s}, which is missing" for s in missing]
+    return problems
+
+
 def library_versions() -> dict[str, str]:
     import apache_beam
     import h5py

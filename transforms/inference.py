@@ -7,7 +7,7 @@ imported only when a worker loads the model.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,9 +17,11 @@ from transforms.spec import EngineOptions, ModelSource
 
 
 class JacobianModelHandler(ModelHandler[np.ndarray, dict, Any]):
-    """Examples are single samples ``(*input_shape)`` (numpy); each ``PredictionResult.inference`` is
-    a dict of that sample's datasets, e.g. ``{"jacobian": (*output_shape, *input_shape),
-    "output": (*output_shape)}`` (see ``transforms.engine.JacobianEngine``).
+    """Examples are single samples ``(*input_shape)`` (numpy), or for a model with several inputs
+    dicts ``{input name: array}`` with ``input_shape`` a dict of shapes; each
+    ``PredictionResult.inference`` is a dict of that sample's datasets, e.g. ``{"jacobian":
+    (*output_shape, *input_shape), "output": (*output_shape)}``, or ``"jacobian/<input name>"`` per
+    differentiated input (see ``transforms.engine.JacobianEngine``).
 
     ``model`` is a ``ModelSource``; ``options`` the engine's (mode, XLA, memory budget, what to
     store). Batching keywords (``min_batch_size``, ``max_batch_size``, ...) go to ``BatchElements``;
@@ -29,14 +31,18 @@ class JacobianModelHandler(ModelHandler[np.ndarray, dict, Any]):
     def __init__(
         self,
         model: ModelSource,
-        input_shape: Sequence[int],
+        input_shape: Sequence[int] | Mapping[str, Sequence[int]],
         options: EngineOptions = EngineOptions(),
         **batching: Any,
     ):
         batching.setdefault("max_batch_size", options.batch_size)
         super().__init__(**batching)
         self._model = model
-        self._input_shape = tuple(input_shape)
+        self._input_shape = (
+            {name: tuple(shape) for name, shape in input_shape.items()}
+            if isinstance(input_shape, Mapping)
+            else tuple(input_shape)
+        )
         self._options = options
 
     def load_model(self):
@@ -49,13 +55,18 @@ class JacobianModelHandler(ModelHandler[np.ndarray, dict, Any]):
         self, batch: Sequence[np.ndarray], model, inference_args: dict[str, Any] | None = None
     ) -> Iterable[PredictionResult]:
         labels = (inference_args or {}).get("labels")
-        datasets = model(np.stack(batch), labels)
+        if isinstance(batch[0], Mapping):
+            stacked = {name: np.stack([example[name] for example in batch]) for name in batch[0]}
+        else:
+            stacked = np.stack(batch)
+        datasets = model(stacked, labels)
         model_id = model.fingerprint[:16]
         for i, example in enumerate(batch):
             yield PredictionResult(example, {name: value[i] for name, value in datasets.items()}, model_id)
 
     def get_num_bytes(self, batch: Sequence[np.ndarray]) -> int:
-        return sum(np.asarray(example).nbytes for example in batch)
+        parts = [part for example in batch for part in (example.values() if isinstance(example, Mapping) else [example])]
+        return sum(np.asarray(part).nbytes for part in parts)
 
     def get_metrics_namespace(self) -> str:
         return "jacobeam"
