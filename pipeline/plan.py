@@ -38,7 +38,6 @@ from transforms.shards import (
     SHARDS_DIR,
     is_checksum_file,
     is_temp_file,
-    proven_checksum,
     read_attrs,
     shard_name,
 )
@@ -271,9 +270,10 @@ def read_folder(output_dir: str) -> Folder:
     """What the folder holds, judged by content: a file with one of jacobeam's names counts as jacobeam's
     only if it looks like what jacobeam writes; otherwise it is listed as alien and never touched.
 
-    In a remote folder a shard counts only when its checksum sidecar proves it complete (see
-    ``transforms.shards``); an unproven one that jacobeam wrote (it has a sidecar, or a ``run_key``) is
-    listed as owned, not as a shard, and is computed again."""
+    In a remote folder a shard counts only when it has jacobeam's attributes and a checksum sidecar (see
+    ``transforms.shards``; the worker checks its bytes against the sidecar before keeping it); one that
+    jacobeam wrote (it has a sidecar, or a ``run_key``) but that fails this is listed as owned, not as a
+    shard: ``prepare_output`` removes it and it is computed again."""
     root = storage.normalize(output_dir)
     folder = Folder(root)
     for name in storage.listdir(root):
@@ -308,12 +308,14 @@ def read_folder(output_dir: str) -> Folder:
                 attrs = read_attrs(path)
             except (OSError, ValueError):
                 attrs = {}
-            complete = storage.is_local(root) or proven_checksum(path) is not None
-            if "run_key" in attrs and complete:
+            # Remote: a sidecar marks a shard whose copy finished; the worker checks its bytes against
+            # it (and computes the shard again on a mismatch), so the launcher need not read every shard.
+            remote, sidecar = not storage.is_local(root), name + CHECKSUM_SUFFIX in names
+            if "run_key" in attrs and (sidecar or not remote):
                 folder.shards[name] = attrs
                 folder.owned.append(path)
-            elif not complete and ("run_key" in attrs or name + CHECKSUM_SUFFIX in names):
-                log.warning("%s: not proven complete (no matching checksum sidecar); computing it again", path)
+            elif remote and ("run_key" in attrs or sidecar):
+                log.warning("%s: not proven complete (no readable shard with a checksum sidecar); computing it again", path)
                 folder.owned.append(path)
                 folder.unproven += [path, path + CHECKSUM_SUFFIX]
             else:

@@ -162,9 +162,14 @@ def rename(source: str, target: str) -> None:
         return
     from apache_beam.io.filesystems import FileSystems
 
-    if FileSystems.exists(target):  # GCS/S3 overwrite on copy; other file systems refuse to
+    try:
+        FileSystems.rename([source], [target])  # GCS and S3 copy over an existing target: no gap
+    except Exception:
+        if not FileSystems.exists(target):  # Beam wraps every failure in its own error types
+            raise
+        # HDFS refuses to rename onto an existing file: there, the target is briefly absent.
         FileSystems.delete([target])
-    FileSystems.rename([source], [target])
+        FileSystems.rename([source], [target])
 
 
 def delete(*paths: str | os.PathLike) -> None:
