@@ -7,8 +7,8 @@ In a remote folder (``gs://``, ``s3://``, ...) h5py writes the shard to a local 
 stream-copied to a temporary remote name and renamed (on GCS and S3 a copy and a delete). A rename made
 of a copy is not what a local rename is (a non-atomic store could show a partial copy), so after it a
 sidecar ``shards/NAME.sha256`` records the sha256 of the shard's bytes. A remote shard counts as
-complete only when its sidecar exists and matches its bytes; any other file under a shard's name is
-computed again. (Resuming already reads every kept shard to checksum it for the manifest, so the proof
+complete only when its sidecar exists and matches its bytes (the launcher checks that the sidecar is
+there, the worker that it matches); any other file under a shard's name is computed again. (Resuming already reads every kept shard to checksum it for the manifest, so the proof
 costs one small read per shard.)
 
 Besides the engine's arrays, every shard holds a ``nonfinite`` mask over its rows: True where a
@@ -28,7 +28,7 @@ import numpy as np
 
 from transforms import faults, storage
 from transforms.errors import OutputError
-from transforms.storage import durable  # noqa: F401  (imported from here by other modules)
+from transforms.storage import durable
 
 SHARDS_DIR = "shards"
 _SHARD_NAME = re.compile(r"^shard-(\d{12})-(\d{12})\.h5$")

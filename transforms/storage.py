@@ -18,7 +18,6 @@ import hashlib
 import os
 import shutil
 import tempfile
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -228,7 +227,3 @@ def write_via_local_temp(path: str, write: Callable[[Path], None], point: str | 
             rename(temp, path)
         finally:
             delete(temp)
-
-
-def unique_suffix() -> str:
-    return uuid.uuid4().hex[:12]
