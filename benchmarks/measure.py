@@ -44,9 +44,9 @@ def time_row(build: Callable[[], Built], x: np.ndarray, budget: Budget) -> tuple
 
     A row is first called on ``probe`` samples (or on its own fixed batch), then moves to ``batch``
     samples, or to ``batch / 4``, ``batch / 16``, ... where one call would take longer than
-    ``max_call_seconds``: a very slow row (forward mode through a CNN) is timed on a subset instead
-    of stalling the run. Each repeat calls the function on the same consecutive batches of ``x``,
-    as many as fit ``budget.seconds``.
+    ``max_call_seconds``: a very slow row (forward mode through a CNN) is timed on a smaller batch
+    instead of stalling the run. Each repeat calls the function on the same consecutive batches of
+    ``x``, as many as fit ``budget.seconds``.
     """
     start = time.perf_counter()
     built = build()
@@ -60,16 +60,19 @@ def time_row(build: Callable[[], Built], x: np.ndarray, budget: Budget) -> tuple
         return time.perf_counter() - began, found
 
     warm, checked = warm_call()
-    if built.batch is None and not built.per_sample:
-        # The probe's time per sample over-estimates a larger batch's (per-call overhead), so the
-        # choice errs towards the smaller batch; one jump means one more compile at most.
-        target = min(budget.batch, len(x))
+    full = min(budget.batch, len(x))
+    while built.batch is None and not built.per_sample and batch < full:
+        # Jump to the largest batch that the time per sample measured so far allows. That time
+        # over-estimates a larger batch's (per-call overhead), so jump again once measured there;
+        # a fast row gets to `batch` in one jump, i.e. one more compile.
+        target = full
         while target > batch and warm / batch * target > budget.max_call_seconds:
             target //= 4
-        if target > batch:
-            batch = target
-            built.jacobians(x[:batch])  # compiles for this shape where the framework specialises on it
-            warm, checked = warm_call()
+        if target <= batch:
+            break
+        batch = target
+        built.jacobians(x[:batch])  # compiles for this shape where the framework specialises on it
+        warm, checked = warm_call()
     calls = int(min(max(1, round(budget.seconds / max(warm, 1e-9))), max(1, len(x) // batch)))
 
     repeats = []
