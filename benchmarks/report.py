@@ -69,7 +69,7 @@ def workload_table(name: str, report: Report) -> str:
     title = (
         f"{found['key']} {name}: x{_shape(found['input_shape'])} -> J{jacobian}, {found['samples']:,} samples; "
         + (f"float32 matmul peak now {peak:,.0f} GFLOP/s; " if peak else "")
-        + f"WRONG: max rel err against the reference > {WRONG:g}"
+        + f"a max rel err over {WRONG:g} against the reference marks a row WRONG"
     )
     return title + "\n" + _table(COLUMNS, [_cells(row) for row in found["rows"]])
 

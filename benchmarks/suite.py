@@ -208,22 +208,17 @@ def _note(result: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _scaling(plan: Plan, folder: Path, base: dict[str, Any] | None, say: Callable[[str], None]) -> list[dict]:
-    """W1 end to end in-process at N and ``plan.scale`` * N samples: throughput and peak RSS."""
+def _scaling(plan: Plan, folder: Path, base: dict[str, Any], say: Callable[[str], None]) -> list[dict]:
+    """W1 end to end in-process at N (``base``: the ``pipeline_1proc`` row) and ``plan.scale`` * N
+    samples: throughput and peak RSS."""
     workload = WORKLOADS["mlp"]
-    samples = plan.samples or workload.samples
+    count = plan.scale * (plan.samples or workload.samples)
+    say(f"  scaling: W1 end to end, {count:,} samples")
+    inputs_glob = write_inputs(workload, count, folder / "data")
     row = RowSpec("pipeline_1proc", "scaling", "pipeline", {"workers": 1})
-    found = []
-    for count in (samples, plan.scale * samples):
-        if count == samples and base is not None:
-            result = base  # the pipeline_1proc row of W1 already ran at N
-        else:
-            say(f"  scaling: W1 end to end, {count:,} samples")
-            inputs_glob = write_inputs(workload, count, folder / f"data-{count}")
-            result, _ = _end_to_end(row, workload, inputs_glob, plan, folder / f"scale-{count}")
-        found.append({"samples": count, **{k: result[k] for k in ("samples_per_second", "peak_rss_mb",
-                                                                     "pipeline_wall_seconds", "bytes_per_second")}})
-    return found
+    scaled, _ = _end_to_end(row, workload, inputs_glob, plan, folder / "run")
+    keys = ("samples", "samples_per_second", "peak_rss_mb", "pipeline_wall_seconds", "bytes_per_second")
+    return [{key: result[key] for key in keys} for result in (base, scaled)]
 
 
 def versions() -> dict[str, str | None]:
@@ -343,8 +338,8 @@ def run_suite(
             }
             if on_workload:
                 on_workload(name, report)
-        if plan.scale and "mlp" in plan.workloads and "mlp" in plan.e2e_workloads:
-            rows = report.workloads["mlp"]["rows"]
-            base = next((r for r in rows if r["id"] == "pipeline_1proc" and "error" not in r), None)
+        rows = report.workloads.get("mlp", {}).get("rows", [])
+        base = next((r for r in rows if r["id"] == "pipeline_1proc" and "error" not in r), None)
+        if plan.scale and base is not None:  # scaling goes with W1's in-process pipeline row
             report.scaling = _scaling(plan, folder / "scaling", base, say)
     return report
