@@ -1,0 +1,50 @@
+"""The benchmark suite (``python -m benchmarks``): its code path runs, and its rows agree numerically.
+
+Nothing here times anything: speed is read from the suite's own output, never asserted.
+"""
+
+import numpy as np
+import pytest
+
+from benchmarks.measure import Budget
+from benchmarks.suite import WRONG, Plan, run_suite
+from benchmarks.workloads import WORKLOADS, weights
+from transforms.models import build_cnn, build_mlp
+
+# The CNN, because its layout (channels last, HWIO kernels, flatten order) is where a peer's
+# translation of the weights would go wrong; peers run where installed (the `bench` extra).
+ROWS = ("tf_eager_loop", "tf_batch_jacobian", "jax_jacrev", "torch_jacfwd", "engine", "pipeline_1proc")
+
+
+def test_w1_and_w2_weights_are_jacobeams_builtin_weights():
+    for name, build in (("mlp", build_mlp), ("cnn", build_cnn)):
+        ours = [array for layer in weights(WORKLOADS[name]) for array in layer]
+        builtin = build().get_weights()
+        assert len(ours) == len(builtin)
+        for mine, theirs in zip(ours, builtin):
+            np.testing.assert_array_equal(mine, theirs)
+
+
+@pytest.mark.slow
+def test_suite_rows_run_and_agree_with_the_status_quo():
+    plan = Plan(
+        workloads=("cnn",),
+        budget=Budget(repeats=1, seconds=0.0, max_call_seconds=0.0, probe=2),
+        e2e_workloads=("cnn",),
+        e2e_repeats=1,
+        scale=0,
+        rows=ROWS,
+        samples=4,
+        matmul_size=64,
+        timeout_s=120.0,
+    )
+    report = run_suite(plan, say=lambda line: None)
+
+    rows = report.workloads["cnn"]["rows"]
+    assert {"tf_eager_loop", "tf_batch_jacobian", "engine", "pipeline_1proc"} <= {row["id"] for row in rows}
+    assert rows[0]["id"] == "tf_eager_loop" and rows[0]["reference"]
+    for row in rows:
+        assert "error" not in row, row["error"]
+        assert row["samples_per_second"] > 0 and row["peak_rss_mb"] > 0
+        assert row["max_rel_error"] <= WRONG, (row["id"], row["max_rel_error"])
+    assert next(row for row in rows if row["id"] == "engine")["vs_engine"] == 1.0
