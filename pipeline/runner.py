@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import apache_beam as beam
+from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
 from pipeline import plan
@@ -113,6 +114,9 @@ def run(
     """Plan (checking everything first), build and run the job; blocks until the manifest is written.
     With ``verify_samples``, verify the output afterwards and record the result in the manifest."""
     options = with_filesystem_plugins(PipelineOptions(beam_args))
+    # The plan reads inputs and the output folder before a Pipeline exists (which would do this): file
+    # systems that take options (--hdfs_host, --s3_region_name, ...) need them here already.
+    FileSystems.set_options(options)
     job = plan.make_job(config, tf_threads(config, options), overwrite=overwrite)
     spec, already_done = job.spec, job.already_done
     plan.prepare_output(job)
