@@ -452,14 +452,20 @@ class JacobianEngine:
         operand = self._operand(plan.mode)
         shape = {k: (n, m, self._extent("forward", k)) if forward else (n, self._extent(plan.mode, k), self._size(k))
                  for k in self._wrt}
-        blocks = {k: np.empty(shape[k], self.options.compute_dtype) for k in self._wrt}
-        output = np.empty((n, m), self.options.compute_dtype)
+        # Filled block by block, except in the common case of one block covering everything, which is
+        # used as it comes (no copy).
+        blocks: dict[int, np.ndarray] = {}
+        output = np.empty((n, m), self.options.compute_dtype) if n > plan.batch else None
+
+        def padded(x: np.ndarray, pad: int) -> np.ndarray:
+            return np.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
+
         for lo in range(0, n, plan.batch):
             hi = min(lo + plan.batch, n)
             pad = plan.batch - (hi - lo) if plan.jit else 0  # XLA compiles per shape: pad, never recompile
-            batch = [tf.constant(np.pad(x[lo:hi], [(0, pad)] + [(0, 0)] * (x.ndim - 1))) for x in xs]
+            batch = [tf.constant(padded(x[lo:hi], pad)) for x in xs]
             if operand == "index":
-                given = tf.constant(np.pad(index[lo:hi], [(0, pad), (0, 0)]))
+                given = tf.constant(padded(index[lo:hi], pad))
             elif operand == "matrix":
                 given = tf.constant(self._right if forward else self._left)
             else:
@@ -475,11 +481,18 @@ class JacobianEngine:
                         self._shrink(plan, k)
                         continue
                     block = block.numpy()[: hi - lo]
-                    if forward:
-                        blocks[k][lo:hi, :, first : first + rows] = block
+                    if hi - lo == n and rows == extent:
+                        blocks[k] = block
                     else:
-                        blocks[k][lo:hi, first : first + rows] = block
-                    output[lo:hi] = y.numpy()[: hi - lo]
+                        target = blocks.setdefault(k, np.empty(shape[k], self.options.compute_dtype))
+                        if forward:
+                            target[lo:hi, :, first : first + rows] = block
+                        else:
+                            target[lo:hi, first : first + rows] = block
+                    if output is None:
+                        output = y.numpy()[:n]  # one sub-batch: every block returns the same outputs
+                    elif hi - lo < n:
+                        output[lo:hi] = y.numpy()[: hi - lo]
                     start = first + rows
         if forward and index is not None:
             blocks = {k: np.take_along_axis(block, index[:, :, None], axis=1) for k, block in blocks.items()}
