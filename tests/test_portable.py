@@ -2,10 +2,7 @@
 started by a worker pool, with the job service embedded in the launching process."""
 
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import h5py
@@ -13,36 +10,19 @@ import numpy as np
 import pytest
 
 from pipeline import config, runner
+from tests.services import beam_service
 from tests.test_pipeline import write_inputs
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
 def worker_pool():
     """A worker pool on loopback; it starts workers as bare ``python``, so this project's Python
     comes first on PATH (a worker without Beam would hang the job without an error)."""
-    port = _free_port()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO)}
-    pool = subprocess.Popen(
-        [sys.executable, "-m", "apache_beam.runners.worker.worker_pool_main", f"--service_port={port}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        time.sleep(0.2)
-    yield port
-    os.killpg(pool.pid, 9)
-    pool.wait()
+    with beam_service("apache_beam.runners.worker.worker_pool_main", "--service_port", env) as port:
+        yield port
 
 
 @pytest.mark.slow

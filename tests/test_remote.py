@@ -14,6 +14,7 @@ from pipeline import cli, runner
 from tests import remote_fs
 from tests.reference import assert_close, tape_loop
 from tests.models import small_cnn
+from tests.services import beam_service
 from tests.test_pipeline import job_config, run, write_inputs
 from transforms import storage
 from transforms.shards import CHECKSUM_SUFFIX
@@ -168,33 +169,11 @@ def test_remote_output_from_worker_processes(tmp_path, store):
 def test_remote_output_through_the_standalone_job_service(tmp_path, store):
     """The README's local stand-in for a Flink or Spark job server: Beam's Python job service on a port,
     PortableRunner with --job_endpoint and LOOPBACK workers; output on the remote file system."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    service = subprocess.Popen(
-        [sys.executable, "-m", "apache_beam.runners.portability.local_job_service_main", f"--port={port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.2)
+    with beam_service("apache_beam.runners.portability.local_job_service_main", "--port") as port:
         _, local_cfg, remote_cfg = _jobs(tmp_path)
         local = run(local_cfg)
         args = ["--runner=PortableRunner", f"--job_endpoint=localhost:{port}", "--environment_type=LOOPBACK"]
         remote = run(remote_cfg, args)
-    finally:
-        os.killpg(service.pid, 9)
-        service.wait()
     assert [s["sha256"] for s in remote["shards"]] == [s["sha256"] for s in local["shards"]]
     for shard in remote["shards"]:
         assert _remote_bytes(f"{OUT}/{shard['file']}{CHECKSUM_SUFFIX}").decode() == shard["sha256"]
