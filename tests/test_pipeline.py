@@ -13,7 +13,6 @@ import pytest
 from pipeline import cli, config, runner
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
-from transforms.errors import InputError
 from transforms.shards import sha256_file
 
 FILE_SIZES = {"b": 13, "a": 7, "c": 20}  # written out of order: ids follow sorted path order

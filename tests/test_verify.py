@@ -1,7 +1,6 @@
 """``jacobeam verify``: checksums, coverage, independent recomputation; and ``run --verify K``."""
 
 import json
-import os
 import shutil
 
 import h5py

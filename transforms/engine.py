@@ -572,10 +572,6 @@ class JacobianEngine:
         return self._plan.batch
 
     @property
-    def input_shape(self) -> tuple[int, ...]:
-        return self.input_shapes[0]
-
-    @property
     def traces(self) -> int:
         return sum(fn.experimental_get_tracing_count() for fn in self._blocks.values())
 
