@@ -2,7 +2,8 @@
 
 Each worker process loads the model and builds the compiled Jacobian function once (``setup()``,
 shared between DoFn instances of the process through ``apache_beam.utils.shared``), then streams
-each range through ``tf.data`` into a shard.
+each range into a shard: batches read ahead on one thread (``transforms.batches``), written on
+another (``transforms.shards.ShardWriter``), so that the engine rarely waits for either.
 
 Samples that the plan rejected (``input.on_bad_sample: skip``) are never read; the DoFn sends them to
 its dead-letter output ``rejected``, which ``Finalize`` writes to ``rejected.jsonl``.
@@ -15,6 +16,7 @@ shard count, so a retried bundle leaves neither a half shard nor a duplicate.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -28,6 +30,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.utils import shared
 
 from transforms import aggregates, faults
+from transforms.batches import prefetch, rebatch
 from transforms.errors import InputError, ModelError, OutputError
 from transforms.readers import iter_slices
 from transforms.shards import ShardRecord, ShardWriter, existing_record, proven_checksum, read_attrs, shard_file, shard_path
@@ -124,29 +127,22 @@ class ComputeShardFn(beam.DoFn):
             self._spec.output_dir, shard.start, shard.stop, self._engine.fingerprint, self._engine.describe(), checksum
         )
 
-    def _batches_of(self, shard: ShardRange):
-        """tf.data over the shard's samples: file slices, rebatched across file boundaries, prefetched
-        so that reading overlaps computing. Only the shard's last batch can be short."""
-        import tensorflow as tf
-
+    def _batches_of(self, shard: ShardRange) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``(ids (b,), samples (b, *sample_shape), labels (b,))`` over the shard's kept samples: file
+        slices regrouped across file boundaries into the engine's batch size (only the last batch can
+        be short), read one batch ahead on a background thread so that reading overlaps computing."""
         spec, dtype = self._spec, self._spec.engine.compute_dtype
         label_key = spec.label_key if spec.engine.outputs.rule == "label" else None
+        batch = self._engine.batch_size
 
-        def slices():
-            batch = self._engine.batch_size
+        def slices() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
             for lo, hi in shard.kept():  # rejected samples are never read
                 for ids, samples, labels in iter_slices(spec.files, lo, hi, batch, label_key):
                     _check_finite(spec, ids, samples)
                     labels = np.zeros(len(ids)) if labels is None else labels.astype(np.float64)
                     yield ids, samples.astype(dtype, copy=False), labels
 
-        signature = (
-            tf.TensorSpec((None,), tf.int64),
-            tf.TensorSpec((None, *spec.sample_shape), dtype),
-            tf.TensorSpec((None,), tf.float64),
-        )
-        dataset = tf.data.Dataset.from_generator(slices, output_signature=signature)
-        return dataset.rebatch(self._engine.batch_size).prefetch(2)
+        return prefetch(rebatch(slices(), batch))
 
     def _compute(self, shard: ShardRange) -> tuple[ShardRecord, aggregates.Partial | None]:
         engine, spec = self._engine, self._spec
@@ -161,12 +157,14 @@ class ComputeShardFn(beam.DoFn):
             "jacobeam_version": version(),
         }
         attrs.update(shard_attrs(spec, shard))
-        with ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression, rows=shard.rows) as writer:
-            for ids, samples, labels in self._batches_of(shard):
+        with (
+            ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression, rows=shard.rows) as writer,
+            contextlib.closing(self._batches_of(shard)) as batches,  # a failure stops the reading thread
+        ):
+            for ids, samples, labels in batches:
                 tick = time.perf_counter()
-                ids = ids.numpy()
                 try:
-                    result, full = engine.compute(samples.numpy(), labels.numpy())
+                    result, full = engine.compute(samples, labels)
                 except ModelError as err:
                     raise ModelError(f"samples {ids[0]}..{ids[-1]}: {err}") from err
                 self._latency.update(int(1000 * (time.perf_counter() - tick)))

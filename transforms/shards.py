@@ -13,14 +13,20 @@ costs one small read per shard.)
 
 Besides the engine's arrays, every shard holds a ``nonfinite`` mask over its rows: True where a
 sample's results (Jacobian, output, ...) hold NaN or Inf although its input was finite.
+
+The rows reach the file on a background thread (``ShardWriter``), so that writing one batch overlaps
+computing the next; the caller sees a failed write at its next call, and never a half shard.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import re
+import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +160,12 @@ class ShardWriter:
     along samples. Leaving the ``with`` block without ``commit()`` deletes the temporary file, so a failed
     attempt leaves nothing behind that a retry or rerun could see (a killed one leaves a temporary name,
     which never counts and which the next run removes).
+
+    ``write`` and ``attach`` only check their arguments and queue the work: one thread of the writer's own
+    does the HDF5 writes, in order, at most ``pending`` batches behind the caller (the caller waits when
+    that many are queued, which bounds the memory held to ``pending`` batches). The arrays passed must not
+    be changed afterwards. A failed write is raised, as an ``OutputError`` naming the shard, by the next
+    ``write``, ``attach`` or ``commit``; ``commit`` waits for every queued write.
     """
 
     def __init__(
@@ -164,6 +176,7 @@ class ShardWriter:
         attrs: dict[str, Any],
         compression: str = "none",
         rows: int | None = None,
+        pending: int = 2,
     ):
         self.name = shard_name(start, stop)
         self.final_path = shard_path(output_dir, start, stop)
@@ -175,12 +188,16 @@ class ShardWriter:
         self.temp_path = Path(storage.join(output_dir, SHARDS_DIR, temp_name)) if not self._remote else None
         self.start, self.stop = start, stop
         self.rows = stop - start if rows is None else rows
-        self.nonfinite = 0  # rows flagged in the nonfinite mask so far
-        self._written = 0  # rows written so far
+        self.nonfinite = 0  # rows flagged in the nonfinite mask so far (complete after commit)
+        self._queued = 0  # rows handed to write() so far
         self._next_id = start
         self._attrs = attrs
         self._compression = None if compression == "none" else compression
         self._h5 = None
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=pending)
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._cancelled = False
 
     def __enter__(self) -> ShardWriter:
         import h5py
@@ -193,9 +210,13 @@ class ShardWriter:
         self._h5 = h5py.File(self.temp_path, "w")
         self._h5.attrs.update(self._attrs)
         self._h5.attrs.update(id_start=self.start, id_stop=self.stop)
+        self._thread = threading.Thread(target=self._run, name=f"write {self.name}", daemon=True)
+        self._thread.start()
         return self
 
     def __exit__(self, *exc_info) -> None:
+        self._cancelled = True  # an abandoned shard: queued writes are dropped, not done
+        self._drain()
         if self._h5 is not None:
             self._h5.close()
             self._h5 = None
@@ -203,6 +224,35 @@ class ShardWriter:
         if self._remote:
             storage.delete(self.remote_temp)
             self._scratch.__exit__(None, None, None)
+
+    # -- the writer thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Do the queued jobs in order until the ``None`` that ends them; after a failure (or once the
+        shard is abandoned) only take jobs off the queue, so that the caller never waits forever."""
+        while (job := self._jobs.get()) is not None:
+            if self._failure is None and not self._cancelled:
+                try:
+                    job()
+                except BaseException as err:  # handed to the caller's thread, which raises it
+                    self._failure = err
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        self._raise_failure()
+        self._jobs.put(job)
+
+    def _drain(self) -> None:
+        """Wait until every queued job is done and the thread has ended."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise OutputError(f"{self.name}: writing the shard failed: {self._failure}") from self._failure
+
+    # -- writing ------------------------------------------------------------------------------------
 
     def _dataset(self, name: str, like: np.ndarray):
         if name not in self._h5:
@@ -236,34 +286,47 @@ class ShardWriter:
 
     def write(self, first_id: int, arrays: dict[str, np.ndarray]) -> None:
         """Append the next rows (every array in ``arrays``, all of one length); ``first_id`` is the sample
-        id of their first row. Ids must increase from call to call (rejected ids are simply left out)."""
+        id of their first row. Ids must increase from call to call (rejected ids are simply left out).
+        Returns once the rows are queued (see the class docstring)."""
         if not self.start <= self._next_id <= first_id < self.stop:
             raise OutputError(f"{self.name}: rows for id {first_id} arrive out of order or out of range")
         count = len(next(iter(arrays.values())))
-        if self._written + count > self.rows:
+        if self._queued + count > self.rows:
             raise OutputError(f"{self.name}: more than the planned {self.rows} rows")
+        offset = self._queued
+        self._queued += count
+        self._next_id = first_id + count
+        self._submit(lambda: self._store(offset, count, arrays))
+
+    def _store(self, offset: int, count: int, arrays: dict[str, np.ndarray]) -> None:
+        """Rows ``[offset, offset + count)`` of every dataset, and their ``nonfinite`` flags (writer thread)."""
         mask = nonfinite_rows(arrays)
         for name, values in {**arrays, NONFINITE: mask}.items():
             dataset = self._dataset(name, values)
             if values.dtype.name == "bfloat16":  # exact: HDF5 converts float32 holding bfloat16 values
                 values = values.astype(np.float32)
-            dataset[self._written : self._written + count] = values
-        self._written += count
-        self._next_id = first_id + count
+            dataset[offset : offset + count] = values
         self.nonfinite += int(mask.sum())
         faults.reached("shard_write")
         faults.fail_shard_once(self.start)
 
     def attach(self, group: str, arrays: dict[str, np.ndarray]) -> None:
         """Store per-shard side data (not per-sample datasets) in a group of its own."""
-        target = self._h5.require_group(group)
-        for name, values in arrays.items():
-            target[name] = values
+
+        def store() -> None:
+            target = self._h5.require_group(group)
+            for name, values in arrays.items():
+                target[name] = values
+
+        self._submit(store)
 
     def commit(self) -> str:
-        """Close, checksum and rename into place; returns the sha256 of the complete shard."""
-        if self._written != self.rows:
-            raise OutputError(f"{self.name}: {self._written} rows written, {self.rows} planned")
+        """Wait for the queued writes; close, checksum and rename into place; returns the sha256 of the
+        complete shard."""
+        self._drain()
+        self._raise_failure()
+        if self._queued != self.rows:
+            raise OutputError(f"{self.name}: {self._queued} rows written, {self.rows} planned")
         self._h5.attrs.update(num_rows=self.rows, nonfinite_count=self.nonfinite)
         self._h5.close()
         self._h5 = None

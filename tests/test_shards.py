@@ -1,0 +1,120 @@
+"""The shard writer: rows written on its background thread, failures surfacing in the caller, and
+nothing half-written left behind."""
+
+import threading
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from transforms import faults
+from transforms.errors import OutputError
+from transforms.shards import ShardWriter, sha256_file
+
+
+def _batches(rng, rows=40, batch=16):
+    """Per batch: first id and the arrays the compute step hands the writer; one row holds a NaN."""
+    jacobian = rng.normal(size=(rows, 3, 5)).astype(np.float32)
+    jacobian[21, 1, 2] = np.nan
+    output = rng.normal(size=(rows, 3)).astype(np.float32)
+    return [
+        (lo, {"jacobian": jacobian[lo : lo + batch], "output": output[lo : lo + batch], "sample_id": np.arange(lo, min(lo + batch, rows))})
+        for lo in range(0, rows, batch)
+    ], jacobian, output
+
+
+def _leftovers(folder):
+    shards = folder / "shards"
+    return sorted(p.name for p in shards.iterdir()) if shards.exists() else []
+
+
+def test_a_committed_shard_holds_every_row_in_order_and_its_checksum(tmp_path, rng):
+    batches, jacobian, output = _batches(rng)
+    with ShardWriter(str(tmp_path), 0, 40, {"run_key": "k"}) as writer:
+        for first, arrays in batches:
+            writer.write(first, arrays)
+        writer.attach("partial", {"sum": np.ones(3)})
+        checksum = writer.commit()
+
+    assert _leftovers(tmp_path) == ["shard-000000000000-000000000040.h5"]
+    assert checksum == sha256_file(writer.final_path)
+    assert writer.nonfinite == 1
+    with h5py.File(writer.final_path) as shard:
+        np.testing.assert_array_equal(shard["jacobian"][:], jacobian)
+        np.testing.assert_array_equal(shard["output"][:], output)
+        np.testing.assert_array_equal(shard["sample_id"][:], np.arange(40))
+        np.testing.assert_array_equal(shard["nonfinite"][:], np.arange(40) == 21)
+        np.testing.assert_array_equal(shard["partial/sum"][:], np.ones(3))
+        assert (shard.attrs["num_rows"], shard.attrs["nonfinite_count"], shard.attrs["run_key"]) == (40, 1, "k")
+
+
+def test_a_write_that_fails_in_the_background_is_raised_by_the_next_call_naming_the_shard(tmp_path, rng):
+    batches, _, _ = _batches(rng)
+    bad = {name: values[:, :2] if name == "jacobian" else values for name, values in batches[1][1].items()}
+    with pytest.raises(OutputError, match=r"shard-000000000000-000000000040\.h5: writing the shard failed") as caught:
+        with ShardWriter(str(tmp_path), 0, 40, {}) as writer:
+            writer.write(*batches[0])
+            writer.write(batches[1][0], bad)  # another shape than the dataset's: h5py refuses it
+            writer.write(*batches[2])
+            writer.commit()
+    assert caught.value.__cause__ is not None  # h5py's own error, chained
+    assert _leftovers(tmp_path) == []  # no half shard, no temporary file
+
+
+def test_an_injected_failure_mid_shard_leaves_nothing(tmp_path, rng, monkeypatch):
+    monkeypatch.setenv(faults.FAIL_SHARD_ONCE, "0")
+    monkeypatch.setenv(faults.FAIL_MARKER, str(tmp_path / "marker"))
+    batches, _, _ = _batches(rng)
+    with pytest.raises(OutputError, match=r"shard-000000000000-000000000040\.h5: .*injected transient failure"):
+        with ShardWriter(str(tmp_path / "out"), 0, 40, {}) as writer:
+            for first, arrays in batches:
+                writer.write(first, arrays)
+            writer.commit()
+    assert isinstance(writer._failure, faults.TransientFailure)
+    assert _leftovers(tmp_path / "out") == []
+
+
+def test_a_caller_that_fails_mid_shard_stops_the_writer_and_leaves_nothing(tmp_path, rng):
+    batches, _, _ = _batches(rng)
+    with pytest.raises(RuntimeError, match="engine failed"):
+        with ShardWriter(str(tmp_path), 0, 40, {}) as writer:
+            writer.write(*batches[0])
+            raise RuntimeError("engine failed")
+    assert _leftovers(tmp_path) == []
+    assert not any(t.name.startswith("write shard-") for t in threading.enumerate())
+
+
+def test_commit_refuses_a_shard_with_missing_rows(tmp_path, rng):
+    batches, _, _ = _batches(rng)
+    with pytest.raises(OutputError, match=r"16 rows written, 40 planned"):
+        with ShardWriter(str(tmp_path), 0, 40, {}) as writer:
+            writer.write(*batches[0])
+            writer.commit()
+    assert _leftovers(tmp_path) == []
+
+
+def test_the_caller_waits_when_the_queue_is_full(tmp_path, rng, monkeypatch):
+    """At most ``pending`` batches wait for the writer thread: memory stays bounded when the disk is slow."""
+    batches, _, _ = _batches(rng, rows=64, batch=16)
+    release = threading.Event()
+    store = ShardWriter._store
+    monkeypatch.setattr(ShardWriter, "_store", lambda self, *args: (release.wait(), store(self, *args)))
+    with ShardWriter(str(tmp_path), 0, 64, {}, pending=1) as writer:
+        try:
+            writer.write(*batches[0])  # taken by the thread, which then waits
+            deadline = time.monotonic() + 5
+            while writer._jobs.qsize() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            writer.write(*batches[1])  # queued: the queue is full now
+            third = threading.Thread(target=writer.write, args=batches[2])
+            third.start()
+            third.join(0.3)
+            assert third.is_alive()  # waits for room
+        finally:
+            release.set()
+        third.join()
+        writer.write(*batches[3])
+        writer.commit()
+    with h5py.File(writer.final_path) as shard:
+        np.testing.assert_array_equal(shard["sample_id"][:], np.arange(64))
