@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import ml_dtypes
@@ -122,16 +123,49 @@ def test_xla_failure_falls_back_under_auto_and_is_an_error_when_required():
         _engine(model, jit_compile=True)
 
 
-def test_xla_is_used_under_auto_when_it_agrees_and_rejected_when_it_does_not(monkeypatch):
-    model = test_models.small_mlp()
-    assert _engine(model, jit_compile="auto").describe()["jit_compile"] is True
+class _Slowed:
+    """A compiled block that takes ``seconds`` longer per call: to decide which path the timing picks."""
 
+    def __init__(self, fn, seconds):
+        self._fn, self._seconds = fn, seconds
+
+    def __call__(self, *args):
+        time.sleep(self._seconds)
+        return self._fn(*args)
+
+    def experimental_get_tracing_count(self):
+        return self._fn.experimental_get_tracing_count()
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["plain-slower", "xla-slower"])
+def test_auto_keeps_the_faster_of_xla_and_the_plain_graph(monkeypatch, slow):
+    model = test_models.small_mlp()
+    real = strategies.build_block
+
+    def slowed(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs):
+        fn = real(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs)
+        return _Slowed(fn, 0.05) if jit_compile == slow else fn
+
+    monkeypatch.setattr("transforms.engine.build_block", slowed)
+    engine = _engine(model, jit_compile="auto")
+    described = engine.describe()
+    assert described["jit_compile"] is not slow
+    timed = {c["path"]: c["seconds_per_sample"] for c in described["candidates"]}
+    assert set(timed) == {"reverse", "reverse + XLA"}
+    assert (timed["reverse + XLA"] > timed["reverse"]) is slow
+    assert any(reason.startswith("timed on a full batch: reverse ") for reason in described["reasons"])
+    x = _samples(model, 3)
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
+def test_xla_that_disagrees_is_rejected_under_auto_however_fast(monkeypatch):
+    model = test_models.small_mlp()
     real = strategies.build_block
 
     def wrong_under_xla(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs):
         fn = real(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs)
         if not jit_compile:
-            return fn
+            return _Slowed(fn, 0.05)
         return tf.function(lambda *args: (lambda y, block: (y, block * 1.01))(*fn(*args)))
 
     monkeypatch.setattr("transforms.engine.build_block", wrong_under_xla)

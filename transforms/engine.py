@@ -387,18 +387,22 @@ class JacobianEngine:
 
         The plain graph of the first mode runs first and is the reference every other path must
         agree with (a fast path can be wrong: forward mode through max-pooling under XLA is). Best
-        is the fastest per sample under ``autotune``, else the first mode, XLA before plain graph.
+        is the fastest per sample under ``autotune``; else the first mode, and with ``jit_compile:
+        auto`` the faster of its plain graph and XLA (XLA is not always faster: it loses on
+        max-pooling CNNs and wins on small dense chains).
         """
         jit_options = {True: [True], False: [False], "auto": [False, True]}[self.options.jit_compile]
         autotune = self.options.mode == "autotune"
+        timed = autotune or len(jit_options) > 1
         reference: dict[str, np.ndarray] | None = None
         tried = self.telemetry.setdefault("candidates", [])
+        first_tried = len(tried)
         best: tuple[tuple, str, bool] | None = None
         for mode in modes:
             for jit in jit_options:
                 label = f"{mode}{' + XLA' if jit else ''}"
                 try:
-                    result, seconds = self._try(mode, jit, timed=autotune)
+                    result, seconds = self._try(mode, jit, timed=timed)
                 except ForwardModeUnsupported as err:
                     if self.options.mode == "forward":
                         raise ModelError(f"{self.model.source}: {err}") from err
@@ -416,7 +420,7 @@ class JacobianEngine:
                     tried.append({"path": label, "error": first_line})
                     continue
                 entry: dict[str, Any] = {"path": label}
-                if autotune:
+                if timed:
                     entry["seconds_per_sample"] = seconds
                 if reference is None:
                     reference = result
@@ -429,12 +433,15 @@ class JacobianEngine:
                         tried.append(entry)
                         continue
                 tried.append(entry)
-                rank = (seconds,) if autotune else (modes.index(mode), not jit)
+                rank = (seconds,) if autotune else (modes.index(mode), seconds)
                 if best is None or rank < best[0]:
                     best = (rank, mode, jit)
         if best is None:
             return None
         _, mode, jit = best
+        if timed:
+            speeds = [f"{e['path']} {1e6 * e['seconds_per_sample']:.1f} us/sample" for e in tried[first_tried:] if "seconds_per_sample" in e]
+            notes.append(f"timed on a full batch: {', '.join(speeds)}")
         batch, rows, sizing = self._sizing(mode)
         return _Plan(mode, jit, batch, rows, [*notes, *sizing])
 
