@@ -79,6 +79,10 @@ def row_specs(modes: list[str], default_mode: str | None, peers: dict[str, bool]
     rows += [
         RowSpec(BASELINE, f"jacobeam engine{suffix}", "engine", {"jit_compile": False, "mode": default_mode}),
         RowSpec("engine_xla", f"jacobeam engine{suffix}, XLA", "engine", {"jit_compile": True, "mode": default_mode}),
+        RowSpec(
+            "engine_jit_auto", f"jacobeam engine{suffix}, jit_compile=auto", "engine",
+            {"jit_compile": "auto", "mode": default_mode},
+        ),
     ]
     rows += [
         RowSpec(f"engine_{m}", f"jacobeam engine, mode={m}", "engine", {"jit_compile": False, "mode": m})

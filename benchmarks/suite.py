@@ -65,6 +65,7 @@ class Process:
     wall_seconds: float
     peak_rss_mb: float  # the largest of the process and the descendants it waited for
     log: Path
+    started_at: float  # time.time() just before the process was started
 
 
 class RowFailed(RuntimeError):
@@ -78,6 +79,7 @@ def run_process(command: list[str], log: Path, timeout_s: float) -> Process:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         "TF_CPP_MIN_LOG_LEVEL": "2",
     }
+    started_at = time.time()
     start = time.perf_counter()
     with log.open("wb") as out:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -98,7 +100,7 @@ def run_process(command: list[str], log: Path, timeout_s: float) -> Process:
         tail = log.read_text(errors="replace").strip().splitlines()[-8:]
         reason = f"timed out after {timeout_s:.0f} s" if wall > timeout_s else f"exit {process.returncode}"
         raise RowFailed(f"{reason}: {' '.join(command[-3:])}\n  " + "\n  ".join(tail))
-    return Process(wall, usage.ru_maxrss / 1024, log)
+    return Process(wall, usage.ru_maxrss / 1024, log, started_at)
 
 
 def run_task(task: dict[str, Any], folder: Path, timeout_s: float) -> tuple[dict[str, Any], Process]:
@@ -155,6 +157,8 @@ def _end_to_end_once(row: RowSpec, workload: Workload, inputs_glob: str, folder:
         task = {"kind": "pipeline", "config": config, "beam_args": beam_args}
         result, process = run_task(task, folder, plan.timeout_s)
         found.update(result)
+        if result.get("first_jacobian_at") is not None:  # the engine ran in that process: time to first Jacobian
+            found["first_call_seconds"] = result["first_jacobian_at"] - process.started_at
     else:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.yaml").write_text(yaml.safe_dump(config))
