@@ -49,6 +49,14 @@ def test_forward_and_reverse_agree_and_auto_picks_by_size():
     assert _engine(test_models.upsampler(), mode="auto", check_batch_independence=True).describe()["mode"] != "forward"
 
 
+def test_auto_runs_a_square_jacobian_in_forward_mode():
+    model = test_models.coupling_flow()  # 8 inputs, 8 outputs
+    x = _samples(model, 9)
+    engine = _engine(model, mode="auto")
+    assert engine.describe()["mode"] == "forward"
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["reverse", "forward"])
 def test_float64_compute_matches_float64_finite_differences(mode):
     model = test_models.small_mlp()
@@ -174,6 +182,29 @@ def test_xla_that_disagrees_is_rejected_under_auto_however_fast(monkeypatch):
     assert any("disagrees" in reason for reason in engine.describe()["reasons"])
     x = _samples(model, 3)
     assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
+def test_required_xla_is_checked_against_the_plain_graph_and_refused_when_it_disagrees(monkeypatch):
+    """``jit_compile: true`` runs XLA only, but never unchecked: TensorFlow's forward mode through
+    max-pooling under XLA gives wrong Jacobians (W2: relative error 0.13)."""
+    model = test_models.small_mlp()
+    engine = _engine(model, jit_compile=True)
+    described = engine.describe()
+    assert described["jit_compile"] is True
+    assert {"path": "reverse", "reference_only": True} in described["candidates"]
+    assert next(c for c in described["candidates"] if c["path"] == "reverse + XLA")["relative_error"] < 1e-5
+
+    real = strategies.build_block
+
+    def wrong_under_xla(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs):
+        fn = real(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs)
+        if not jit_compile:
+            return fn
+        return tf.function(lambda *args: (lambda y, block: (y, block * 1.01))(*fn(*args)))
+
+    monkeypatch.setattr("transforms.engine.build_block", wrong_under_xla)
+    with pytest.raises(ModelError, match=r"reverse \+ XLA disagrees with the reference .*use jit_compile auto or false"):
+        _engine(model, mode="reverse", jit_compile=True)
 
 
 @pytest.mark.parametrize("mode", ["reverse", "forward"])
