@@ -59,7 +59,9 @@ class ModelConfig(_Section):
 
 class InputConfig(_Section):
     paths: list[str] = Field(min_length=1)
-    key: str | None = None
+    # The array of samples (name in .npz, dataset path in .h5), or for a model with several inputs a
+    # mapping {model input name: array} that reads one array per input from each file.
+    key: str | dict[str, str] | None = None
     # What a NaN/Inf sample or a truncated, corrupt or unreadable file does: stop the run before any
     # output is touched ("error"), or leave those samples out and list them in rejected.jsonl ("skip").
     on_bad_sample: Literal["error", "skip"] = "error"
@@ -68,6 +70,20 @@ class InputConfig(_Section):
     @classmethod
     def _one_glob_is_a_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("key", mode="before")
+    @classmethod
+    def _key_form(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"expected an array name, or a mapping {{input name: array name}}, got {value!r}")
+        if not value:
+            raise ValueError("an empty mapping names no input; give {input name: array name, ...}")
+        for name, array in value.items():
+            if not isinstance(name, str) or not isinstance(array, str) or not array:
+                raise ValueError(f"input {name!r}: expected the name of an array, got {array!r}")
+        return value
 
 
 class TopK(_Section):
@@ -184,6 +200,21 @@ class Config(_Section):
     jacobian: JacobianConfig = JacobianConfig()
     output: OutputConfig
 
+    @model_validator(mode="after")
+    def _several_inputs(self) -> Config:
+        """What a mapping ``input.key`` (a model with several inputs) allows in ``jacobian``."""
+        names, jacobian = self.input.key, self.jacobian
+        if not isinstance(names, dict):
+            return self
+        if jacobian.reduce != "none":
+            raise ValueError(f"jacobian.reduce: {jacobian.reduce} is for one-input models; input.key names inputs {list(names)}")
+        if jacobian.aggregate:
+            raise ValueError(f"jacobian.aggregate: aggregates are for one-input models; input.key names inputs {list(names)}")
+        unknown = [name for name in jacobian.wrt if name not in names] if jacobian.wrt != "all" else []
+        if unknown:
+            raise ValueError(f"jacobian.wrt: {unknown} not among the inputs that input.key names, {list(names)}")
+        return self
+
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``a.b=VALUE`` into its key path and its YAML-parsed value."""
@@ -216,9 +247,13 @@ def _describe(error: ValidationError) -> str:
         elif item["type"] == "missing":
             lines.append(f"  {key}: required key is missing")
         elif item["type"] == "value_error" and isinstance(item.get("input"), dict):
-            # A section-level check, whose message may start with the key inside the section.
+            # A section-level check, whose message may start with the key inside the section (or, at
+            # the top level, with the dotted key).
             message = item["msg"].removeprefix("Value error, ")
-            lines.append(f"  {key}.{message}" if re.match(r"^\w+: ", message) else f"  {key}: {message}")
+            if not item["loc"] and re.match(r"^[\w.]+: ", message):
+                lines.append(f"  {message}")
+            else:
+                lines.append(f"  {key}.{message}" if re.match(r"^\w+: ", message) else f"  {key}: {message}")
         else:
             lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
     return "\n".join(lines)

@@ -31,7 +31,16 @@ from transforms import storage
 from transforms.errors import CorruptInputError, InputError, OutputError
 from transforms.aggregates import AGGREGATES
 from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file, remove_temp_files
-from transforms.readers import SourceFile, assign_ids, check_consistent, check_labels, describe, unreadable_file
+from transforms.readers import (
+    Key,
+    SourceFile,
+    assign_ids,
+    check_consistent,
+    check_labels,
+    describe,
+    shape_record,
+    unreadable_file,
+)
 from transforms.scan import FileScan, scan_files
 from transforms.shards import (
     CHECKSUM_SUFFIX,
@@ -52,7 +61,7 @@ _MAX_LISTED = 8  # differences shown in one error message
 # --- inputs -------------------------------------------------------------------------------------------
 
 
-def resolve_inputs(patterns: list[str], key: str | None, on_bad_sample: str = "error") -> list[SourceFile]:
+def resolve_inputs(patterns: list[str], key: Key, on_bad_sample: str = "error") -> list[SourceFile]:
     """Every file the globs match (each file once), described, in sorted path order with ids in that
     order. Under ``skip`` a file that cannot be opened is kept as an unreadable file without samples."""
     from apache_beam.io.filesystems import FileSystems
@@ -187,9 +196,9 @@ def place_files(
     if next_id > end:
         segments.append((end, next_id))
     if previous.get("input_shape") is not None and any(f.unreadable is None for f in placed):
-        shape = next(f.sample_shape for f in placed if f.unreadable is None)
-        if list(shape) != list(previous["input_shape"]):
-            differences.append(f"samples of shape {tuple(previous['input_shape'])} there, {shape} now")
+        shape = shape_record(next(f.sample_shape for f in placed if f.unreadable is None))
+        if shape != previous["input_shape"]:
+            differences.append(f"samples of shape {json.dumps(previous['input_shape'])} there, {json.dumps(shape)} now")
     placed.sort(key=lambda f: (f.first_id, f.path))
     return placed, segments, differences
 
@@ -432,6 +441,10 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
     holds another run's result (unless ``overwrite``). Touches no output.
     """
     policy = config.input.on_bad_sample
+    if check_model:
+        from pipeline.checks import configure_tf_threads
+
+        configure_tf_threads(tf_threads)  # before reading inputs, which may run TensorFlow ops
     files = resolve_inputs(config.input.paths, config.input.key, policy)
     _check_files_named(config)
     for source in files if _label_key(config) else ():
@@ -443,7 +456,7 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
     if check_model:
         from pipeline.checks import check_model as check
 
-        fingerprint, output_shape = check(ModelSource(**to_dict(config)["model"]), files, tf_threads)
+        fingerprint, output_shape = check(ModelSource(**to_dict(config)["model"]), files)
     identity = run_identity(to_dict(config))
     folder = read_folder(config.output.path)
     if folder.alien:

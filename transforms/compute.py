@@ -29,7 +29,7 @@ from apache_beam.utils import shared
 
 from transforms import aggregates, faults
 from transforms.errors import InputError, ModelError, OutputError
-from transforms.readers import iter_slices
+from transforms.readers import as_dtype, iter_slices, nonfinite_rows, shape_record, tensor_spec
 from transforms.shards import ShardRecord, ShardWriter, existing_record, proven_checksum, read_attrs, shard_file, shard_path
 from transforms.spec import JobSpec, ShardRange, version
 
@@ -138,11 +138,12 @@ class ComputeShardFn(beam.DoFn):
                 for ids, samples, labels in iter_slices(spec.files, lo, hi, batch, label_key):
                     _check_finite(spec, ids, samples)
                     labels = np.zeros(len(ids)) if labels is None else labels.astype(np.float64)
-                    yield ids, samples.astype(dtype, copy=False), labels
+                    yield ids, as_dtype(samples, dtype), labels
 
+        # Samples are one tensor, or a dict of tensors by input name (a model with several inputs).
         signature = (
             tf.TensorSpec((None,), tf.int64),
-            tf.TensorSpec((None, *spec.sample_shape), dtype),
+            tensor_spec(spec.sample_shape, dtype),
             tf.TensorSpec((None,), tf.float64),
         )
         dataset = tf.data.Dataset.from_generator(slices, output_signature=signature)
@@ -152,8 +153,10 @@ class ComputeShardFn(beam.DoFn):
         engine, spec = self._engine, self._spec
         sums = None
         began = time.perf_counter()
+        input_shape = shape_record(spec.sample_shape)
         attrs = {
-            "input_shape": spec.sample_shape,
+            # HDF5 attributes hold arrays, not mappings: several inputs' shapes are stored as JSON.
+            "input_shape": json.dumps(input_shape) if isinstance(input_shape, dict) else input_shape,
             "output_shape": engine.output_shape,
             "dtype": spec.engine.store_dtype,
             "model_fingerprint": engine.fingerprint,
@@ -165,8 +168,9 @@ class ComputeShardFn(beam.DoFn):
             for ids, samples, labels in self._batches_of(shard):
                 tick = time.perf_counter()
                 ids = ids.numpy()
+                samples = {k: v.numpy() for k, v in samples.items()} if isinstance(samples, dict) else samples.numpy()
                 try:
-                    result, full = engine.compute(samples.numpy(), labels.numpy())
+                    result, full = engine.compute(samples, labels.numpy())
                 except ModelError as err:
                     raise ModelError(f"samples {ids[0]}..{ids[-1]}: {err}") from err
                 self._latency.update(int(1000 * (time.perf_counter() - tick)))
@@ -218,7 +222,7 @@ def shard_attrs(spec: JobSpec, shard: ShardRange) -> dict[str, str]:
 
 def _check_finite(spec: JobSpec, ids, samples) -> None:
     """The plan scanned every input; a non-finite sample it did not reject means the file changed since."""
-    bad = ~np.isfinite(samples.reshape(len(samples), -1)).all(axis=1)
+    bad = nonfinite_rows(samples)
     if bad.any():
         sample_id = int(ids[int(np.argmax(bad))])
         source = next(f for f in spec.files if f.first_id <= sample_id < f.stop_id)

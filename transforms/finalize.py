@@ -26,6 +26,7 @@ import apache_beam as beam
 from transforms import faults, storage
 from transforms.aggregates import PARTIALS
 from transforms.errors import OutputError
+from transforms.readers import shape_record
 from transforms.shards import SHARDS_DIR, ShardRecord, is_temp_file, read_attrs
 from transforms.spec import JobSpec, Rejected, version
 
@@ -194,7 +195,7 @@ def build_manifest(
         "config": spec.config,
         "num_samples": spec.num_samples,  # input samples, i.e. ids 0..num_samples
         "num_rows": stored,  # samples stored (rows of jacobians.h5): num_samples minus the rejected ones
-        "input_shape": list(spec.sample_shape),
+        "input_shape": shape_record(spec.sample_shape),  # a list, or {input name: list} for several inputs
         "output_shape": [int(d) for d in attrs["output_shape"]],
         "dtype": str(attrs["dtype"]),
         "model_fingerprint": records[0].model_fingerprint,

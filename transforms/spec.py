@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from importlib import metadata
 from typing import Any, Literal
 
-from transforms.readers import SourceFile
+from transforms.readers import Shape, SourceFile
 
 
 def version() -> str:
@@ -167,7 +167,8 @@ class JobSpec:
     model_fingerprint: str | None = None  # as found by the launcher's model check
 
     @property
-    def sample_shape(self) -> tuple[int, ...]:
+    def sample_shape(self) -> Shape:
+        """One sample's shape, or ``{input name: shape}`` when the inputs name one array per model input."""
         return next((f.sample_shape for f in self.files if f.unreadable is None), self.files[0].sample_shape)
 
     @property
