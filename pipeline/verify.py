@@ -184,20 +184,20 @@ def _check_view(root: str, column: np.ndarray, report: Report) -> None:
 
 def _check_inputs(manifest: dict[str, Any], report: Report) -> bool:
     from transforms.errors import InputError
-    from transforms.readers import describe
+    from transforms.readers import describe, manifest_sources
 
     fine = True
-    for entry in manifest["inputs"]:
-        if entry.get("unreadable"):
+    for source in manifest_sources(manifest):
+        if source.unreadable:
             continue
         try:
-            found = describe(entry["path"], entry.get("key")).num_samples
+            found = describe(source.path, source.key, source.sample_shape, source.image).num_samples
         except (InputError, OSError) as err:
-            report.problems.append(f"input {entry['path']}: cannot be read any more ({err}); cannot recompute")
+            report.problems.append(f"input {source.path}: cannot be read any more ({err}); cannot recompute")
             fine = False
             continue
-        if found != entry["num_samples"]:
-            report.problems.append(f"input {entry['path']}: holds {found} samples, the manifest says {entry['num_samples']}")
+        if found != source.num_samples:
+            report.problems.append(f"input {source.path}: holds {found} samples, the manifest says {source.num_samples}")
             fine = False
     return fine
 

@@ -261,7 +261,7 @@ def _bad_cases(root: Path) -> dict[str, tuple[list[str], str]]:
                        r"a.npz: array 'side_info' \(input meta\) has 4 rows, array 'pixels' \(input image\) has 5"),
         "missing key": (["input.key.meta=nope"], r"a.npz: no array 'nope' \(input.key.meta\); found \['pixels', 'side_info'\]"),
         "shape differs": ([f"input.paths=['{shapes}/*.npz']"],
-                          r"b.npz: input meta \(array 'side_info'\) has samples of shape \(4,\); expected \(3,\) "
+                          r"b.npz: input meta \('side_info'\) has samples of shape \(4,\); expected \(3,\) "
                           r"\(input meta in .*a.npz\)"),
         "npy": ([f"input.paths=['{npy}/*.npy']"], r"a.npy: a .npy file holds one array"),
         "names differ": (["input.key={image: pixels, extra: side_info}"],

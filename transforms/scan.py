@@ -7,7 +7,8 @@ next to computing Jacobians (the scan reads each byte once; the engine does a fo
 pass per output element). The scan also hashes each file's samples, so that a later run can tell
 whether a file still holds the same data (resume and incremental runs).
 
-Pure numpy: no TensorFlow, no Beam beyond the file system used by the readers.
+Pure numpy, no Beam beyond the file system used by the readers; TensorFlow only where the readers need
+it (TFRecord files).
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class _Digest:
 def scan_file(source: SourceFile, slice_bytes: int = SLICE_BYTES) -> FileScan:
     """Read every row of ``source``: which rows are bad (NaN/Inf in any of a sample's arrays,
     unreadable, past the end), and the sha256 of the readable rows' bytes."""
+    if source.image is not None:
+        # Describing an image decoded its only sample (an image cannot hold NaN/Inf) and hashed its bytes.
+        return FileScan(source.path, (), source.data_sha256)
     n = source.num_samples
     step = max(1, slice_bytes // max(1, row_bytes(source)))
     digest = _Digest()
