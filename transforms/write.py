@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
@@ -48,9 +49,10 @@ AGGREGATES = "aggregates"  # the writer's output of per-shard partial sums
 class _OpenShard:
     writer: ShardWriter
     files: contextlib.ExitStack
+    began: float  # perf_counter when the shard's first batch began computing
+    engine: dict[str, Any]  # what the engine ran, as the first batch reports it
+    worker: dict[str, int]
     sums: aggregates.Partial | None = None
-    seconds: float = 0.0
-    first: JacobianBatch | None = None
 
 
 class WriteShardFn(beam.DoFn):
@@ -75,7 +77,6 @@ class WriteShardFn(beam.DoFn):
         state = self._open.get(shard.start) or self._begin(batch)
         state.writer.write(int(batch.ids[0]), {**batch.datasets, "sample_id": batch.ids})
         state.sums = aggregates.add(state.sums, batch.partial)
-        state.seconds += batch.seconds
         if state.writer.rows_written == shard.rows:
             yield from self._commit(shard, state)
 
@@ -110,31 +111,30 @@ class WriteShardFn(beam.DoFn):
         writer = files.enter_context(
             ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression, rows=shard.rows)
         )
-        state = self._open[shard.start] = _OpenShard(writer, files, first=batch)
+        began = time.perf_counter() - batch.seconds
+        state = self._open[shard.start] = _OpenShard(writer, files, began, engine, batch.worker or {})
         return state
 
     def _commit(self, shard: ShardRange, state: _OpenShard) -> Iterator[ShardRecord | beam.pvalue.TaggedOutput]:
-        began = time.perf_counter()
         if state.sums is not None:
             state.writer.attach(aggregates.PARTIALS, state.sums)
         with state.files:
             checksum = state.writer.commit()
         del self._open[shard.start]
         self._written.inc()
-        seconds = state.seconds + time.perf_counter() - began
+        seconds = time.perf_counter() - state.began
         log.info("shard %s: %d samples in %.2fs", state.writer.name, shard.rows, seconds)
-        batch = state.first
         yield ShardRecord(
             file=shard_file(shard.start, shard.stop),
             start=shard.start,
             stop=shard.stop,
             sha256=checksum,
-            model_fingerprint=str((batch.engine or {}).get("model_fingerprint", "")),
+            model_fingerprint=str(state.engine.get("model_fingerprint", "")),
             computed=True,
             seconds=seconds,
-            worker_pid=(batch.worker or {}).get("pid", os.getpid()),
-            engine_builds=(batch.worker or {}).get("engine_builds", 0),
-            engine=batch.engine,
+            worker_pid=state.worker.get("pid", os.getpid()),
+            engine_builds=state.worker.get("engine_builds", 0),
+            engine=state.engine or None,
             rows=shard.rows,
             nonfinite=state.writer.nonfinite,
         )
