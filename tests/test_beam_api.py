@@ -47,6 +47,38 @@ def test_keyed_samples_become_records_with_their_keys(samples, expected):
         assert_that(records, check)
 
 
+def test_keyed_samples_of_a_two_input_model():
+    import tensorflow as tf
+
+    rng = np.random.default_rng(6)
+    examples = [(i, {"image": rng.normal(size=(4, 4, 1)).astype(np.float32), "meta": rng.normal(size=3).astype(np.float32)})
+                for i in range(5)]
+    model = test_models.two_inputs()
+
+    def expected(sample, name):
+        x = {k: tf.constant(v[None]) for k, v in sample.items()}
+        with tf.GradientTape() as tape:
+            tape.watch(x[name])
+            y = model([x["image"], x["meta"]])[0]
+        return tape.jacobian(y, x[name]).numpy().reshape(5, *sample[name].shape)
+
+    def check(records):
+        assert sorted(key for key, _ in records) == list(range(5))
+        for key, datasets in records:
+            for name in ("image", "meta"):
+                assert_close(datasets[f"jacobian/{name}"], expected(examples[key][1], name))
+
+    shapes = {"image": (4, 4, 1), "meta": (3,)}
+    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+        records = (
+            pipeline
+            | beam.Create(examples)
+            | ComputeJacobians(ModelSource(factory="tests.models:two_inputs"), shapes, EngineOptions(batch_size=2))
+            | beam.FlatMap(JacobianBatch.records)
+        )
+        assert_that(records, check)
+
+
 def test_a_users_pipeline_writes_the_same_folder_as_jacobeam_run(tmp_path, samples, expected):
     out = tmp_path / "out"
     spec = pipeline_spec(str(out), MODEL, SHAPE, EngineOptions(batch_size=4), samples_per_shard=8)
