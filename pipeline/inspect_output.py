@@ -91,6 +91,16 @@ def _model_source(model: dict[str, str | None]) -> str:
     return ", ".join(f"{key} {value}" for key, value in model.items() if value is not None)
 
 
+def _engine(engine: dict | None) -> str:
+    if not engine:
+        return "(not recorded: every shard was kept from an earlier attempt)"
+    xla = " + XLA" if engine["jit_compile"] else ""
+    return (
+        f"{engine['mode']}{xla}, batch {engine['batch_size']}, {engine['compute_dtype']} -> "
+        f"{engine['store_dtype']} ({'; '.join(engine['reasons'])})"
+    )
+
+
 def format_report(report: Report) -> str:
     lines = [f"{report.folder}: {'complete' if report.ok else 'NOT COMPLETE'}"]
     manifest = report.manifest
@@ -102,6 +112,7 @@ def format_report(report: Report) -> str:
             f"  model       {_model_source(manifest['config']['model'])}, "
             f"weights sha256 {manifest['model_fingerprint'][:16]}…",
             f"  inputs      {len(manifest['inputs'])} file(s)",
+            f"  engine      {_engine(manifest.get('engine'))}",
             f"  shards      {len(manifest['shards'])} in manifest, {len(report.shards_on_disk)} on disk",
             *(
                 [f"  rejected    {manifest['rejected']['count']:,} sample(s), "

@@ -302,3 +302,28 @@ def test_open_samples_reads_one_row_as_verify_does(npz_run):
     with open_samples(source) as rows:
         row = rows.read(3, 4)
     np.testing.assert_array_equal(row["meta"], samples["meta"][10:11])
+
+
+def test_a_users_pipeline_writes_several_inputs_jacobians(tmp_path):
+    import apache_beam as beam
+    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+    from transforms import ComputeJacobians, EngineOptions, ModelSource, WriteShards, pipeline_spec
+
+    rng = np.random.default_rng(9)
+    samples = {"image": rng.normal(size=(10, 4, 4, 1)).astype(np.float32), "meta": rng.normal(size=(10, 3)).astype(np.float32)}
+    model, shapes, options = ModelSource(factory="tests.models:two_inputs"), {"image": (4, 4, 1), "meta": (3,)}, EngineOptions(batch_size=4)
+    out = tmp_path / "out"
+    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+        _ = (
+            pipeline
+            | beam.Create([(i, {k: v[i] for k, v in samples.items()}) for i in range(10)])
+            | ComputeJacobians(model, shapes, options)
+            | WriteShards(pipeline_spec(str(out), model, shapes, options, samples_per_shard=4))
+        )
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["input_shape"] == {"image": [4, 4, 1], "meta": [3]}
+    expected = reference(samples)
+    with h5py.File(out / "jacobians.h5") as view:
+        assert_close(view["jacobian/image"][:], expected["image"], rtol=1e-5)
+        assert_close(view["jacobian/meta"][:], expected["meta"], rtol=1e-5)

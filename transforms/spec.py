@@ -165,6 +165,9 @@ class JobSpec:
     id_segments: tuple[tuple[int, int], ...] = ()  # id ranges added by successive (incremental) runs
     identity: dict[str, Any] = dataclasses.field(default_factory=dict)  # what run_key hashes, for messages
     model_fingerprint: str | None = None  # as found by the launcher's model check
+    # The samples of a user's pipeline (``transforms.write.pipeline_spec``): not planned from files, their
+    # ids 0..n-1 are counted when every shard is written.
+    open_ended: bool = False
 
     @property
     def sample_shape(self) -> Shape:
