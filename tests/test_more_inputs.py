@@ -273,6 +273,9 @@ def test_a_folder_of_png_images_end_to_end(image_run):
     assert manifest["run_identity"]["input.image"]["std"] == [0.25]
     report = verify(root / "out", samples=5)
     assert report.ok, report.problems
+    assert cli.main(["inspect", str(root / "out"), "--plot", str(root / "plot.png"), "--samples", "0,4"]) == 0
+    with Image.open(root / "plot.png") as picture:  # each image and its saliency, by sample
+        assert picture.size[0] == 640 and picture.size[1] >= 3 * 2 * 80
 
 
 def test_more_images_are_an_incremental_run(image_run, tmp_path):

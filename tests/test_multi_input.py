@@ -165,7 +165,9 @@ def test_two_inputs_from_npz_equal_the_reference(npz_run):
 def test_inspect_verify_and_plot_read_several_inputs(npz_run, tmp_path, capsys):
     from PIL import Image
 
-    root, _, _ = npz_run
+    root, _, manifest = npz_run
+    summary = cli._summary(runner.RunResult(manifest=manifest, metrics={}))  # what `jacobeam run` prints
+    assert "jacobian/image (n, 5, 4, 4, 1)" in summary and "f['jacobian/image'][:8]" in summary
     assert cli.main(["inspect", str(root / "out")]) == 0
     printed = capsys.readouterr().out
     assert "inputs image (4, 4, 1), meta (3,) -> output (5,)" in printed
