@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from transforms.errors import JacobeamError
-from transforms.readers import ImageOptions
+from transforms.images import ImageOptions
 from transforms.spec import EngineOptions, OutputSelection, Reduction
 
 

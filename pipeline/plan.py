@@ -32,9 +32,9 @@ from transforms import storage
 from transforms.errors import CorruptInputError, InputError, OutputError
 from transforms.aggregates import AGGREGATES
 from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file, remove_temp_files
+from transforms.images import ImageOptions
 from transforms.readers import (
     IMAGE_SUFFIXES,
-    ImageOptions,
     Key,
     Shape,
     SourceFile,

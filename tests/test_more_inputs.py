@@ -18,9 +18,10 @@ from pipeline.verify import verify
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop, tape_loop_inputs
 from tests.test_pipeline import folder_state
-from transforms import readers
+from transforms import images, tfrecords
 from transforms.errors import InputError
-from transforms.readers import ImageOptions, assign_ids, describe, iter_slices, open_samples
+from transforms.images import ImageOptions
+from transforms.readers import assign_ids, describe, iter_slices, open_samples
 
 SIZES = {"b": 13, "a": 7, "c": 20}  # written out of order: ids follow sorted path order
 
@@ -99,14 +100,14 @@ def test_tfrecord_slices_stream_past_earlier_records(tmp_path, monkeypatch):
     source = describe(str(tmp_path / "a.tfrecord"), "v", (3,))
     assert source.num_samples == 600
     pulled = []
-    real = readers._record_stream
+    real = tfrecords._record_stream
 
     def counting(path, start=0):
         for record in real(path, start):
             pulled.append(record)
             yield record
 
-    monkeypatch.setattr(readers, "_record_stream", counting)
+    monkeypatch.setattr(tfrecords, "_record_stream", counting)
     with open_samples(source) as rows:
         np.testing.assert_array_equal(rows.read(100, 110), x[100:110])
         np.testing.assert_array_equal(rows.read(110, 130), x[110:130])  # continues the same stream
@@ -325,8 +326,8 @@ def test_images_are_read_many_per_slice(tmp_path, monkeypatch):
     pixels = write_images(tmp_path, [f"{i:02d}.png" for i in range(10)])
     files = assign_ids([describe(path, None, image=ImageOptions(scale=1.0)) for path in pixels])
     calls = []
-    real = readers._read_images
-    monkeypatch.setattr(readers, "_read_images", lambda sources: calls.append(len(sources)) or real(sources))
+    real = images.read_images
+    monkeypatch.setattr(images, "read_images", lambda sources: calls.append(len(sources)) or real(sources))
 
     slices = list(iter_slices(files, 1, 10, max_rows=4))
 
