@@ -9,49 +9,75 @@ module itself stays importable without it.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 from transforms.errors import ModelError, OutputError
-from transforms.readers import SourceFile
+from transforms.readers import Shape, SourceFile
 from transforms.spec import ModelSource
 
 
-def check_model(model: ModelSource, files: list[SourceFile], tf_threads: int | None = None) -> tuple[str, tuple[int, ...]]:
-    """Load the model, check it takes the inputs' samples; returns its weight fingerprint and output shape.
+def configure_tf_threads(tf_threads: int | None) -> None:
+    """Set TensorFlow's threads in this process before its first op: the in-process runner's workers
+    share this process (their own attempt then finds them set). Where TensorFlow already runs (a
+    caller's process), the workers report that; nothing to add here."""
+    if tf_threads is None:
+        return
+    import tensorflow as tf
+
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(tf_threads)
+        tf.config.threading.set_inter_op_parallelism_threads(tf_threads)
+    except RuntimeError:
+        pass
+
+
+def _input_shapes(loaded, shape: Shape, where: str) -> list[tuple[int, ...]]:
+    """One sample shape per model input, in the model's order: the inputs' arrays must be the model's."""
+    names = list(loaded.input_names)
+    if not isinstance(shape, Mapping):
+        if len(names) != 1:
+            raise ModelError(
+                f"{loaded.source} takes inputs {names}; the inputs hold one array per sample, of shape {shape} "
+                f"{where}: set input.key to a mapping {{input name: array}} that names one array per input"
+            )
+        return [shape]
+    if len(names) == 1:
+        raise ModelError(
+            f"{loaded.source} takes one input; input.key maps inputs {list(shape)} to arrays: give input.key "
+            "as the name of one array"
+        )
+    if set(names) != set(shape):
+        raise ModelError(
+            f"{loaded.source} takes inputs {sorted(names)}; input.key names inputs {sorted(shape)}: "
+            "they must be the same names"
+        )
+    return [tuple(shape[name]) for name in names]
+
+
+def check_model(model: ModelSource, files: list[SourceFile]) -> tuple[str, tuple[int, ...]]:
+    """Load the model, check it takes the inputs' samples (one array per model input); returns its
+    weight fingerprint and output shape.
 
     Keras files load with ``safe_mode`` on; a Python factory runs only because the config names it.
     """
     import tensorflow as tf
 
-    # The in-process runner's workers share this process: set TensorFlow's threads before its first op
-    # (the workers' own attempt then finds them set). Where TensorFlow already runs (a caller's process),
-    # the workers report that; nothing to add here.
-    if tf_threads is not None:
-        try:
-            tf.config.threading.set_intra_op_parallelism_threads(tf_threads)
-            tf.config.threading.set_inter_op_parallelism_threads(tf_threads)
-        except RuntimeError:
-            pass
-
     readable = [f for f in files if f.unreadable is None and f.num_samples]
     shape, first = readable[0].sample_shape, readable[0].path
     where = f"({first}{' and the other input files' if len(readable) > 1 else ''})"
     loaded = model.load()
-    if len(loaded.input_names) != 1:
-        raise ModelError(
-            f"{loaded.source} takes inputs {list(loaded.input_names)}; jacobeam run feeds it one array per "
-            f"sample, of shape {shape} {where}"
-        )
-    declared = loaded.input_shapes[0] if loaded.input_shapes else None
-    if declared is not None and (
-        len(declared) != len(shape) or any(d is not None and d != s for d, s in zip(declared, shape))
-    ):
-        raise ModelError(
-            f"{loaded.source} expects samples of shape {tuple(declared)}; the inputs hold samples of shape "
-            f"{shape} {where}"
-        )
+    shapes = _input_shapes(loaded, shape, where)
+    several = len(shapes) > 1
+    for name, declared, found in zip(loaded.input_names, loaded.input_shapes or (), shapes):
+        if len(declared) != len(found) or any(d is not None and d != s for d, s in zip(declared, found)):
+            what = f"input {name} of shape" if several else "samples of shape"
+            raise ModelError(
+                f"{loaded.source} expects {what} {tuple(declared)}; the inputs hold samples of shape "
+                f"{found} {where}"
+            )
     try:
-        output = loaded.call([tf.zeros((1, *shape), tf.float32)])
+        output = loaded.call([tf.zeros((1, *s), tf.float32) for s in shapes])
     except Exception as err:  # whatever the model raises for a shape it cannot take
         raise ModelError(
             f"{loaded.source}: cannot be called on samples of shape {shape} (the samples of {first}): {err}"

@@ -86,6 +86,8 @@ def _summary(result) -> str:
         )
     if nonfinite:
         warnings.append(f"nonfinite: {nonfinite:,} sample(s) with NaN/Inf results (the 'nonfinite' dataset flags them)")
+    # "jacobian", or "jacobian/<input>" for a model with several inputs (the first of them here)
+    jacobian = next((name for name in manifest["datasets"] if name.split("/")[0] == "jacobian"), "jacobian")
     return "\n".join(
         [
             f"done: {manifest['num_samples']:,} samples ({run['samples_computed']:,} computed, "
@@ -98,7 +100,7 @@ def _summary(result) -> str:
             "read it:",
             "  import h5py",
             f"  with h5py.File({str(view)!r}) as f:",
-            "      jac = f['jacobian'][:8]   # (8, *output_shape, *input_shape)",
+            f"      jac = f[{jacobian!r}][:8]   # (8, *output_shape, *input_shape)",
             "      ids = f['sample_id'][:8]  # their sample ids",
         ]
     )

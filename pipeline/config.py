@@ -6,7 +6,9 @@ The key names are a contract with users (see README, "Configuration"): add keys,
 from __future__ import annotations
 
 import copy
+import math
 import re
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +26,7 @@ from pydantic import (
 )
 
 from transforms.errors import JacobeamError
+from transforms.images import ImageOptions
 from transforms.spec import EngineOptions, OutputSelection, Reduction
 
 
@@ -57,9 +60,57 @@ class ModelConfig(_Section):
         return value
 
 
+class ImageConfig(_Section):
+    """How PNG/JPEG images become samples: decoded to 8-bit values, resized, then ``x * scale``, then
+    ``(x - mean) / std`` (per channel when lists)."""
+
+    size: tuple[PositiveInt, PositiveInt] | None = None  # [height, width]; None: every image keeps its own
+    channels: Literal[1, 3] | None = None  # 1: grayscale, 3: RGB; None: as stored in the files
+    scale: float = 1 / 255
+    mean: float | list[float] | None = None
+    std: float | list[float] | None = None
+
+    @field_validator("scale", mode="before")
+    @classmethod
+    def _fraction(cls, value: Any) -> Any:
+        """``1/255`` is how people write it; YAML reads it as a string."""
+        if isinstance(value, str):
+            try:
+                return float(Fraction(value.replace(" ", "")))
+            except (ValueError, ZeroDivisionError):
+                raise ValueError(f"expected a number such as 0.5 or 1/255, got {value!r}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _usable(self) -> ImageConfig:
+        if not math.isfinite(self.scale) or self.scale == 0:
+            raise ValueError(f"scale: must be a finite number other than 0, got {self.scale}")
+        for name in ("mean", "std"):
+            value = getattr(self, name)
+            values = value if isinstance(value, list) else [] if value is None else [value]
+            if value == []:
+                raise ValueError(f"{name}: an empty list; give one number, or one per channel")
+            if not all(math.isfinite(v) for v in values):
+                raise ValueError(f"{name}: must be finite numbers, got {value}")
+            if name == "std" and any(v <= 0 for v in values):
+                raise ValueError(f"std: must be positive, got {value}")
+            if isinstance(value, list) and len(value) > 1 and self.channels is not None and len(value) != self.channels:
+                raise ValueError(f"{name}: {len(value)} values for {self.channels} channel(s)")
+        return self
+
+    def options(self) -> ImageOptions:
+        return ImageOptions.from_config(self.model_dump(mode="json"))
+
+
 class InputConfig(_Section):
     paths: list[str] = Field(min_length=1)
-    key: str | None = None
+    # The array of samples (name in .npz, dataset path in .h5), or for a model with several inputs a
+    # mapping {model input name: array} that reads one array per input from each file.
+    key: str | dict[str, str] | None = None
+    # One sample's shape, for TFRecord files (their features are flat lists); a mapping by input name
+    # when key is one. For other files, a check: their samples must have this shape.
+    sample_shape: list[PositiveInt] | dict[str, list[PositiveInt]] | None = None
+    image: ImageConfig | None = None  # PNG/JPEG inputs; None: the defaults of ImageConfig
     # What a NaN/Inf sample or a truncated, corrupt or unreadable file does: stop the run before any
     # output is touched ("error"), or leave those samples out and list them in rejected.jsonl ("skip").
     on_bad_sample: Literal["error", "skip"] = "error"
@@ -68,6 +119,38 @@ class InputConfig(_Section):
     @classmethod
     def _one_glob_is_a_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("key", mode="before")
+    @classmethod
+    def _key_form(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"expected an array name, or a mapping {{input name: array name}}, got {value!r}")
+        if not value:
+            raise ValueError("an empty mapping names no input; give {input name: array name, ...}")
+        for name, array in value.items():
+            if not isinstance(name, str) or not isinstance(array, str) or not array:
+                raise ValueError(f"input {name!r}: expected the name of an array, got {array!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _shapes_match_keys(self) -> InputConfig:
+        several, shapes = isinstance(self.key, dict), self.sample_shape
+        if isinstance(shapes, dict) and not several:
+            raise ValueError("sample_shape: a mapping by input name needs input.key to map the same inputs")
+        if several and shapes is not None and (not isinstance(shapes, dict) or set(shapes) != set(self.key)):
+            raise ValueError(f"sample_shape: give one shape per input of input.key, {{{', '.join(self.key)}: [...]}}")
+        return self
+
+    def image_options(self) -> ImageOptions:
+        return (self.image or ImageConfig()).options()
+
+    def shape(self) -> tuple[int, ...] | dict[str, tuple[int, ...]] | None:
+        """``sample_shape`` as the readers take it."""
+        if isinstance(self.sample_shape, dict):
+            return {name: tuple(dims) for name, dims in self.sample_shape.items()}
+        return None if self.sample_shape is None else tuple(self.sample_shape)
 
 
 class TopK(_Section):
@@ -184,6 +267,21 @@ class Config(_Section):
     jacobian: JacobianConfig = JacobianConfig()
     output: OutputConfig
 
+    @model_validator(mode="after")
+    def _several_inputs(self) -> Config:
+        """What a mapping ``input.key`` (a model with several inputs) allows in ``jacobian``."""
+        names, jacobian = self.input.key, self.jacobian
+        if not isinstance(names, dict):
+            return self
+        if jacobian.reduce != "none":
+            raise ValueError(f"jacobian.reduce: {jacobian.reduce} is for one-input models; input.key names inputs {list(names)}")
+        if jacobian.aggregate:
+            raise ValueError(f"jacobian.aggregate: aggregates are for one-input models; input.key names inputs {list(names)}")
+        unknown = [name for name in jacobian.wrt if name not in names] if jacobian.wrt != "all" else []
+        if unknown:
+            raise ValueError(f"jacobian.wrt: {unknown} not among the inputs that input.key names, {list(names)}")
+        return self
+
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``a.b=VALUE`` into its key path and its YAML-parsed value."""
@@ -216,9 +314,13 @@ def _describe(error: ValidationError) -> str:
         elif item["type"] == "missing":
             lines.append(f"  {key}: required key is missing")
         elif item["type"] == "value_error" and isinstance(item.get("input"), dict):
-            # A section-level check, whose message may start with the key inside the section.
+            # A section-level check, whose message may start with the key inside the section (or, at
+            # the top level, with the dotted key).
             message = item["msg"].removeprefix("Value error, ")
-            lines.append(f"  {key}.{message}" if re.match(r"^\w+: ", message) else f"  {key}: {message}")
+            if not item["loc"] and re.match(r"^[\w.]+: ", message):
+                lines.append(f"  {message}")
+            else:
+                lines.append(f"  {key}.{message}" if re.match(r"^\w+: ", message) else f"  {key}: {message}")
         else:
             lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
     return "\n".join(lines)

@@ -80,8 +80,25 @@ def inspect(folder: str) -> Report:
     return report
 
 
+def _inputs(shape: list[int] | dict[str, list[int]]) -> str:
+    """``input (8, 8, 1)``, or ``inputs image (4, 4, 1), meta (3,)`` for a model with several inputs."""
+    if isinstance(shape, dict):
+        return "inputs " + ", ".join(f"{name} {tuple(dims)}" for name, dims in shape.items())
+    return f"input {tuple(shape)}"
+
+
 def _model_source(model: dict[str, str | None]) -> str:
     return ", ".join(f"{key} {value}" for key, value in model.items() if value is not None)
+
+
+def _engine(engine: dict | None) -> str:
+    if not engine:
+        return "(not recorded: every shard was kept from an earlier attempt)"
+    xla = " + XLA" if engine["jit_compile"] else ""
+    return (
+        f"{engine['mode']}{xla}, batch {engine['batch_size']}, {engine['compute_dtype']} -> "
+        f"{engine['store_dtype']} ({'; '.join(engine['reasons'])})"
+    )
 
 
 def format_report(report: Report) -> str:
@@ -90,11 +107,12 @@ def format_report(report: Report) -> str:
     if manifest is not None:
         run = manifest["run"]
         lines += [
-            f"  samples     {manifest['num_samples']:,} ({manifest.get('num_rows', manifest['num_samples']):,} stored), input {tuple(manifest['input_shape'])} "
+            f"  samples     {manifest['num_samples']:,} ({manifest.get('num_rows', manifest['num_samples']):,} stored), {_inputs(manifest['input_shape'])} "
             f"-> output {tuple(manifest['output_shape'])}, {manifest['dtype']}",
             f"  model       {_model_source(manifest['config']['model'])}, "
             f"weights sha256 {manifest['model_fingerprint'][:16]}…",
             f"  inputs      {len(manifest['inputs'])} file(s)",
+            f"  engine      {_engine(manifest.get('engine'))}",
             f"  shards      {len(manifest['shards'])} in manifest, {len(report.shards_on_disk)} on disk",
             *(
                 [f"  rejected    {manifest['rejected']['count']:,} sample(s), "

@@ -17,6 +17,7 @@ stay valid and only the new samples are computed (incremental runs). Each run th
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -31,7 +32,19 @@ from transforms import storage
 from transforms.errors import CorruptInputError, InputError, OutputError
 from transforms.aggregates import AGGREGATES
 from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file, remove_temp_files
-from transforms.readers import SourceFile, assign_ids, check_consistent, check_labels, describe, unreadable_file
+from transforms.images import ImageOptions
+from transforms.readers import (
+    IMAGE_SUFFIXES,
+    Key,
+    Shape,
+    SourceFile,
+    assign_ids,
+    check_consistent,
+    check_labels,
+    describe,
+    shape_record,
+    unreadable_file,
+)
 from transforms.scan import FileScan, scan_files
 from transforms.shards import (
     CHECKSUM_SUFFIX,
@@ -52,27 +65,43 @@ _MAX_LISTED = 8  # differences shown in one error message
 # --- inputs -------------------------------------------------------------------------------------------
 
 
-def resolve_inputs(patterns: list[str], key: str | None, on_bad_sample: str = "error") -> list[SourceFile]:
-    """Every file the globs match (each file once), described, in sorted path order with ids in that
-    order. Under ``skip`` a file that cannot be opened is kept as an unreadable file without samples."""
+def _match(patterns: list[str]) -> list[str]:
+    """Every file the globs match, each once, sorted. A folder (a pattern without wildcards naming one,
+    or ending in ``/``) stands for every PNG/JPEG image under it, at any depth."""
     from apache_beam.io.filesystems import FileSystems
 
     paths: set[str] = set()
-    for pattern, match in zip(patterns, FileSystems.match(patterns)):
-        if not match.metadata_list:
-            raise InputError(f"input.paths: {pattern!r} matches no files")
-        paths.update(metadata.path for metadata in match.metadata_list)
-    described = []
-    for path in sorted(paths):
+    for pattern in patterns:
+        folder = not any(c in pattern for c in "*?[") and (pattern.endswith("/") or storage.is_folder(pattern))
+        (match,) = FileSystems.match([storage.join(pattern, "**") if folder else pattern])
+        found = [m.path for m in match.metadata_list if not folder or m.path.lower().endswith(IMAGE_SUFFIXES)]
+        if not found:
+            raise InputError(f"input.paths: {pattern!r} " + ("holds no PNG or JPEG images" if folder else "matches no files"))
+        paths.update(found)
+    return sorted(paths)
+
+
+def resolve_inputs(
+    patterns: list[str], key: Key, on_bad_sample: str = "error", sample_shape: Shape | None = None,
+    image: ImageOptions | None = None,
+) -> list[SourceFile]:
+    """Every file the globs match (each file once), described, in sorted path order with ids in that
+    order. Under ``skip`` a file that cannot be opened is kept as an unreadable file without samples.
+    Files are described a few at a time (an image is decoded to learn its shape)."""
+
+    def described(path: str) -> SourceFile:
         try:
-            described.append(describe(path, key))
+            return describe(path, key, sample_shape, image)
         except CorruptInputError as err:
             if on_bad_sample != "skip":
                 raise InputError(f"{err} (input.on_bad_sample is error; 'skip' would leave this file out)") from err
             log.warning("skipping %s: %s", path, err.reason)
-            described.append(unreadable_file(path, key, err.reason))
-    files = assign_ids(described)
-    check_consistent(files)
+            return unreadable_file(path, key, err.reason)
+
+    paths = _match(patterns)
+    with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="jacobeam-describe") as pool:
+        files = assign_ids(list(pool.map(described, paths)))
+    check_consistent(files, sample_shape)
     if not any(f.num_samples for f in files):
         raise InputError(f"input.paths: the {len(files)} matched file(s) hold no readable samples")
     return files
@@ -101,8 +130,9 @@ def scan_inputs(files: list[SourceFile], on_bad_sample: str) -> dict[str, FileSc
 
 def run_identity(config: dict[str, Any]) -> dict[str, Any]:
     """What decides the values stored for a sample id, down to the last bit, and how ids are grouped
-    into shards: the model source, ``input.key``, ``output.samples_per_shard`` and the whole
-    ``jacobian`` section but ``threads`` (flattened to dotted keys, for messages naming the key).
+    into shards: the model source, ``input.key`` (and ``input.sample_shape``, ``input.image`` where
+    given), ``output.samples_per_shard`` and the whole ``jacobian`` section but ``threads`` (flattened
+    to dotted keys, for messages naming the key).
 
     Not part of it: threads (how fast), compression (how stored), the input globs (an incremental run
     may add one; the files themselves are compared one by one) and ``on_bad_sample`` (a sample is
@@ -115,6 +145,10 @@ def run_identity(config: dict[str, Any]) -> dict[str, Any]:
         "input.key": config["input"].get("key"),
         "output.samples_per_shard": config["output"]["samples_per_shard"],
     }
+    # Keys added later enter only where given, so that an older run's identity (and run_key) stays valid.
+    for key in ("sample_shape", "image"):
+        if config["input"].get(key) is not None:
+            identity[f"input.{key}"] = config["input"][key]
 
     def flatten(prefix: str, section: dict[str, Any]) -> None:
         for key, value in section.items():
@@ -187,9 +221,9 @@ def place_files(
     if next_id > end:
         segments.append((end, next_id))
     if previous.get("input_shape") is not None and any(f.unreadable is None for f in placed):
-        shape = next(f.sample_shape for f in placed if f.unreadable is None)
-        if list(shape) != list(previous["input_shape"]):
-            differences.append(f"samples of shape {tuple(previous['input_shape'])} there, {shape} now")
+        shape = shape_record(next(f.sample_shape for f in placed if f.unreadable is None))
+        if shape != previous["input_shape"]:
+            differences.append(f"samples of shape {json.dumps(previous['input_shape'])} there, {json.dumps(shape)} now")
     placed.sort(key=lambda f: (f.first_id, f.path))
     return placed, segments, differences
 
@@ -432,7 +466,13 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
     holds another run's result (unless ``overwrite``). Touches no output.
     """
     policy = config.input.on_bad_sample
-    files = resolve_inputs(config.input.paths, config.input.key, policy)
+    if check_model:
+        from pipeline.checks import configure_tf_threads
+
+        configure_tf_threads(tf_threads)  # before reading inputs, which may run TensorFlow ops
+    files = resolve_inputs(
+        config.input.paths, config.input.key, policy, config.input.shape(), config.input.image_options()
+    )
     _check_files_named(config)
     for source in files if _label_key(config) else ():
         if source.unreadable is None:
@@ -443,7 +483,7 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
     if check_model:
         from pipeline.checks import check_model as check
 
-        fingerprint, output_shape = check(ModelSource(**to_dict(config)["model"]), files, tf_threads)
+        fingerprint, output_shape = check(ModelSource(**to_dict(config)["model"]), files)
     identity = run_identity(to_dict(config))
     folder = read_folder(config.output.path)
     if folder.alien:

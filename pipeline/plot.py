@@ -2,8 +2,8 @@
 
 Image-shaped inputs ``(H, W, C)`` get one row per sample: the input and its saliency (``|J|`` reduced
 over outputs and channels); other inputs get a heatmap of each sample's Jacobian matrix (flattened
-outputs by flattened inputs). Below them, a histogram of per-sample Jacobian norms. Uses matplotlib
-(the ``plot`` extra), imported only here.
+outputs by flattened inputs), one per input for a model with several inputs. Below them, a histogram
+of per-sample Jacobian norms. Uses matplotlib (the ``plot`` extra), imported only here.
 """
 
 from __future__ import annotations
@@ -15,16 +15,14 @@ from typing import Any
 import numpy as np
 
 from transforms.finalize import VIEW
-from transforms.readers import SourceFile, iter_slices
+from transforms.readers import iter_slices, manifest_sources
 
 _NORM_CHUNK = 256  # samples read at a time for the norms histogram
 
 
 def _input_samples(manifest: dict[str, Any], ids: Sequence[int]) -> np.ndarray:
-    files = [
-        SourceFile(f["path"], f["key"], f["num_samples"], tuple(manifest["input_shape"]), f["dtype"], f["first_id"])
-        for f in manifest["inputs"]
-    ]
+    """The input rows of one-input samples ``ids``: ``(len(ids), *input_shape)``."""
+    files = manifest_sources(manifest)
     rows = []
     for i in ids:
         (_, sample, _), = iter_slices(files, i, i + 1, 1)
@@ -32,14 +30,14 @@ def _input_samples(manifest: dict[str, Any], ids: Sequence[int]) -> np.ndarray:
     return np.stack(rows)
 
 
-def _norms(view) -> tuple[np.ndarray, str]:
+def _norms(view, jacobians: Sequence[str]) -> tuple[np.ndarray, str]:
+    """Per-sample Frobenius norms of the stored Jacobian (of every input's Jacobian together)."""
     if "frobenius" in view:
         return view["frobenius"][:], "Frobenius norm"
-    jacobian = view["jacobian"]
     norms = []
-    for lo in range(0, len(jacobian), _NORM_CHUNK):
-        block = jacobian[lo : lo + _NORM_CHUNK].astype(np.float64)
-        norms.append(np.sqrt((block.reshape(len(block), -1) ** 2).sum(axis=1)))
+    for lo in range(0, len(view[jacobians[0]]), _NORM_CHUNK):
+        blocks = [view[name][lo : lo + _NORM_CHUNK].astype(np.float64) for name in jacobians]
+        norms.append(np.sqrt(sum((block.reshape(len(block), -1) ** 2).sum(axis=1) for block in blocks)))
     return np.concatenate(norms), "Frobenius norm of J"
 
 
@@ -51,8 +49,14 @@ def plot(folder: str, manifest: dict[str, Any], path: str, ids: Sequence[int] | 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    input_shape = tuple(manifest["input_shape"])
-    image_like = len(input_shape) == 3
+    shapes = manifest["input_shape"]
+    # One Jacobian per differentiated input: {dataset: that input's shape}.
+    if isinstance(shapes, dict):
+        inputs = {f"jacobian/{name}": tuple(shape) for name, shape in shapes.items()}
+    else:
+        inputs = {"jacobian": tuple(shapes)}
+    input_shape = next(iter(inputs.values()))
+    image_like = len(inputs) == 1 and len(input_shape) == 3
     with h5py.File(Path(folder) / VIEW, "r") as view:
         # Row r holds sample id sample_id[r]: the same unless samples were rejected (on_bad_sample: skip).
         stored_ids = view["sample_id"][:]
@@ -63,22 +67,23 @@ def plot(folder: str, manifest: dict[str, Any], path: str, ids: Sequence[int] | 
             gaps = " (rejected samples have no row)" if len(stored_ids) < stored_ids[-1] + 1 else ""
             raise ValueError(f"--samples {bad}: ids run from {stored_ids[0]} to {stored_ids[-1]}{gaps}")
         rows = [row_of[i] for i in ids]
-        if "jacobian" in view:
-            maps = np.stack([view["jacobian"][r] for r in rows]).astype(np.float64)
-            maps = maps.reshape(len(ids), -1, int(np.prod(input_shape)))  # (samples, rows, d)
-        elif "saliency" in view:
-            maps = None
-        else:
+        jacobians = [name for name in inputs if isinstance(view.get(name), h5py.Dataset)]  # jacobian.wrt's
+        maps = {  # (samples, rows, d) per input
+            name: np.stack([view[name][r] for r in rows]).astype(np.float64).reshape(len(ids), -1, int(np.prod(inputs[name])))
+            for name in jacobians
+        }
+        if not maps and "saliency" not in view:
             raise ValueError(f"{folder}: holds neither jacobian nor saliency to plot")
         saliency = None
         if image_like:
-            if maps is not None:
-                saliency = np.abs(maps).reshape(len(ids), maps.shape[1], *input_shape).sum(axis=(1, 4))
+            if maps:
+                full = maps["jacobian"]
+                saliency = np.abs(full).reshape(len(ids), full.shape[1], *input_shape).sum(axis=(1, 4))
             else:
                 stored = np.stack([view["saliency"][r] for r in rows]).astype(np.float64)
                 saliency = stored.reshape(len(ids), -1, *input_shape[:2]).sum(axis=1) if stored.ndim > 3 else stored
-        norms, norm_label = _norms(view) if ("jacobian" in view or "frobenius" in view) else (None, "")
-    columns = 2
+        norms, norm_label = _norms(view, jacobians) if (jacobians or "frobenius" in view) else (None, "")
+    columns = max(2, len(maps)) if not image_like else 2
     figure = plt.figure(figsize=(4 * columns, 3 * len(ids) + 3), constrained_layout=True)
     grid = figure.add_gridspec(len(ids) + 1, columns)
     for row, sample_id in enumerate(ids):
@@ -91,11 +96,13 @@ def plot(folder: str, manifest: dict[str, Any], path: str, ids: Sequence[int] | 
             shown = right.imshow(saliency[row], cmap="inferno")
             right.set_title(f"sample {sample_id}: saliency")
             figure.colorbar(shown, ax=right)
-        else:
-            axis = figure.add_subplot(grid[row, :])
-            limit = float(np.abs(maps[row]).max()) or 1.0  # centred: white is zero
-            shown = axis.imshow(maps[row], aspect="auto", cmap="coolwarm", vmin=-limit, vmax=limit)
-            axis.set_title(f"sample {sample_id}: Jacobian ({maps.shape[1]} output rows x {maps.shape[2]} inputs)")
+            continue
+        for column, (name, matrices) in enumerate(maps.items()):
+            axis = figure.add_subplot(grid[row, :] if len(maps) == 1 else grid[row, column])
+            limit = float(np.abs(matrices[row]).max()) or 1.0  # centred: white is zero
+            shown = axis.imshow(matrices[row], aspect="auto", cmap="coolwarm", vmin=-limit, vmax=limit)
+            what = "Jacobian" if name == "jacobian" else f"d output / d {name.split('/', 1)[1]}"
+            axis.set_title(f"sample {sample_id}: {what} ({matrices.shape[1]} output rows x {matrices.shape[2]} inputs)")
             figure.colorbar(shown, ax=axis)
     if image_like:
         figure.suptitle("saliency: |J| summed over outputs and channels")

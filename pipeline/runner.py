@@ -17,10 +17,11 @@ from pipeline import plan
 from pipeline.config import Config
 from pipeline.progress import ShardProgress
 from transforms import faults, storage
-from transforms.aggregates import Aggregate
-from transforms.compute import ComputeShards
-from transforms.finalize import MANIFEST, Finalize
+from transforms.compute import ComputeJacobians
+from transforms.finalize import MANIFEST
+from transforms.read import ReadSamples
 from transforms.spec import JobSpec
+from transforms.write import WriteShards
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,13 @@ def tf_threads(config: Config, options: PipelineOptions) -> int | None:
 
 
 def build(pipeline: beam.Pipeline, spec: JobSpec):
-    """The whole job as a Beam graph: shard ranges -> shards (+ aggregates, + rejected samples) -> manifest."""
-    shards = pipeline | "ComputeShards" >> ComputeShards(spec)
-    summary = shards.aggregates | "Aggregate" >> Aggregate(spec)
-    return shards.records | "Finalize" >> Finalize(spec, summary, shards.rejected)
+    """The whole job as a Beam graph, from the transforms a user's pipeline would use: shard ranges ->
+    batches of samples -> batches of Jacobians -> shards (+ aggregates, rejected samples) -> manifest."""
+    samples = pipeline | "ReadSamples" >> ReadSamples(spec)
+    jacobians = samples.batches | "ComputeJacobians" >> ComputeJacobians(
+        spec.model, spec.sample_shape, spec.engine, spec.tf_threads
+    )
+    return jacobians | "WriteShards" >> WriteShards(spec, complete=samples.complete, rejected=samples.rejected)
 
 
 def with_filesystem_plugins(options: PipelineOptions) -> PipelineOptions:

@@ -184,20 +184,20 @@ def _check_view(root: str, column: np.ndarray, report: Report) -> None:
 
 def _check_inputs(manifest: dict[str, Any], report: Report) -> bool:
     from transforms.errors import InputError
-    from transforms.readers import describe
+    from transforms.readers import describe, manifest_sources
 
     fine = True
-    for entry in manifest["inputs"]:
-        if entry.get("unreadable"):
+    for source in manifest_sources(manifest):
+        if source.unreadable:
             continue
         try:
-            found = describe(entry["path"], entry.get("key")).num_samples
+            found = describe(source.path, source.key, source.sample_shape, source.image).num_samples
         except (InputError, OSError) as err:
-            report.problems.append(f"input {entry['path']}: cannot be read any more ({err}); cannot recompute")
+            report.problems.append(f"input {source.path}: cannot be read any more ({err}); cannot recompute")
             fine = False
             continue
-        if found != entry["num_samples"]:
-            report.problems.append(f"input {entry['path']}: holds {found} samples, the manifest says {entry['num_samples']}")
+        if found != source.num_samples:
+            report.problems.append(f"input {source.path}: holds {found} samples, the manifest says {source.num_samples}")
             fine = False
     return fine
 
@@ -206,8 +206,8 @@ def _check_inputs(manifest: dict[str, Any], report: Report) -> bool:
 
 
 def float64_twin(loaded) -> tuple[Any, str | None]:
-    """``f(x) -> y`` in float64 with the model's weights (``LoadedModel.with_dtype``, the same twin that
-    ``compute_dtype: float64`` runs), or None and why not."""
+    """``f([x_1, ..., x_k]) -> y`` (one batch per model input) in float64 with the model's weights
+    (``LoadedModel.with_dtype``, the same twin that ``compute_dtype: float64`` runs), or None and why not."""
     import tensorflow as tf
 
     from transforms.errors import ModelError
@@ -218,20 +218,28 @@ def float64_twin(loaded) -> tuple[Any, str | None]:
         return None, "the model is not a Keras model (a SavedModel or tf.Module cannot be rebuilt in float64)"
     except Exception as err:  # custom layers without a config, subclassed models, lambdas under safe_mode, ...
         return None, f"the model cannot be rebuilt in float64 ({type(err).__name__}: {str(err)[:200]})"
-    return (lambda x: np.asarray(twin.call([tf.constant(x, tf.float64)]), np.float64)), None
+    return (lambda xs: np.asarray(twin.call([tf.constant(x, tf.float64) for x in xs]), np.float64)), None
 
 
-def _tape_function(call, shape: tuple[int, ...]):
+def _tape_function(call, shapes: list[tuple[int, ...]]):
+    """``(x_1, ..., x_k) -> (y, [dy/dx_1, ..., dy/dx_k])`` for one sample of each model input."""
     import tensorflow as tf
 
-    @tf.function(input_signature=[tf.TensorSpec((1, *shape), tf.float32)])
-    def one(x):
+    @tf.function(input_signature=[tf.TensorSpec((1, *shape), tf.float32) for shape in shapes])
+    def one(*xs):
         with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = tf.cast(call([x]), tf.float32)
-        return y, tape.jacobian(y, x)  # (1, *out, 1, *in): the full Jacobian, no batch assumption
+            for x in xs:
+                tape.watch(x)
+            y = tf.cast(call(list(xs)), tf.float32)
+        return y, tape.jacobian(y, list(xs))  # (1, *out, 1, *in) each: the full Jacobian, no batch assumption
 
     return one
+
+
+def _one_input(f, xs: list[np.ndarray], k: int):
+    """``f`` (a batch function of every input) as a batch function of input ``k`` alone, the other
+    inputs held at their value in ``xs`` (one sample each)."""
+    return lambda batch: f([batch if j == k else np.repeat(x, len(batch), axis=0) for j, x in enumerate(xs)])
 
 
 def _finite_differences(f, x: np.ndarray, step: float = FD_STEP) -> tuple[np.ndarray, bool]:
@@ -281,7 +289,7 @@ def _recompute(
     import tensorflow as tf
 
     from transforms.models import load
-    from transforms.readers import open_rows
+    from transforms.readers import manifest_sources, open_samples
 
     stored_kind = manifest.get("stored", {}).get("reduce", "none")
     if stored_kind != "none":
@@ -309,68 +317,74 @@ def _recompute(
             f"output was computed with {manifest['model_fingerprint'][:16]}…: cannot recompute"
         )
         return
-    shape = tuple(manifest["input_shape"])
+    several = isinstance(manifest["input_shape"], dict)
+    names = list(loaded.input_names)
+    shapes = [tuple(manifest["input_shape"][n]) for n in names] if several else [tuple(manifest["input_shape"])]
+    # One stored Jacobian per differentiated input: "jacobian", or "jacobian/<input>" for several inputs.
+    datasets = [f"jacobian/{n}" for n in names] if several else ["jacobian"]
     outputs = int(np.prod(manifest["output_shape"], dtype=np.int64))
     store = _store_dtype(manifest.get("dtype", "float32"))
     # Values stored in float16/bfloat16 carry its rounding: the tolerances grow to cover it.
     eps = {"float16": 2 * 2.0**-10, "bfloat16": 2 * 2.0**-7}.get(store.name, 0.0)  # twice the unit roundoff
     tolerances = {"output": max(OUTPUT_RTOL, eps), "tape": max(TAPE_RTOL, eps), "finite_differences": max(FD_RTOL, eps)}
-    one = _tape_function(loaded.call, shape)
-    size = int(np.prod(shape))
+    one = _tape_function(loaded.call, shapes)
+    size = sum(int(np.prod(shape)) for shape in shapes)
     twin, why_not = (None, f"inputs have {size} elements, more than {FD_MAX_ELEMENTS}") if size > FD_MAX_ELEMENTS else float64_twin(loaded)
     errors: dict[str, list[float]] = {"output": [], "tape": [], "finite_differences": []}
-    kinked = []  # samples at which the model is not differentiable
+    kinked, differenced = [], []  # samples at which the model is not differentiable; samples checked
+    sources = manifest_sources(manifest)
     for sample_id in report.samples:
-        entry = next(e for e in manifest["inputs"] if e["first_id"] <= sample_id < e["stop_id"])
-        with open_rows(entry["path"], entry.get("key")) as rows:
-            x = np.asarray(rows.read(sample_id - entry["first_id"], sample_id - entry["first_id"] + 1), np.float32)
+        source = next(s for s in sources if s.first_id <= sample_id < s.stop_id)
+        with open_samples(source) as rows:
+            read = rows.read(sample_id - source.first_id, sample_id - source.first_id + 1)
+        xs = [np.asarray(read[n] if several else read, np.float32) for n in names]
         file, row = where[sample_id]
         with storage.open_h5(storage.join(root, file)) as h5:
-            stored_jac, stored_out = h5["jacobian"][row], h5["output"][row]
+            stored = {k: h5[name][row] for k, name in enumerate(datasets) if name in h5}  # jacobian.wrt's inputs
+            stored_out = h5["output"][row]
             flagged = bool(h5[NONFINITE][row]) if NONFINITE in h5 else False
             # outputs: indices/argmax/top_k/label store the selected rows of the Jacobian, and which they are.
             selected = np.asarray(h5["output_index"][row]).reshape(-1) if "output_index" in h5 else None
 
-        def stored_rows(full: np.ndarray) -> np.ndarray:
-            full = full.reshape(outputs, *shape)
-            return _as_stored(full if selected is None else full[selected], store).reshape(stored_jac.shape)
+        def stored_rows(full: np.ndarray, k: int) -> np.ndarray:
+            full = full.reshape(outputs, *shapes[k])
+            return _as_stored(full if selected is None else full[selected], store).reshape(stored[k].shape)
 
-        y, jac = one(tf.constant(x))
-        nonfinite = not (np.isfinite(stored_jac).all() and np.isfinite(stored_out).all())
-        if flagged != nonfinite:
-            report.problems.append(f"sample {sample_id}: nonfinite flag {flagged}, but its stored values are {'not ' if nonfinite else ''}all finite")
-        for name, value, reference in (
-            ("output", stored_out, _as_stored(y.numpy(), store).reshape(stored_out.shape)),
-            ("tape", stored_jac, stored_rows(jac.numpy())),
-        ):
+        def check(name: str, k: int | None, value: np.ndarray, reference: np.ndarray) -> None:
             error = _rel_error(value, reference)
             errors[name].append(error)
             if not error <= tolerances[name]:
-                report.problems.append(f"sample {sample_id} ({file} row {row}): {name} max relative error {error:.3g} > {tolerances[name]:g}")
+                label = name.replace("_", " ") + ("" if k is None or not several else f" ({datasets[k]})")
+                report.problems.append(f"sample {sample_id} ({file} row {row}): {label} max relative error {error:.3g} > {tolerances[name]:g}")
+
+        y, jacobians = one(*[tf.constant(x) for x in xs])
+        nonfinite = not (all(np.isfinite(value).all() for value in stored.values()) and np.isfinite(stored_out).all())
+        if flagged != nonfinite:
+            report.problems.append(f"sample {sample_id}: nonfinite flag {flagged}, but its stored values are {'not ' if nonfinite else ''}all finite")
+        check("output", None, stored_out, _as_stored(y.numpy(), store).reshape(stored_out.shape))
+        for k, value in stored.items():
+            check("tape", k, value, stored_rows(jacobians[k].numpy(), k))
         if twin is not None and not nonfinite:
-            if _rel_error(twin(x.astype(np.float64)).reshape(stored_out.shape), stored_out) > max(1e-3, eps):
+            x64 = [x.astype(np.float64) for x in xs]
+            if _rel_error(twin(x64).reshape(stored_out.shape), stored_out) > max(1e-3, eps):
                 twin, why_not = None, "the float64 rebuild of the model does not reproduce its outputs"
                 continue
-            central, differentiable = _finite_differences(twin, x[0].astype(np.float64))
-            if not differentiable:
+            differences = {k: _finite_differences(_one_input(twin, x64, k), x64[k][0]) for k in stored}
+            if not all(differentiable for _, differentiable in differences.values()):
                 kinked.append(sample_id)
                 continue
-            error = _rel_error(stored_jac, stored_rows(central))
-            errors["finite_differences"].append(error)
-            if not error <= tolerances["finite_differences"]:
-                report.problems.append(
-                    f"sample {sample_id} ({file} row {row}): finite differences max relative error {error:.3g} "
-                    f"> {tolerances['finite_differences']:g}"
-                )
+            differenced.append(sample_id)
+            for k, (central, _) in differences.items():
+                check("finite_differences", k, stored[k], stored_rows(central, k))
     report.max_rel_error = {name: (max(values) if values else None) for name, values in errors.items()}
     report.tolerances = tolerances
     left_out = (
         f"; {len(kinked)} sample(s) left out: the model is not differentiable there (ReLU/max-pool kinks), "
         f"e.g. id {kinked[0]}" if kinked else ""
     )
-    if errors["finite_differences"]:
+    if differenced:
         report.finite_differences = (
-            f"float64 central differences (step {FD_STEP:g}) on {len(errors['finite_differences'])} sample(s){left_out}"
+            f"float64 central differences (step {FD_STEP:g}) on {len(differenced)} sample(s){left_out}"
         )
     elif kinked:
         report.finite_differences = f"inconclusive{left_out}"

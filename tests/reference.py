@@ -42,3 +42,18 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, rtol: float = 1e-5) -
     scale = max(float(np.abs(expected).max()), 1e-12)
     error = float(np.abs(actual.astype(np.float64) - expected).max()) / scale
     assert error <= rtol, f"max relative error {error:.3g} > {rtol:.3g}"
+
+
+def tape_loop_inputs(model64, samples: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``tf.GradientTape().jacobian`` of one sample at a time of a several-input float64 model, by input:
+    ``{input name: (n, *output_shape, *input_shape)}``, eagerly, with respect to every input."""
+    names = [t.name for t in model64.inputs]
+    rows: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    for i in range(len(samples[names[0]])):
+        xs = [tf.constant(samples[name][i : i + 1], tf.float64) for name in names]
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            y = model64(xs, training=False)[0]
+        for name, jac in zip(names, tape.jacobian(y, xs)):
+            rows[name].append(jac.numpy().reshape(*y.shape, *samples[name].shape[1:]))
+    return {name: np.stack(found) for name, found in rows.items()}

@@ -73,3 +73,18 @@ def test_prefetch_stops_the_producer_and_closes_its_source_when_the_consumer_sto
     assert closed.is_set()
     assert not any(t.name == "prefetch" and t.is_alive() for t in threading.enumerate())
     assert len(produced) <= 5  # the one taken, the two queued, and at most the one in flight and one more
+
+
+def test_rebatch_regroups_the_samples_of_several_model_inputs(rng):
+    slices = [
+        (np.arange(lo, lo + n), {"image": rng.normal(size=(n, 2, 2)), "meta": rng.normal(size=(n, 3))})
+        for lo, n in ((0, 3), (3, 3), (6, 2))
+    ]
+
+    batches = list(rebatch(iter(slices), 4))
+
+    assert [len(ids) for ids, _ in batches] == [4, 4]
+    for name in ("image", "meta"):
+        np.testing.assert_array_equal(
+            np.concatenate([inputs[name] for _, inputs in batches]), np.concatenate([s[1][name] for s in slices])
+        )

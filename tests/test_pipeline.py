@@ -217,7 +217,9 @@ def test_bad_input_is_a_clear_error_and_leaves_output_as_it_was(cnn_run, case, t
 def test_inspect_reports_complete_and_missing_sources(cnn_run, tmp_path, capsys):
     root, _, _ = cnn_run
     assert cli.main(["inspect", str(root / "out")]) == 0
-    assert "complete" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    engine = json.loads((root / "out" / "manifest.json").read_text())["engine"]
+    assert "complete" in shown and f"engine      {engine['mode']}, batch {engine['batch_size']}" in shown
     broken = tmp_path / "broken"
     os.system(f"cp -r {root / 'out'} {broken}")
     (broken / "shards" / "shard-000000000016-000000000032.h5").unlink()

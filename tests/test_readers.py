@@ -6,7 +6,7 @@ import h5py
 import numpy as np
 import pytest
 
-from transforms import readers
+from transforms import storage
 from transforms.errors import InputError
 from transforms.readers import assign_ids, check_consistent, describe, iter_slices, open_rows
 
@@ -59,7 +59,7 @@ def test_npy_is_read_in_slices_not_whole(tmp_path, rng, monkeypatch):
             reads.append(size)
             return super().read(size)
 
-    monkeypatch.setattr(readers, "_open_binary", lambda p: Recording(io.FileIO(p)))
+    monkeypatch.setattr(storage, "open_input", lambda p: Recording(io.FileIO(p)))
     with open_rows(path, None) as rows:
         np.testing.assert_array_equal(rows.read(10, 20), array[10:20])
     assert -1 not in reads and max(reads) <= 10 * 50 * 4

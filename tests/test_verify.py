@@ -134,7 +134,7 @@ def test_float64_twin_matches_the_model_and_computes_in_float64(rng):
         twin, why_not = float64_twin(wrap_model(model, "test"))
         assert why_not is None
         x = rng.normal(size=(3, *model.input_shape[1:]))
-        y64 = twin(x)
+        y64 = twin([x])
         assert y64.dtype == np.float64
         np.testing.assert_allclose(y64, build("float64")(x).numpy(), rtol=1e-12, atol=1e-12)
     plain = LoadedModel(lambda xs: xs[0] * 2, [], "a plain function")

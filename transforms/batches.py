@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TypeVar
 
 import numpy as np
@@ -20,21 +20,25 @@ T = TypeVar("T")
 _END = object()  # the producer's last item
 
 
-def rebatch(slices: Iterable[tuple[np.ndarray, ...]], size: int) -> Iterator[tuple[np.ndarray, ...]]:
+Part = np.ndarray | Mapping[str, np.ndarray]  # rows of one array, or of one array per model input
+
+
+def rebatch(slices: Iterable[tuple[Part, ...]], size: int) -> Iterator[tuple[Part, ...]]:
     """Regroup ``slices`` into batches of exactly ``size`` rows; only the last batch can be shorter.
 
-    Each slice is a tuple of arrays of one length along their first axis (ids ``(r,)``, samples
-    ``(r, *sample_shape)``, ...); each batch is a tuple of the same arrays with ``size`` rows, in order.
-    A slice of exactly ``size`` rows that starts a batch is passed on as it is (no copy).
+    Each slice is a tuple of parts of one length along their first axis (ids ``(r,)``, samples
+    ``(r, *sample_shape)`` or a dict of them by input name, ...); each batch is a tuple of the same
+    parts with ``size`` rows, in order. A slice of exactly ``size`` rows that starts a batch is passed
+    on as it is (no copy).
     """
-    pending: list[tuple[np.ndarray, ...]] = []
+    pending: list[tuple[Part, ...]] = []
     held = 0
     for piece in slices:
-        while len(piece[0]):
-            take = min(size - held, len(piece[0]))
-            pending.append(tuple(part[:take] for part in piece))
+        while (length := _length(piece[0])):
+            take = min(size - held, length)
+            pending.append(tuple(_rows(part, 0, take) for part in piece))
             held += take
-            piece = tuple(part[take:] for part in piece)
+            piece = tuple(_rows(part, take, length) for part in piece)
             if held == size:
                 yield _joined(pending)
                 pending, held = [], 0
@@ -42,10 +46,26 @@ def rebatch(slices: Iterable[tuple[np.ndarray, ...]], size: int) -> Iterator[tup
         yield _joined(pending)
 
 
-def _joined(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(np.concatenate(columns) for columns in zip(*parts))
+def _length(part: Part) -> int:
+    return len(next(iter(part.values()))) if isinstance(part, Mapping) else len(part)
+
+
+def _rows(part: Part, lo: int, hi: int) -> Part:
+    if isinstance(part, Mapping):
+        return {name: values[lo:hi] for name, values in part.items()}
+    return part[lo:hi]
+
+
+def _joined(pieces: list[tuple[Part, ...]]) -> tuple[Part, ...]:
+    if len(pieces) == 1:
+        return pieces[0]
+    return tuple(_concatenated(column) for column in zip(*pieces))
+
+
+def _concatenated(parts: tuple[Part, ...]) -> Part:
+    if isinstance(parts[0], Mapping):
+        return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+    return np.concatenate(parts)
 
 
 class _Failed:

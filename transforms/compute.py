@@ -1,46 +1,30 @@
-"""The compute step: a DoFn that turns id ranges into complete HDF5 shards of Jacobians.
+"""Computing Jacobians in Beam: batches of samples in, batches of Jacobian records out.
 
-Each worker process loads the model and builds the compiled Jacobian function once (``setup()``,
-shared between DoFn instances of the process through ``apache_beam.utils.shared``), then streams
-each range into a shard: batches read ahead on one thread (``transforms.batches``), written on
-another (``transforms.shards.ShardWriter``), so that the engine rarely waits for either.
-
-Samples that the plan rejected (``input.on_bad_sample: skip``) are never read; the DoFn sends them to
-its dead-letter output ``rejected``, which ``Finalize`` writes to ``rejected.jsonl``.
-
-Beam may run a bundle again after a failure (distributed runners and the BundleBasedDirectRunner do;
-the in-process FnApiRunner does not retry and fails the job instead). Processing a range is idempotent:
-a complete shard is kept, a failed attempt's temporary file is removed, and only the rename makes a
-shard count, so a retried bundle leaves neither a half shard nor a duplicate.
+Each worker process loads the model and builds the compiled Jacobian function once (``setup()``, shared
+between DoFn instances of the process through ``apache_beam.utils.shared``). ``ComputeJacobians`` takes
+``SampleBatch`` elements (as ``ReadSamples`` makes them) or single samples of a user's pipeline, which it
+batches first.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 import apache_beam as beam
-import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.utils import shared
 
 from transforms import aggregates, faults
-from transforms.batches import prefetch, rebatch
-from transforms.errors import InputError, ModelError, OutputError
-from transforms.readers import iter_slices
-from transforms.shards import ShardRecord, ShardWriter, existing_record, proven_checksum, read_attrs, shard_file, shard_path
-from transforms.spec import JobSpec, ShardRange, version
-
-REJECTED = "rejected"  # the dead-letter output's tag
+from transforms.elements import JacobianBatch, SampleBatch, stack_samples, take
+from transforms.errors import ModelError
+from transforms.spec import EngineOptions, ModelSource
 
 log = logging.getLogger(__name__)
-_NAMESPACE = "jacobeam"
-AGGREGATES_TAG = "aggregates"
+NAMESPACE = "jacobeam"  # the Beam metrics namespace
 
 # Engines built in this process: lets tests (and the manifest) show that setup work happens once per
 # worker process, not per bundle or element.
@@ -64,137 +48,64 @@ def configure_tf_threads(threads: int | None) -> None:
         log.warning("TensorFlow already initialised; cannot set its threads to %d", threads)
 
 
-def build_engine(spec: JobSpec):
+def build_engine(model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None = None):
     """Load the model and build, trace and warm up the Jacobian function (once per process)."""
     global _engine_builds
     from transforms.engine import JacobianEngine
 
-    configure_tf_threads(spec.tf_threads)
-    engine = JacobianEngine(spec.model.load(), spec.sample_shape, spec.engine)
+    configure_tf_threads(tf_threads)
+    engine = JacobianEngine(model.load(), input_shape, options)
     with _builds_lock:
         _engine_builds += 1
     return engine
 
 
-class ComputeShardFn(beam.DoFn):
-    """``ShardRange -> ShardRecord``: computes and writes one shard, or keeps it if already complete."""
+class ComputeJacobiansFn(beam.DoFn):
+    """``SampleBatch -> JacobianBatch...``: one output batch per engine call (the engine may take fewer
+    samples at a time than a batch holds, to keep within its memory budget)."""
 
-    def __init__(self, spec: JobSpec):
-        self._spec = spec
+    def __init__(self, model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None = None):
+        self._model, self._input_shape, self._options, self._tf_threads = model, input_shape, options, tf_threads
         self._shared = shared.Shared()
-        self._samples = Metrics.counter(_NAMESPACE, "samples")
-        self._batches = Metrics.counter(_NAMESPACE, "batches")
-        self._written = Metrics.counter(_NAMESPACE, "shards_written")
-        self._skipped = Metrics.counter(_NAMESPACE, "shards_skipped")
-        self._latency = Metrics.distribution(_NAMESPACE, "batch_latency_ms")
-        self._retraces = Metrics.gauge(_NAMESPACE, "retraces_after_setup")
-        self._fallbacks = Metrics.gauge(_NAMESPACE, "pfor_fallbacks")
-        self._oom_retries = Metrics.gauge(_NAMESPACE, "oom_retries")
-        self._peak_rss = Metrics.gauge(_NAMESPACE, "peak_rss_mb")
+        self._samples = Metrics.counter(NAMESPACE, "samples")
+        self._batches = Metrics.counter(NAMESPACE, "batches")
+        self._latency = Metrics.distribution(NAMESPACE, "batch_latency_ms")
+        self._retraces = Metrics.gauge(NAMESPACE, "retraces_after_setup")
+        self._fallbacks = Metrics.gauge(NAMESPACE, "pfor_fallbacks")
+        self._oom_retries = Metrics.gauge(NAMESPACE, "oom_retries")
+        self._peak_rss = Metrics.gauge(NAMESPACE, "peak_rss_mb")
 
     def setup(self) -> None:
         faults.reached("setup")
-        self._engine = self._shared.acquire(lambda: build_engine(self._spec), tag=self._spec.run_key)
-        self._positions = {shard.start: i for i, shard in enumerate(self._spec.stored_ranges())}
-
-    def process(self, shard: ShardRange) -> Iterator[ShardRecord | beam.pvalue.TaggedOutput]:
-        for rejected in shard.rejected:
-            yield beam.pvalue.TaggedOutput(REJECTED, rejected)
-        final = shard_path(self._spec.output_dir, shard.start, shard.stop)
-        checksum = None if shard.rows == 0 else proven_checksum(final)
-        if shard.rows == 0:  # every sample of the range was rejected: no shard, no partial sums
-            record = sums = None
-        elif checksum is not None:
-            record = self._keep(final, shard, checksum)
-            sums = aggregates.read_partial(final) if self._spec.engine.aggregate else None
-        else:
-            record, sums = self._compute(shard)
-        if record is not None:
-            yield record
-        if sums is not None:
-            yield beam.pvalue.TaggedOutput(AGGREGATES_TAG, (self._positions[shard.start], sums))
-
-    def _keep(self, path: str, shard: ShardRange, checksum: str) -> ShardRecord:
-        attrs = read_attrs(path)
-        for name, expected in (("run_key", self._spec.run_key), ("model_fingerprint", self._engine.fingerprint)):
-            if attrs.get(name) != expected:
-                raise OutputError(
-                    f"{path}: complete shard from a different run ({name} {attrs.get(name)!r}, this run "
-                    f"{expected!r}); use a new output.path or remove that folder"
-                )
-        self._skipped.inc()
-        return existing_record(
-            self._spec.output_dir, shard.start, shard.stop, self._engine.fingerprint, self._engine.describe(), checksum
+        key = repr((self._model, self._input_shape, self._options))
+        self._engine = self._shared.acquire(
+            lambda: build_engine(self._model, self._input_shape, self._options, self._tf_threads), tag=key
         )
 
-    def _batches_of(self, shard: ShardRange) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """``(ids (b,), samples (b, *sample_shape), labels (b,))`` over the shard's kept samples: file
-        slices regrouped across file boundaries into the engine's batch size (only the last batch can
-        be short), read one batch ahead on a background thread so that reading overlaps computing."""
-        spec, dtype = self._spec, self._spec.engine.compute_dtype
-        label_key = spec.label_key if spec.engine.outputs.rule == "label" else None
-        batch = self._engine.batch_size
-
-        def slices() -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-            for lo, hi in shard.kept():  # rejected samples are never read
-                for ids, samples, labels in iter_slices(spec.files, lo, hi, batch, label_key):
-                    _check_finite(spec, ids, samples)
-                    labels = np.zeros(len(ids)) if labels is None else labels.astype(np.float64)
-                    yield ids, samples.astype(dtype, copy=False), labels
-
-        return prefetch(rebatch(slices(), batch))
-
-    def _compute(self, shard: ShardRange) -> tuple[ShardRecord, aggregates.Partial | None]:
-        engine, spec = self._engine, self._spec
-        sums = None
-        began = time.perf_counter()
-        attrs = {
-            "input_shape": spec.sample_shape,
-            "output_shape": engine.output_shape,
-            "dtype": spec.engine.store_dtype,
-            "model_fingerprint": engine.fingerprint,
-            "run_key": spec.run_key,
-            "jacobeam_version": version(),
-        }
-        attrs.update(shard_attrs(spec, shard))
-        with (
-            ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression, rows=shard.rows) as writer,
-            contextlib.closing(self._batches_of(shard)) as batches,  # a failure stops the reading thread
-        ):
-            for ids, samples, labels in batches:
-                tick = time.perf_counter()
-                try:
-                    result, full = engine.compute(samples, labels)
-                except ModelError as err:
-                    raise ModelError(f"samples {ids[0]}..{ids[-1]}: {err}") from err
-                self._latency.update(int(1000 * (time.perf_counter() - tick)))
-                writer.write(int(ids[0]), {**result, "sample_id": ids})
-                if full is not None:
-                    sums = aggregates.add(sums, aggregates.partial(full, spec.engine.aggregate))
-                self._batches.inc()
-                self._samples.inc(len(ids))
-            if sums is not None:
-                writer.attach(aggregates.PARTIALS, sums)
-            checksum = writer.commit()
-        self._written.inc()
-        self._report(engine.describe())
-        seconds = time.perf_counter() - began
-        log.info("shard %s: %d samples in %.2fs", writer.name, shard.stop - shard.start, seconds)
-        record = ShardRecord(
-            file=shard_file(shard.start, shard.stop),
-            start=shard.start,
-            stop=shard.stop,
-            sha256=checksum,
-            model_fingerprint=engine.fingerprint,
-            computed=True,
-            seconds=seconds,
-            worker_pid=os.getpid(),
-            engine_builds=_engine_builds,
-            engine=engine.describe(),
-            rows=shard.rows,
-            nonfinite=writer.nonfinite,
-        )
-        return record, sums
+    def process(self, batch: SampleBatch) -> Iterator[JacobianBatch]:
+        engine, kinds = self._engine, self._options.aggregate
+        for lo in range(0, len(batch), engine.batch_size):
+            part = take(batch, lo, min(lo + engine.batch_size, len(batch)))
+            tick = time.perf_counter()
+            try:
+                datasets, full = engine.compute(part.inputs, part.labels)
+            except ModelError as err:
+                raise ModelError(f"samples {_span(part.ids)}: {err}") from err
+            seconds = time.perf_counter() - tick
+            self._latency.update(int(1000 * seconds))
+            self._batches.inc()
+            self._samples.inc(len(part))
+            described = engine.describe()
+            self._report(described)
+            yield JacobianBatch(
+                ids=part.ids,
+                datasets=datasets,
+                shard=part.shard,
+                partial=None if full is None else aggregates.partial(full, kinds),
+                seconds=seconds,
+                engine={**described, "model_fingerprint": engine.fingerprint},
+                worker={"pid": os.getpid(), "engine_builds": _engine_builds},
+            )
 
     def _report(self, engine: dict) -> None:
         self._retraces.set(engine["retraces_after_setup"])
@@ -203,46 +114,47 @@ class ComputeShardFn(beam.DoFn):
         self._peak_rss.set(engine["peak_rss_bytes"] // 2**20)
 
 
-def shard_attrs(spec: JobSpec, shard: ShardRange) -> dict[str, str]:
-    """What a shard records about the run that wrote it, so that a later run can tell whether the shard
-    is its own: the run's identity (``run_key`` hashes it) and the input files that its ids come from."""
-    from transforms.spec import shard_inputs
-
-    return {
-        "run_identity": json.dumps(spec.identity, sort_keys=True),
-        "inputs": json.dumps(shard_inputs(spec.files, shard.start, shard.stop)),
-    }
+def _span(ids) -> str:
+    return f"{ids[0]}..{ids[-1]}" if len(ids) else "(none)"
 
 
-def _check_finite(spec: JobSpec, ids, samples) -> None:
-    """The plan scanned every input; a non-finite sample it did not reject means the file changed since."""
-    bad = ~np.isfinite(samples.reshape(len(samples), -1)).all(axis=1)
-    if bad.any():
-        sample_id = int(ids[int(np.argmax(bad))])
-        source = next(f for f in spec.files if f.first_id <= sample_id < f.stop_id)
-        raise InputError(
-            f"{source.path}: row {sample_id - source.first_id} (sample id {sample_id}) holds NaN or Inf but "
-            "did not when the run was planned; the input file changed during the run"
-        )
+class ComputeJacobians(beam.PTransform):
+    """``PCollection[SampleBatch | sample | (key, sample)] -> PCollection[JacobianBatch]``.
 
-
-class ComputeShards(beam.PTransform):
-    """``PBegin -> (records, aggregates, rejected)``: every shard of the job, spread over the workers.
-
-    ``records`` is a ``PCollection[ShardRecord]``; ``aggregates`` holds each shard's partial sums
-    ``(shard position, Partial)`` when the job asks for aggregates; ``rejected`` is the dead-letter
-    output: the ``Rejected`` runs of samples left out of each range (``input.on_bad_sample: skip``).
+    Samples are arrays ``(*input_shape)``, or dicts ``{input name: array}`` for a model with several
+    inputs (``input_shape`` is then a dict of shapes), optionally keyed ``(key, sample)``: single
+    samples are batched first (``beam.BatchElements``, at most ``options.batch_size``). A PCollection of
+    ``SampleBatch`` elements (``batched=True``, the default where its element type says so, as
+    ``ReadSamples``' does) is used as it comes, fused with its producer and consumer. Each ``JacobianBatch`` holds the datasets the engine makes (see
+    ``transforms.engine.JacobianEngine``) and the samples' keys as ``ids``; ``| beam.FlatMap(
+    JacobianBatch.records)`` gives one ``(key, {dataset: array})`` per sample.
     """
 
-    def __init__(self, spec: JobSpec):
+    def __init__(
+        self,
+        model: ModelSource,
+        input_shape: Sequence[int] | Mapping[str, Sequence[int]],
+        options: EngineOptions = EngineOptions(),
+        tf_threads: int | None = None,
+        batched: bool | None = None,
+    ):
         super().__init__()
-        self._spec = spec
-
-    def expand(self, pbegin):
-        return (
-            pbegin
-            | "ShardRanges" >> beam.Create(self._spec.ranges())
-            | "Spread" >> beam.Reshuffle()
-            | "ComputeShard"
-            >> beam.ParDo(ComputeShardFn(self._spec)).with_outputs(AGGREGATES_TAG, REJECTED, main="records")
+        self._model, self._options, self._tf_threads, self._batched = model, options, tf_threads, batched
+        self._input_shape = (
+            {name: tuple(shape) for name, shape in input_shape.items()}
+            if isinstance(input_shape, Mapping)
+            else tuple(input_shape)
         )
+
+    def expand(self, samples):
+        batched = self._batched
+        if batched is None:
+            batched = isinstance(samples.element_type, type) and issubclass(samples.element_type, SampleBatch)
+        if not batched:
+            samples = (
+                samples
+                | "Batch" >> beam.BatchElements(max_batch_size=self._options.batch_size)
+                | "Stack" >> beam.Map(stack_samples)
+            )
+        fn = ComputeJacobiansFn(self._model, self._input_shape, self._options, self._tf_threads)
+        return samples | "Compute" >> beam.ParDo(fn).with_output_types(JacobianBatch)

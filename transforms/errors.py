@@ -1,4 +1,9 @@
-"""The errors jacobeam raises for things a user can fix; each message names the file, key or sample."""
+"""The errors jacobeam raises for things a user can fix; each message names the file, key or sample.
+
+``first_line`` gives the gist of a library's error (TensorFlow's, say) for such a message.
+"""
+
+import re
 
 
 class JacobeamError(Exception):
@@ -20,6 +25,12 @@ class CorruptInputError(InputError):
     def __init__(self, message: str, reason: str | None = None):
         super().__init__(message)
         self.reason = reason or message
+
+
+def first_line(err: Exception) -> str:
+    """The gist of an error: its first line, without TensorFlow's op decorations."""
+    text = (str(getattr(err, "message", None) or err).strip().splitlines() or [type(err).__name__])[0][:300]
+    return re.sub(r"\s*\[Op:\w+\]( name:.*)?$", "", re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", text))
 
 
 class ModelError(JacobeamError, ValueError):

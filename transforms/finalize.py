@@ -11,6 +11,7 @@ next run (at its start and here) and never read.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -26,6 +27,7 @@ import apache_beam as beam
 from transforms import faults, storage
 from transforms.aggregates import PARTIALS
 from transforms.errors import OutputError
+from transforms.readers import shape_record
 from transforms.shards import SHARDS_DIR, ShardRecord, is_temp_file, read_attrs
 from transforms.spec import JobSpec, Rejected, version
 
@@ -194,12 +196,13 @@ def build_manifest(
         "config": spec.config,
         "num_samples": spec.num_samples,  # input samples, i.e. ids 0..num_samples
         "num_rows": stored,  # samples stored (rows of jacobians.h5): num_samples minus the rejected ones
-        "input_shape": list(spec.sample_shape),
+        "input_shape": shape_record(spec.sample_shape),  # a list, or {input name: list} for several inputs
         "output_shape": [int(d) for d in attrs["output_shape"]],
         "dtype": str(attrs["dtype"]),
         "model_fingerprint": records[0].model_fingerprint,
-        # What the engine ran and why, as the first worker's engine reported it.
-        "engine": records[0].engine,
+        # What the engine ran and why, as the first worker that computed a shard reported it (None when
+        # every shard was kept from an earlier attempt).
+        "engine": next((record.engine for record in records if record.engine), None),
         "run_key": spec.run_key,
         "run_identity": spec.identity,
         "datasets": {name: {"shape": ["n", *shape], "dtype": dtype} for name, (shape, dtype) in fields.items()},
@@ -290,6 +293,9 @@ def finalize(
 ) -> dict[str, Any]:
     """``rejected``: the compute step's dead-letter output (rejected sample runs); files that could not
     be opened have no ids, hence no range, and come from the plan. Without it, the plan's list."""
+    if spec.open_ended:  # a user's pipeline: ids 0..n-1, n known now
+        count = max((record.stop for record in records), default=0)
+        spec = dataclasses.replace(spec, files=(dataclasses.replace(spec.files[0], num_samples=count),))
     rejected = spec.rejected() if rejected is None else [*spec.file_rejects, *rejected]
     ordered = check_coverage(records, spec.num_samples, rejected)
     fields = write_virtual_view(spec.output_dir, ordered)

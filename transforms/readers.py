@@ -1,50 +1,67 @@
-"""Reading input samples from ``.npy``, ``.npz`` and ``.h5``/``.hdf5`` files, in slices.
+"""Reading input samples in slices, whatever the file format; sample ids.
 
-Every file holds samples along its first axis. Files are opened through Beam's ``FileSystems``
-so that remote paths work the same as local ones, and rows are read in slices: a file is never
-loaded whole. Sample ids are positions in the concatenation of the input files (see ``pipeline.plan``
-for how files are placed: sorted path order, new files of an incremental run after the old ones).
+A file's format follows from its name (``FORMATS``), and each format has its module:
+``transforms.arrays`` (``.npy``, ``.npz``, ``.h5``/``.hdf5``: samples along an array's first axis),
+``transforms.tfrecords`` (TFRecord files: one ``tf.train.Example`` per sample) and
+``transforms.images`` (PNG/JPEG: one sample per file). This module dispatches to them and holds what
+does not depend on the format: ``SourceFile`` (a file and the sample ids it covers), ``describe``,
+``open_samples``, the consistency checks, ``iter_slices`` and helpers for samples. Sample ids are
+positions in the concatenation of the input files (see ``pipeline.plan`` for how files are placed:
+sorted path order, new files of an incremental run after the old ones).
+
+A model with several inputs reads one array per input from each file: ``input.key`` is then a mapping
+``{input name: array key}``, and samples are dicts ``{input name: rows}`` (``Samples``). The arrays of
+one file hold one row per sample each.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import zipfile
-import zlib
-from collections.abc import Iterator, Sequence
-from typing import IO, Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Union
 
 import numpy as np
 
-from transforms.errors import CorruptInputError, InputError
+from transforms import arrays, images, tfrecords
+from transforms.errors import InputError
 
-FORMATS = {".npy": "npy", ".npz": "npz", ".h5": "h5", ".hdf5": "h5"}
+FORMATS = {
+    ".npy": "npy", ".npz": "npz", ".h5": "h5", ".hdf5": "h5",
+    ".tfrecord": "tfrecord", ".tfrecords": "tfrecord", ".tfrecord.gz": "tfrecord", ".tfrecords.gz": "tfrecord",
+    ".png": "image", ".jpg": "image", ".jpeg": "image",
+}
+IMAGE_SUFFIXES = tuple(suffix for suffix, fmt in FORMATS.items() if fmt == "image")
+_ARRAY_FORMATS = ("npy", "npz", "h5")
+
+# input.key: one array (None: the file's only one), or {input name: array key} for several inputs.
+Key = Union[str, Mapping[str, str], None]
+# One sample's shape, or {input name: shape}; rows of samples: one array, or {input name: array}.
+Shape = Union[tuple[int, ...], Mapping[str, tuple[int, ...]]]
+Samples = Union[np.ndarray, Mapping[str, np.ndarray]]
 
 
 @dataclasses.dataclass(frozen=True)
 class SourceFile:
-    """One input file and the sample ids it covers: ``[first_id, first_id + num_samples)``."""
+    """One input file and the sample ids it covers: ``[first_id, first_id + num_samples)``.
+
+    When ``key`` is a mapping (a model with several inputs), ``sample_shape`` and ``dtype`` are
+    mappings by input name too.
+    """
 
     path: str
-    key: str | None
+    key: Key
     num_samples: int
-    sample_shape: tuple[int, ...]
-    dtype: str
+    sample_shape: Shape
+    dtype: str | Mapping[str, str]
     first_id: int = 0
-    data_sha256: str | None = None  # sha256 of the readable rows' bytes, set by the input scan
+    data_sha256: str | None = None  # sha256 of the readable rows' bytes, set by the input scan (an image's file bytes)
     unreadable: str | None = None  # why a file that cannot be opened holds no samples (on_bad_sample: skip)
+    image: images.ImageOptions | None = None  # for an image file: how it is decoded
 
     @property
     def stop_id(self) -> int:
         return self.first_id + self.num_samples
-
-
-class _Rows(Protocol):
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-    def read(self, start: int, stop: int) -> np.ndarray: ...
 
 
 def file_format(path: str) -> str:
@@ -54,130 +71,64 @@ def file_format(path: str) -> str:
     raise InputError(f"{path}: unsupported file type; expected one of {', '.join(FORMATS)}")
 
 
-def _open_binary(path: str) -> IO[bytes]:
-    from apache_beam.io.filesystem import CompressionTypes
-    from apache_beam.io.filesystems import FileSystems
-
-    try:
-        return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
-    except Exception as err:  # Beam wraps every file-system failure in its own error types.
-        raise CorruptInputError(f"{path}: cannot open: {err}", reason=f"unreadable: {err}") from err
-
-
-class _NpyRows:
-    """Rows of a C-ordered ``.npy`` stream, read by seeking: no memory map, no full load."""
-
-    def __init__(self, stream: IO[bytes], name: str):
-        fmt = np.lib.format
-        try:
-            version = fmt.read_magic(stream)
-            header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-            self.shape, fortran_order, self.dtype = header(stream)
-        except ValueError as err:
-            raise CorruptInputError(f"{name}: not a valid .npy array: {err}", reason=f"corrupt: not a valid .npy array: {err}") from err
-        except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:  # a damaged .npz member, a read error
-            raise CorruptInputError(f"{name}: cannot be read: {err}", reason=f"corrupt: {err}") from err
-        if fortran_order and len(self.shape) > 1:
-            raise InputError(f"{name}: Fortran-ordered arrays cannot be read in slices; save it C-ordered")
-        if self.dtype.hasobject:
-            raise InputError(f"{name}: holds Python objects, expected a float array")
-        self._stream, self._name = stream, name
-        self._offset = stream.tell()
-        self._row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        count = stop - start
-        try:
-            self._stream.seek(self._offset + start * self._row_bytes)
-            data = self._stream.read(count * self._row_bytes)
-        except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:  # e.g. a corrupt .npz member
-            raise CorruptInputError(
-                f"{self._name}: rows {start}..{stop} cannot be read: {err}", reason=f"corrupt: {err}"
-            ) from err
-        if len(data) != count * self._row_bytes:
-            raise CorruptInputError(
-                f"{self._name}: truncated: rows {start}..{stop} are past the end of the data",
-                reason="truncated: the row is past the end of the data",
-            )
-        return np.frombuffer(data, dtype=self.dtype).reshape((count, *self.shape[1:]))
-
-
-class _H5Rows:
-    def __init__(self, dataset, name: str):
-        self.shape, self.dtype = dataset.shape, dataset.dtype
-        self._dataset, self._name = dataset, name
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        try:
-            return self._dataset[start:stop]
-        except OSError as err:  # a damaged chunk (failed filter or checksum), a short file
-            raise CorruptInputError(
-                f"{self._name}: rows {start}..{stop} cannot be read: {err}", reason=f"corrupt: {err}"
-            ) from err
-
-
-def _pick_member(names: Sequence[str], key: str | None, path: str, what: str) -> str:
-    if key is not None:
-        if key not in names:
-            raise InputError(f"{path}: no {what} {key!r} (input.key); found {sorted(names)}")
-        return key
-    if len(names) != 1:
-        raise InputError(f"{path}: holds {what}s {sorted(names)}; set input.key to choose one")
-    return names[0]
+@contextlib.contextmanager
+def open_rows(path: str, key: str | None, setting: str = "input.key") -> Iterator[arrays.Rows]:
+    """Open one array of a file (``key``, named by the config's ``setting``), for reading rows in slices."""
+    fmt = file_format(path)
+    if fmt not in _ARRAY_FORMATS:
+        raise InputError(f"{path}: {setting} names arrays of .npy, .npz and .h5 files; this is a {fmt} file")
+    with arrays.open_rows(path, fmt, key, setting) as rows:
+        yield rows
 
 
 @contextlib.contextmanager
-def open_rows(path: str, key: str | None) -> Iterator[_Rows]:
-    """Open the sample array of one file, for reading rows in slices."""
+def open_samples(source: SourceFile) -> Iterator[Any]:
+    """Open a file's samples for reading in slices: ``read(start, stop)`` returns ``(rows, *shape)``,
+    or ``{input name: (rows, *shape)}`` when ``source.key`` maps inputs to arrays."""
+    fmt = file_format(source.path)
+    if fmt == "tfrecord":
+        yield tfrecords.TFRecords(source.path, source.key, source.sample_shape)
+        return
+    if fmt == "image":
+        yield images.Image(source.path, source.image or images.ImageOptions())
+        return
+    with arrays.open_samples(source.path, fmt, source.key) as rows:
+        yield rows
+
+
+def describe(path: str, key: Key, sample_shape: Shape | None = None, image: images.ImageOptions | None = None) -> SourceFile:
+    """Read a file's header(s) only: how many samples, their shape(s) and dtype(s). A TFRecord file is
+    read through to count its records (it has no header); its ``sample_shape`` comes from the config.
+    An image is decoded (it is its only sample): its shape, and the sha256 of its bytes."""
     fmt = file_format(path)
-    with contextlib.ExitStack() as stack:
-        stream = stack.enter_context(_open_binary(path))
-        if fmt == "npy":
-            yield _NpyRows(stream, path)
-        elif fmt == "npz":
-            try:
-                archive = stack.enter_context(zipfile.ZipFile(stream))
-            except zipfile.BadZipFile as err:
-                raise CorruptInputError(f"{path}: not a valid .npz archive: {err}", reason=f"corrupt: not a valid .npz archive: {err}") from err
-            arrays = [name[: -len(".npy")] for name in archive.namelist() if name.endswith(".npy")]
-            member = _pick_member(arrays, key, path, "array")
-            yield _NpyRows(stack.enter_context(archive.open(member + ".npy")), f"{path}[{member}]")
-        else:
-            import h5py
-
-            try:
-                h5 = stack.enter_context(h5py.File(stream, "r"))
-            except OSError as err:
-                raise CorruptInputError(f"{path}: not a valid HDF5 file: {err}", reason=f"corrupt: not a valid HDF5 file: {err}") from err
-            if key is None:
-                datasets = [name for name, item in h5.items() if isinstance(item, h5py.Dataset)]
-                key = _pick_member(datasets, None, path, "dataset")
-            dataset = h5.get(key)
-            if not isinstance(dataset, h5py.Dataset):
-                raise InputError(f"{path}: no dataset {key!r} (input.key)")
-            yield _H5Rows(dataset, f"{path}[{key}]")
-
-
-def describe(path: str, key: str | None) -> SourceFile:
-    """Read a file's header only: how many samples, their shape and dtype."""
-    with open_rows(path, key) as rows:
-        shape, dtype = tuple(int(d) for d in rows.shape), np.dtype(rows.dtype)
-    if len(shape) < 2:
-        raise InputError(
-            f"{path}: array of shape {shape}; expected samples along the first axis, "
-            "i.e. shape (num_samples, *sample_shape) with at least one sample axis"
+    if fmt == "image":
+        options = image or images.ImageOptions()
+        shape, data_sha256 = images.describe(path, key, options)
+        return SourceFile(
+            path=path, key=None, num_samples=1, sample_shape=shape, dtype="float32",
+            data_sha256=data_sha256, image=options,
         )
-    if not np.issubdtype(dtype, np.floating):
-        raise InputError(f"{path}: dtype {dtype}; expected a float array (float16, float32 or float64)")
-    return SourceFile(path=path, key=key, num_samples=shape[0], sample_shape=shape[1:], dtype=dtype.name)
+    if fmt == "tfrecord":
+        num_samples, shape, dtype = tfrecords.describe(path, key, sample_shape)
+    else:
+        num_samples, shape, dtype = arrays.describe(path, fmt, key)
+    return SourceFile(
+        path=path,
+        key=dict(key) if isinstance(key, Mapping) else key,
+        num_samples=num_samples,
+        sample_shape=shape,
+        dtype=dtype,
+    )
 
 
-def unreadable_file(path: str, key: str | None, reason: str) -> SourceFile:
+def unreadable_file(path: str, key: Key, reason: str) -> SourceFile:
     """A file that cannot be opened at all: it holds no samples, hence no ids (``on_bad_sample: skip``)."""
     return SourceFile(path=path, key=key, num_samples=0, sample_shape=(), dtype="", unreadable=reason)
+
+
 def check_labels(source: SourceFile, label_key: str) -> None:
     """The file holds one label per sample under ``label_key``."""
-    with open_rows(source.path, label_key) as labels:
+    with open_rows(source.path, label_key, "jacobian.labels.key") as labels:
         shape = tuple(int(d) for d in labels.shape)
     if shape not in ((source.num_samples,), (source.num_samples, 1)):
         raise InputError(
@@ -186,18 +137,29 @@ def check_labels(source: SourceFile, label_key: str) -> None:
         )
 
 
-def check_consistent(files: Sequence[SourceFile]) -> None:
-    """All readable files must hold samples of one shape; the first of them (in sorted order) sets it."""
+def check_consistent(files: Sequence[SourceFile], expected: Shape | None = None) -> None:
+    """All readable files must hold samples of one shape (per input): ``expected`` (``input.sample_shape``)
+    if given, else the shape of the first of them (in sorted order)."""
     readable = [f for f in files if f.unreadable is None]
     if not readable:
         return
-    reference = readable[0]
-    for other in readable[1:]:
-        if other.sample_shape != reference.sample_shape:
-            raise InputError(
-                f"{other.path}: samples of shape {other.sample_shape}; expected {reference.sample_shape} "
-                f"(the sample shape of {reference.path})"
-            )
+    where = "input.sample_shape"
+    if expected is None:
+        expected, where = readable[0].sample_shape, None
+    for other in readable:
+        if not isinstance(expected, Mapping):
+            if other.sample_shape != expected:
+                raise InputError(
+                    f"{other.path}: samples of shape {other.sample_shape}; expected {expected} "
+                    f"({where or f'the sample shape of {readable[0].path}'})"
+                )
+            continue
+        for name, shape in expected.items():
+            if other.sample_shape[name] != shape:
+                raise InputError(
+                    f"{other.path}: input {name} ({other.key[name]!r}) has samples of shape "
+                    f"{other.sample_shape[name]}; expected {shape} ({where or f'input {name} in {readable[0].path}'})"
+                )
 
 
 def assign_ids(files: Sequence[SourceFile]) -> list[SourceFile]:
@@ -211,19 +173,35 @@ def assign_ids(files: Sequence[SourceFile]) -> list[SourceFile]:
 
 def iter_slices(
     files: Sequence[SourceFile], start: int, stop: int, max_rows: int, label_key: str | None = None
-) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+) -> Iterator[tuple[np.ndarray, Samples, np.ndarray | None]]:
     """Yield ``(sample_ids, samples, labels)`` covering ids ``[start, stop)`` in order, in slices of
     at most ``max_rows`` rows, each from one file. ``samples`` has shape ``(rows, *sample_shape)`` and
-    the file's own dtype; ``labels`` ``(rows,)`` come from the array ``label_key`` of the same file
-    (None without one). Slices end at file boundaries, so batching across files is the caller's job.
+    the file's own dtype (a dict of such arrays by input name for several inputs); ``labels``
+    ``(rows,)`` come from the array ``label_key`` of the same file (None without one). Slices end at
+    file boundaries, so batching across files is the caller's job, except that consecutive image
+    files (one sample each) are read together, up to ``max_rows`` per slice.
     """
+    pending: list[SourceFile] = []  # consecutive images not yet read
+
+    def read_images() -> Iterator[tuple[np.ndarray, np.ndarray, None]]:
+        if pending:
+            batch = pending.copy()
+            pending.clear()
+            yield np.array([image.first_id for image in batch], np.int64), images.read_images(batch), None
+
     for source in files:
         lo, hi = max(start, source.first_id), min(stop, source.stop_id)
         if lo >= hi:
             continue
+        if source.image is not None:
+            pending.append(source)
+            if len(pending) == max_rows:
+                yield from read_images()
+            continue
+        yield from read_images()
         with contextlib.ExitStack() as stack:
-            rows = stack.enter_context(open_rows(source.path, source.key))
-            labels = stack.enter_context(open_rows(source.path, label_key)) if label_key else None
+            rows = stack.enter_context(open_samples(source))
+            labels = stack.enter_context(open_rows(source.path, label_key, "jacobian.labels.key")) if label_key else None
             for first in range(lo, hi, max_rows):
                 last = min(first + max_rows, hi)
                 local = slice(first - source.first_id, last - source.first_id)
@@ -232,3 +210,64 @@ def iter_slices(
                     rows.read(local.start, local.stop),
                     labels.read(local.start, local.stop).reshape(-1) if labels else None,
                 )
+    yield from read_images()
+
+
+# --- samples of one or several inputs, as one shape -------------------------------------------------------
+
+
+def parts(samples: Samples) -> list[tuple[str | None, np.ndarray]]:
+    """The arrays of ``samples`` by input name, sorted; ``[(None, samples)]`` for one input."""
+    return sorted(samples.items()) if isinstance(samples, Mapping) else [(None, samples)]
+
+
+def nonfinite_rows(samples: Samples) -> np.ndarray:
+    """``(rows,)`` bool: True where a sample holds NaN or Inf in any of its arrays."""
+    bad = [~np.isfinite(values.reshape(len(values), -1)).all(axis=1) for _, values in parts(samples)]
+    return np.logical_or.reduce(bad)
+
+
+def as_dtype(samples: Samples, dtype: str) -> Samples:
+    if isinstance(samples, Mapping):
+        return {name: values.astype(dtype, copy=False) for name, values in samples.items()}
+    return samples.astype(dtype, copy=False)
+
+
+def row_bytes(source: SourceFile) -> int:
+    """Bytes of one sample, all its arrays together."""
+    shapes = source.sample_shape if isinstance(source.sample_shape, Mapping) else {None: source.sample_shape}
+    dtypes = source.dtype if isinstance(source.dtype, Mapping) else {None: source.dtype}
+    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtypes[name]).itemsize for name, shape in shapes.items())
+
+
+def shape_record(shape: Shape) -> list[int] | dict[str, list[int]]:
+    """A sample shape as plain JSON data: a list, or ``{input name: list}``."""
+    if isinstance(shape, Mapping):
+        return {name: [int(d) for d in dims] for name, dims in shape.items()}
+    return [int(d) for d in shape]
+
+
+def shape_from_record(record: list[int] | dict[str, list[int]]) -> Shape:
+    if isinstance(record, Mapping):
+        return {name: tuple(dims) for name, dims in record.items()}
+    return tuple(record)
+
+
+def manifest_sources(manifest: Mapping[str, Any]) -> list[SourceFile]:
+    """The input files a manifest lists, as ``SourceFile``s to read samples from again."""
+    shape = shape_from_record(manifest["input_shape"])
+    image = images.ImageOptions.from_config(manifest["config"]["input"].get("image"))
+    return [
+        SourceFile(
+            path=entry["path"],
+            key=entry.get("key"),
+            num_samples=entry["num_samples"],
+            sample_shape=shape,
+            dtype=entry["dtype"],
+            first_id=entry["first_id"],
+            data_sha256=entry.get("data_sha256"),
+            unreadable=entry.get("unreadable"),
+            image=image if file_format(entry["path"]) == "image" else None,
+        )
+        for entry in manifest["inputs"]
+    ]

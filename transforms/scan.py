@@ -7,7 +7,8 @@ next to computing Jacobians (the scan reads each byte once; the engine does a fo
 pass per output element). The scan also hashes each file's samples, so that a later run can tell
 whether a file still holds the same data (resume and incremental runs).
 
-Pure numpy: no TensorFlow, no Beam beyond the file system used by the readers.
+Pure numpy, no Beam beyond the file system used by the readers; TensorFlow only where the readers need
+it (TFRecord files).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
+import json
 import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from transforms.errors import CorruptInputError
-from transforms.readers import SourceFile, file_format, open_rows
+from transforms.readers import Samples, SourceFile, file_format, open_samples, parts, row_bytes
 
 SLICE_BYTES = 8 << 20  # rows read per slice: about this many bytes
 
@@ -46,9 +48,9 @@ class FileScan:
         return sum(b.stop_row - b.row for b in self.bad)
 
 
-def _nonfinite_reason(values: np.ndarray) -> str:
-    kinds = [name for name, test in (("NaN", np.isnan), ("Inf", np.isinf)) if test(values).any()]
-    return f"non-finite input: holds {' and '.join(kinds)}"
+def _nonfinite_reason(values: np.ndarray, name: str | None) -> str:
+    kinds = [kind for kind, test in (("NaN", np.isnan), ("Inf", np.isinf)) if test(values).any()]
+    return f"non-finite input{'' if name is None else f' {name}'}: holds {' and '.join(kinds)}"
 
 
 def _merge(rows: list[tuple[int, str]]) -> tuple[BadRows, ...]:
@@ -61,27 +63,50 @@ def _merge(rows: list[tuple[int, str]]) -> tuple[BadRows, ...]:
     return tuple(merged)
 
 
+class _Digest:
+    """sha256 of a file's readable samples. One input: of its rows' bytes in order. Several inputs:
+    of each input's rows' bytes, one digest per input combined by name, so that the result does not
+    depend on how the rows were sliced."""
+
+    def __init__(self):
+        self._inputs: dict[str | None, hashlib._Hash] = {}
+
+    def update(self, samples: Samples) -> None:
+        for name, values in parts(samples):
+            self._inputs.setdefault(name, hashlib.sha256()).update(np.ascontiguousarray(values).tobytes())
+
+    def hexdigest(self) -> str:
+        if set(self._inputs) <= {None}:
+            return self._inputs.get(None, hashlib.sha256()).hexdigest()
+        combined = {name: digest.hexdigest() for name, digest in sorted(self._inputs.items())}
+        return hashlib.sha256(json.dumps(combined, sort_keys=True).encode()).hexdigest()
+
+
 def scan_file(source: SourceFile, slice_bytes: int = SLICE_BYTES) -> FileScan:
-    """Read every row of ``source``: which rows are bad (NaN/Inf, unreadable, past the end), and the
-    sha256 of the readable rows' bytes."""
+    """Read every row of ``source``: which rows are bad (NaN/Inf in any of a sample's arrays,
+    unreadable, past the end), and the sha256 of the readable rows' bytes."""
+    if source.image is not None:
+        # Describing an image decoded its only sample (an image cannot hold NaN/Inf) and hashed its bytes.
+        return FileScan(source.path, (), source.data_sha256)
     n = source.num_samples
-    row_bytes = max(1, int(np.prod(source.sample_shape, dtype=np.int64)) * np.dtype(source.dtype).itemsize)
-    step = max(1, slice_bytes // row_bytes)
-    digest = hashlib.sha256()
+    step = max(1, slice_bytes // max(1, row_bytes(source)))
+    digest = _Digest()
     bad: list[tuple[int, str]] = []
     # A .npz member is one zip stream checked by one CRC at its end: once a read fails, no row of it can
     # be trusted, so the whole file is bad. In .npy and HDF5 files, rows are independent.
     whole_file = file_format(source.path) == "npz"
 
-    def take(first_row: int, values: np.ndarray) -> None:
-        values = np.ascontiguousarray(values)
-        digest.update(values.tobytes())
-        flat = values.reshape(len(values), -1)
-        for index in np.flatnonzero(~np.isfinite(flat).all(axis=1)):
-            bad.append((first_row + int(index), _nonfinite_reason(flat[index])))
+    def take(first_row: int, samples: Samples) -> None:
+        digest.update(samples)
+        reasons: dict[int, list[str]] = {}  # one reason per bad sample, naming each input that is bad
+        for name, values in parts(samples):
+            flat = values.reshape(len(values), -1)
+            for index in np.flatnonzero(~np.isfinite(flat).all(axis=1)):
+                reasons.setdefault(int(index), []).append(_nonfinite_reason(flat[index], name))
+        bad.extend((first_row + index, "; ".join(found)) for index, found in reasons.items())
 
     try:
-        with open_rows(source.path, source.key) as rows:
+        with open_samples(source) as rows:
             for lo in range(0, n, step):
                 hi = min(lo + step, n)
                 try:

@@ -302,6 +302,11 @@ class ShardWriter:
             bfloat16.commit(self._h5.id, b"bfloat16")  # a named type: self-describing in the file
         return self._h5["bfloat16"]
 
+    @property
+    def rows_written(self) -> int:
+        """Rows handed to ``write`` so far (``commit`` waits until they are in the file)."""
+        return self._queued
+
     def write(self, first_id: int, arrays: dict[str, np.ndarray]) -> None:
         """Append the next rows (every array in ``arrays``, all of one length); ``first_id`` is the sample
         id of their first row. Ids must increase from call to call (rejected ids are simply left out).

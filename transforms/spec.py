@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from importlib import metadata
 from typing import Any, Literal
 
-from transforms.readers import SourceFile
+from transforms.readers import Shape, SourceFile
 
 
 def version() -> str:
@@ -165,9 +165,13 @@ class JobSpec:
     id_segments: tuple[tuple[int, int], ...] = ()  # id ranges added by successive (incremental) runs
     identity: dict[str, Any] = dataclasses.field(default_factory=dict)  # what run_key hashes, for messages
     model_fingerprint: str | None = None  # as found by the launcher's model check
+    # The samples of a user's pipeline (``transforms.write.pipeline_spec``): not planned from files, their
+    # ids 0..n-1 are counted when every shard is written.
+    open_ended: bool = False
 
     @property
-    def sample_shape(self) -> tuple[int, ...]:
+    def sample_shape(self) -> Shape:
+        """One sample's shape, or ``{input name: shape}`` when the inputs name one array per model input."""
         return next((f.sample_shape for f in self.files if f.unreadable is None), self.files[0].sample_shape)
 
     @property

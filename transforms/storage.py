@@ -8,7 +8,8 @@ GCS and S3 is a copy and a delete, not an atomic rename. An object store makes e
 only once its upload finished, but what a remote *folder* holds is complete only as far as its
 manifest says (see ``transforms.shards`` for how a remote shard proves itself complete).
 
-The rest of the code calls these helpers instead of branching on schemes.
+Input files are opened here too (``open_input``), always through ``FileSystems``. The rest of the
+code calls these helpers instead of branching on schemes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from transforms import faults
+from transforms.errors import CorruptInputError
 
 _COPY_BYTES = 8 << 20
 
@@ -90,6 +92,18 @@ def open_read(path: str | os.PathLike) -> IO[bytes]:
     from apache_beam.io.filesystems import FileSystems
 
     return FileSystems.open(str(path), compression_type=CompressionTypes.UNCOMPRESSED)
+
+
+def open_input(path: str) -> IO[bytes]:
+    """An input file opened for reading, through Beam's ``FileSystems`` whether local or remote; one
+    that cannot be opened is a ``CorruptInputError`` (reason ``unreadable: ...``)."""
+    from apache_beam.io.filesystem import CompressionTypes
+    from apache_beam.io.filesystems import FileSystems
+
+    try:
+        return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
+    except Exception as err:  # Beam wraps every file-system failure in its own error types.
+        raise CorruptInputError(f"{path}: cannot open: {err}", reason=f"unreadable: {err}") from err
 
 
 def read_text(path: str | os.PathLike) -> str:

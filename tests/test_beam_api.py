@@ -1,0 +1,138 @@
+"""The Beam-native API in a pipeline of a user's own: ComputeJacobians on keyed samples, WriteShards to a
+folder that jacobeam's own tools read."""
+
+import json
+
+import apache_beam as beam
+import h5py
+import numpy as np
+import pytest
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+from apache_beam.testing.util import assert_that
+
+from pipeline import verify
+from tests import models as test_models
+from tests.reference import assert_close, tape_loop
+from transforms import ComputeJacobians, EngineOptions, JacobianBatch, ModelSource, WriteShards, pipeline_spec
+from transforms.errors import OutputError
+
+MODEL = ModelSource(factory="tests.models:small_cnn")
+SHAPE = (8, 8, 1)
+
+
+@pytest.fixture(scope="module")
+def samples() -> np.ndarray:
+    return np.random.default_rng(11).normal(size=(23, *SHAPE)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def expected(samples) -> np.ndarray:
+    return tape_loop(test_models.small_cnn(), samples)
+
+
+def test_keyed_samples_become_records_with_their_keys(samples, expected):
+    def check(records):
+        assert sorted(key for key, _ in records) == [f"s{i}" for i in range(5)]
+        for key, datasets in records:
+            i = int(key[1:])
+            assert_close(datasets["jacobian"][None], expected[i : i + 1])
+
+    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+        records = (
+            pipeline
+            | beam.Create([(f"s{i}", samples[i]) for i in range(5)])
+            | ComputeJacobians(MODEL, SHAPE, EngineOptions(batch_size=2))
+            | beam.FlatMap(JacobianBatch.records)
+        )
+        assert_that(records, check)
+
+
+def test_keyed_samples_of_a_two_input_model():
+    import tensorflow as tf
+
+    rng = np.random.default_rng(6)
+    examples = [(i, {"image": rng.normal(size=(4, 4, 1)).astype(np.float32), "meta": rng.normal(size=3).astype(np.float32)})
+                for i in range(5)]
+    model = test_models.two_inputs()
+
+    def expected(sample, name):
+        x = {k: tf.constant(v[None]) for k, v in sample.items()}
+        with tf.GradientTape() as tape:
+            tape.watch(x[name])
+            y = model([x["image"], x["meta"]])[0]
+        return tape.jacobian(y, x[name]).numpy().reshape(5, *sample[name].shape)
+
+    def check(records):
+        assert sorted(key for key, _ in records) == list(range(5))
+        for key, datasets in records:
+            for name in ("image", "meta"):
+                assert_close(datasets[f"jacobian/{name}"], expected(examples[key][1], name))
+
+    shapes = {"image": (4, 4, 1), "meta": (3,)}
+    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+        records = (
+            pipeline
+            | beam.Create(examples)
+            | ComputeJacobians(ModelSource(factory="tests.models:two_inputs"), shapes, EngineOptions(batch_size=2))
+            | beam.FlatMap(JacobianBatch.records)
+        )
+        assert_that(records, check)
+
+
+def test_a_users_pipeline_writes_the_same_folder_as_jacobeam_run(tmp_path, samples, expected):
+    out = tmp_path / "out"
+    spec = pipeline_spec(str(out), MODEL, SHAPE, EngineOptions(batch_size=4), samples_per_shard=8)
+    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+        _ = (
+            pipeline
+            | beam.Create(list(enumerate(samples))[::-1])  # any order
+            | ComputeJacobians(MODEL, SHAPE, EngineOptions(batch_size=4))
+            | WriteShards(spec)
+        )
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["num_samples"] == manifest["num_rows"] == 23
+    assert [(s["start"], s["stop"]) for s in manifest["shards"]] == [(0, 8), (8, 16), (16, 23)]
+    with h5py.File(out / "jacobians.h5") as view:
+        np.testing.assert_array_equal(view["sample_id"][:], np.arange(23))
+        assert_close(view["jacobian"][:], expected)
+    report = verify.verify(str(out), samples=0)
+    assert report.ok, report.problems
+
+
+def test_write_shards_refuses_ids_with_a_gap(tmp_path, samples):
+    spec = pipeline_spec(str(tmp_path / "out"), MODEL, SHAPE, EngineOptions(batch_size=4), samples_per_shard=8)
+    keyed = [(i, samples[i]) for i in (0, 1, 2, 4)]
+    with pytest.raises(Exception, match="a gap in the ids"):
+        with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+            _ = pipeline | beam.Create(keyed) | ComputeJacobians(MODEL, SHAPE, EngineOptions(batch_size=4)) | WriteShards(spec)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_write_shards_needs_integer_ids(tmp_path, samples):
+    spec = pipeline_spec(str(tmp_path / "out"), MODEL, SHAPE, EngineOptions(batch_size=4))
+    with pytest.raises(Exception, match="keyed by its id"):
+        with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+            _ = pipeline | beam.Create(list(samples[:3])) | ComputeJacobians(MODEL, SHAPE, EngineOptions()) | WriteShards(spec)
+
+
+def test_aggregates_are_refused_for_a_users_pipeline(tmp_path):
+    with pytest.raises(ValueError, match="aggregate"):
+        pipeline_spec(str(tmp_path), MODEL, SHAPE, EngineOptions(aggregate=("mean",)))
+
+
+def test_a_bundle_that_ends_mid_shard_is_an_error(tmp_path, samples):
+    """The planned path streams a shard's batches within one bundle; a batch stream that stops before a
+    shard's last row must fail the bundle, not commit or leave a half shard."""
+    from transforms.elements import JacobianBatch as Batch
+    from transforms.spec import ShardRange
+    from transforms.write import WriteShardFn
+
+    spec = pipeline_spec(str(tmp_path / "out"), MODEL, SHAPE, samples_per_shard=8)
+    fn = WriteShardFn(spec)
+    fn.setup()
+    fn.start_bundle()
+    half = Batch(ids=np.arange(4), datasets={"jacobian": np.zeros((4, 3, 2)), "output": np.zeros((4, 3))}, shard=ShardRange(0, 8))
+    assert list(fn.process(half)) == []
+    with pytest.raises(OutputError, match="bundle ended before every row"):
+        fn.finish_bundle()
+    assert not list((tmp_path / "out" / "shards").iterdir())

@@ -1,0 +1,210 @@
+"""Arrays of samples: ``.npy``, ``.npz`` and ``.h5``/``.hdf5`` files, read in slices.
+
+Every array holds samples along its first axis. A file is opened through Beam's ``FileSystems``
+(remote paths work the same as local ones) and its rows are read in slices, never the whole array: a
+``.npy`` array (a file, or a member of an ``.npz`` archive) by seeking past its header, an HDF5
+dataset through h5py. A model with several inputs reads one array per input from each file:
+``input.key`` is then ``{input name: array key}``, and the arrays of one file hold one row per sample
+each. The caller (``transforms.readers``) tells the format (``fmt``: ``npy``, ``npz`` or ``h5``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zipfile
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from transforms import storage
+from transforms.errors import CorruptInputError, InputError
+
+if TYPE_CHECKING:
+    from transforms.readers import Key, Shape
+
+
+class Rows(Protocol):
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def read(self, start: int, stop: int) -> np.ndarray: ...
+
+
+class _NpyRows:
+    """Rows of a C-ordered ``.npy`` stream, read by seeking: no memory map, no full load."""
+
+    def __init__(self, stream: IO[bytes], name: str):
+        fmt = np.lib.format
+        try:
+            version = fmt.read_magic(stream)
+            header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            self.shape, fortran_order, self.dtype = header(stream)
+        except ValueError as err:
+            raise CorruptInputError(f"{name}: not a valid .npy array: {err}", reason=f"corrupt: not a valid .npy array: {err}") from err
+        except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:  # a damaged .npz member, a read error
+            raise CorruptInputError(f"{name}: cannot be read: {err}", reason=f"corrupt: {err}") from err
+        if fortran_order and len(self.shape) > 1:
+            raise InputError(f"{name}: Fortran-ordered arrays cannot be read in slices; save it C-ordered")
+        if self.dtype.hasobject:
+            raise InputError(f"{name}: holds Python objects, expected a float array")
+        self._stream, self._name = stream, name
+        self._offset = stream.tell()
+        self._row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        count = stop - start
+        try:
+            self._stream.seek(self._offset + start * self._row_bytes)
+            data = self._stream.read(count * self._row_bytes)
+        except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:  # e.g. a corrupt .npz member
+            raise CorruptInputError(
+                f"{self._name}: rows {start}..{stop} cannot be read: {err}", reason=f"corrupt: {err}"
+            ) from err
+        if len(data) != count * self._row_bytes:
+            raise CorruptInputError(
+                f"{self._name}: truncated: rows {start}..{stop} are past the end of the data",
+                reason="truncated: the row is past the end of the data",
+            )
+        return np.frombuffer(data, dtype=self.dtype).reshape((count, *self.shape[1:]))
+
+
+class _H5Rows:
+    def __init__(self, dataset, name: str):
+        self.shape, self.dtype = dataset.shape, dataset.dtype
+        self._dataset, self._name = dataset, name
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        try:
+            return self._dataset[start:stop]
+        except OSError as err:  # a damaged chunk (failed filter or checksum), a short file
+            raise CorruptInputError(
+                f"{self._name}: rows {start}..{stop} cannot be read: {err}", reason=f"corrupt: {err}"
+            ) from err
+
+
+class _Inputs:
+    """The arrays of a several-input file, read together: ``{input name: rows}``."""
+
+    def __init__(self, rows: Mapping[str, Rows]):
+        self._rows = rows
+
+    def read(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        return {name: rows.read(start, stop) for name, rows in self._rows.items()}
+
+
+def _pick_member(names: Sequence[str], key: str | None, path: str, what: str, setting: str) -> str:
+    if key is not None:
+        if key not in names:
+            raise InputError(f"{path}: no {what} {key!r} ({setting}); found {sorted(names)}")
+        return key
+    if len(names) != 1:
+        raise InputError(f"{path}: holds {what}s {sorted(names)}; set {setting} to choose one")
+    return names[0]
+
+
+@contextlib.contextmanager
+def _open_arrays(path: str, fmt: str, keys: Mapping[str, str | None]) -> Iterator[dict[str, Rows]]:
+    """Open arrays of one file (of format ``fmt``) for reading rows in slices. ``keys`` maps the config
+    setting that names an array (``input.key``, ``input.key.<input>``: for messages) to its key; so
+    does the result."""
+    with contextlib.ExitStack() as stack:
+        stream = stack.enter_context(storage.open_input(path))
+        if fmt == "npy":
+            if len(keys) > 1:
+                raise InputError(
+                    f"{path}: a .npy file holds one array, but {', '.join(keys)} name one array per input; "
+                    "keep several inputs in .npz or .h5 files"
+                )
+            yield {setting: _NpyRows(stream, path) for setting in keys}
+        elif fmt == "npz":
+            try:
+                archive = stack.enter_context(zipfile.ZipFile(stream))
+            except zipfile.BadZipFile as err:
+                raise CorruptInputError(f"{path}: not a valid .npz archive: {err}", reason=f"corrupt: not a valid .npz archive: {err}") from err
+            arrays = [name[: -len(".npy")] for name in archive.namelist() if name.endswith(".npy")]
+            opened = {}
+            for setting, key in keys.items():
+                member = _pick_member(arrays, key, path, "array", setting)
+                opened[setting] = _NpyRows(stack.enter_context(archive.open(member + ".npy")), f"{path}[{member}]")
+            yield opened
+        else:
+            import h5py
+
+            try:
+                h5 = stack.enter_context(h5py.File(stream, "r"))
+            except OSError as err:
+                raise CorruptInputError(f"{path}: not a valid HDF5 file: {err}", reason=f"corrupt: not a valid HDF5 file: {err}") from err
+            opened = {}
+            for setting, key in keys.items():
+                if key is None:
+                    datasets = [name for name, item in h5.items() if isinstance(item, h5py.Dataset)]
+                    key = _pick_member(datasets, None, path, "dataset", setting)
+                dataset = h5.get(key)
+                if not isinstance(dataset, h5py.Dataset):
+                    raise InputError(f"{path}: no dataset {key!r} ({setting})")
+                opened[setting] = _H5Rows(dataset, f"{path}[{key}]")
+            yield opened
+
+
+def _settings(key: Mapping[str, str]) -> dict[str, str]:
+    """``{input name: array key}`` -> ``{"input.key.<input name>": array key}``."""
+    return {f"input.key.{name}": array for name, array in key.items()}
+
+
+@contextlib.contextmanager
+def open_rows(path: str, fmt: str, key: str | None, setting: str = "input.key") -> Iterator[Rows]:
+    """Open one array of a file (``key``, named by the config's ``setting``), for reading rows in slices."""
+    with _open_arrays(path, fmt, {setting: key}) as opened:
+        yield opened[setting]
+
+
+@contextlib.contextmanager
+def open_samples(path: str, fmt: str, key: Key) -> Iterator[Rows | _Inputs]:
+    """Open a file's samples for reading in slices: one array, or ``{input name: rows}`` together when
+    ``key`` maps inputs to arrays."""
+    if not isinstance(key, Mapping):
+        with open_rows(path, fmt, key) as rows:
+            yield rows
+        return
+    with _open_arrays(path, fmt, _settings(key)) as opened:
+        yield _Inputs({name: opened[f"input.key.{name}"] for name in key})
+
+
+def _header(where: str, rows: Rows) -> tuple[tuple[int, ...], str]:
+    """An array's shape and dtype, checked: samples along the first axis, floats."""
+    shape, dtype = tuple(int(d) for d in rows.shape), np.dtype(rows.dtype)
+    if len(shape) < 2:
+        raise InputError(
+            f"{where}: array of shape {shape}; expected samples along the first axis, "
+            "i.e. shape (num_samples, *sample_shape) with at least one sample axis"
+        )
+    if not np.issubdtype(dtype, np.floating):
+        raise InputError(f"{where}: dtype {dtype}; expected a float array (float16, float32 or float64)")
+    return shape, dtype.name
+
+
+def describe(path: str, fmt: str, key: Key) -> tuple[int, Shape, str | dict[str, str]]:
+    """Read a file's header(s) only: how many samples, their shape(s) and dtype(s)."""
+    if not isinstance(key, Mapping):
+        with open_rows(path, fmt, key) as rows:
+            shape, dtype = _header(path, rows)
+        return shape[0], shape[1:], dtype
+    with _open_arrays(path, fmt, _settings(key)) as opened:
+        found = {
+            name: _header(f"{path}: array {array!r} (input.key.{name})", opened[f"input.key.{name}"])
+            for name, array in key.items()
+        }
+    (first, (first_shape, _)), *others = found.items()
+    for name, (shape, _) in others:
+        if shape[0] != first_shape[0]:
+            raise InputError(
+                f"{path}: array {key[name]!r} (input {name}) has {shape[0]} rows, array {key[first]!r} "
+                f"(input {first}) has {first_shape[0]}; every input needs one row per sample"
+            )
+    return (
+        first_shape[0],
+        {name: shape[1:] for name, (shape, _) in found.items()},
+        {name: dtype for name, (_, dtype) in found.items()},
+    )

@@ -1,0 +1,147 @@
+"""TFRecord files of ``tf.train.Example`` records: one record per sample, each input a float feature.
+
+``input.key`` names the feature (``{input name: feature}`` for several inputs), and
+``input.sample_shape`` gives a sample's shape: a feature is a flat list of floats. Files are read
+through TensorFlow's own file systems (a ``.gz`` one GZIP-compressed), records streamed in batches: a
+TFRecord file has no header and cannot be seeked, so counting its samples reads it through, and a
+slice is read by streaming past the records before it. TensorFlow is imported only when a file is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from transforms.errors import CorruptInputError, InputError, first_line
+
+if TYPE_CHECKING:
+    from transforms.readers import Key, Samples, Shape
+
+
+def _features(key: Key, shape: Shape | None, path: str) -> dict[str | None, tuple[str, tuple[int, ...]]]:
+    """``{input name (None for one input): (feature name, sample shape)}``."""
+    if key is None:
+        raise InputError(f"{path}: a TFRecord file needs input.key, the name of the float feature that holds each sample")
+    if shape is None:
+        raise InputError(
+            f"{path}: a TFRecord file needs input.sample_shape, the shape of one sample (e.g. [8, 8, 1]): "
+            "its feature is a flat list of floats"
+        )
+    if isinstance(key, Mapping):
+        return {name: (feature, tuple(shape[name])) for name, feature in key.items()}
+    return {None: (key, tuple(shape))}
+
+
+_RECORD_BATCH = 256  # records read per step of a TFRecord stream
+
+
+def _record_stream(path: str, start: int = 0) -> Iterator[bytes]:
+    """The records of a TFRecord file from index ``start`` on, streamed. They are read in batches
+    (iterating a dataset costs about 60 µs per element, 4 µs per record in batches); at a damaged
+    record the batch holding it is read again one record at a time, so that every record before it
+    arrives before the ``DataLossError``."""
+    import tensorflow as tf
+
+    compression = "GZIP" if path.lower().endswith(".gz") else ""
+    dataset = tf.data.TFRecordDataset(path, compression_type=compression).skip(start)
+    delivered = 0  # records of complete batches
+    try:
+        for batch in dataset.batch(_RECORD_BATCH):
+            yield from batch.numpy()
+            delivered += len(batch)
+    except tf.errors.DataLossError:
+        yield from (record.numpy() for record in dataset.skip(delivered))  # raises at the damaged record
+        raise
+
+
+class TFRecords:
+    """The samples of a TFRecord file of ``tf.train.Example`` records, one record per sample, each
+    input a float feature. A TFRecord file cannot be seeked: a slice is read by streaming past the
+    records before it, and consecutive slices continue one stream (a slice before the stream's position
+    starts it again)."""
+
+    def __init__(self, path: str, key: Key, shape: Shape):
+        self._path = path
+        self._features = _features(key, shape, path)
+        self._stream: Iterator[bytes] | None = None
+        self._next = 0  # index of the record the stream yields next
+
+    def read(self, start: int, stop: int) -> Samples:
+        records = self._records(start, stop)
+        parsed = {name: self._parse(records, start, feature, shape) for name, (feature, shape) in self._features.items()}
+        return parsed[None] if None in parsed else parsed
+
+    def _records(self, start: int, stop: int) -> list[bytes]:
+        import tensorflow as tf
+
+        if self._stream is None or self._next > start:
+            self._stream, self._next = _record_stream(self._path, start), start
+        records = []
+        try:
+            while self._next < stop:
+                record = next(self._stream)
+                if self._next >= start:
+                    records.append(record)
+                self._next += 1
+        except StopIteration:
+            self._stream = None
+            raise CorruptInputError(
+                f"{self._path}: truncated: records {self._next}..{stop} are past the end of the file",
+                reason="truncated: the record is past the end of the file",
+            ) from None
+        except tf.errors.OpError as err:  # a damaged record (DataLossError), a read error
+            self._stream = None
+            raise CorruptInputError(f"{self._path}: record {self._next}: {first_line(err)}", reason=f"corrupt: {first_line(err)}") from err
+        return records
+
+    def _parse(self, records: list[bytes], start: int, feature: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The float feature ``feature`` of ``records`` as ``(len(records), *shape)`` float32; a record
+        that does not hold exactly such a feature is a ``CorruptInputError`` naming it."""
+        import tensorflow as tf
+
+        size = int(np.prod(shape, dtype=np.int64))
+        try:
+            values = tf.io.parse_example(records, {feature: tf.io.RaggedFeature(tf.float32, row_splits_dtype=tf.int64)})[feature]
+        except tf.errors.InvalidArgumentError as err:  # not an Example, or the feature is not a float list
+            if len(records) > 1:  # which record
+                for offset, record in enumerate(records):
+                    self._parse([record], start + offset, feature, shape)
+            raise CorruptInputError(f"{self._path}: record {start}: {first_line(err)}", reason=first_line(err)) from err
+        lengths = values.row_lengths().numpy()
+        for offset in np.flatnonzero(lengths != size):
+            found = int(lengths[offset])
+            if found == 0 and feature not in tf.train.Example.FromString(records[offset]).features.feature:
+                reason = f"feature {feature!r} is missing"
+            else:
+                reason = f"feature {feature!r} holds {found} values; expected {size} (input.sample_shape {list(shape)})"
+            raise CorruptInputError(f"{self._path}: record {start + int(offset)}: {reason}", reason=reason)
+        return values.flat_values.numpy().reshape((len(records), *shape))
+
+
+def describe(path: str, key: Key, shape: Shape | None) -> tuple[int, Shape, str | dict[str, str]]:
+    """How many samples, their shape(s) (from ``input.sample_shape``) and dtype(s) (float32). Count the
+    records, streaming through the file. A damaged record ends what can be read (the records after it
+    cannot be located): it counts as the file's last sample, a bad one that the scan finds; a file
+    damaged from its first record is unreadable."""
+    import tensorflow as tf
+
+    features = _features(key, shape, path)
+    count = 0
+    try:
+        for _ in _record_stream(path):
+            count += 1
+    except tf.errors.DataLossError as err:
+        if count == 0:
+            raise CorruptInputError(f"{path}: not a valid TFRecord file: {first_line(err)}",
+                                    reason=f"corrupt: not a valid TFRecord file: {first_line(err)}") from err
+        count += 1
+    except tf.errors.OpError as err:  # cannot be opened: not found, permissions, an I/O error
+        raise CorruptInputError(f"{path}: cannot open: {first_line(err)}", reason=f"unreadable: {first_line(err)}") from err
+    shapes = {name: shape for name, (_, shape) in features.items()}
+    return (
+        count,
+        shapes[None] if None in shapes else shapes,
+        "float32" if None in shapes else {name: "float32" for name in shapes},
+    )

@@ -1,0 +1,292 @@
+"""Writing Jacobian records: batches in, complete HDF5 shards, ``manifest.json`` and ``jacobians.h5`` out.
+
+A planned job's batches (``ReadSamples`` -> ``ComputeJacobians``) know their shard: the writer streams
+them into the shard's temporary file as they come, in the same fused step, and commits the shard
+(rename) when its last row is written; nothing is grouped or held in memory. Beam never splits the
+outputs of one element's processing across bundles, so a shard's batches, which all come from one
+range element, arrive in one bundle.
+
+Batches of a user's pipeline carry their own integer ids and no shard: ``WriteShards`` groups them by
+``id // samples_per_shard`` first (a ``GroupByKey``, which holds one shard's records at a time), then
+writes the same way.
+
+Processing is idempotent: a failed attempt's temporary file is removed (or, if the process died, never
+counts and is removed by the next run), and only the rename makes a shard count, so a retried bundle
+leaves neither a half shard nor a duplicate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.metrics import Metrics
+
+from transforms import aggregates
+from transforms.aggregates import Aggregate
+from transforms.elements import JacobianBatch
+from transforms.errors import OutputError
+from transforms.finalize import Finalize
+from transforms.readers import SourceFile, shape_from_record, shape_record
+from transforms.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_file, shard_path
+from transforms.spec import EngineOptions, JobSpec, ModelSource, ShardRange, shard_inputs, version
+
+log = logging.getLogger(__name__)
+NAMESPACE = "jacobeam"
+AGGREGATES = "aggregates"  # the writer's output of per-shard partial sums
+
+
+@dataclasses.dataclass
+class _OpenShard:
+    writer: ShardWriter
+    files: contextlib.ExitStack
+    began: float  # perf_counter when the shard's first batch began computing
+    engine: dict[str, Any]  # what the engine ran, as the first batch reports it
+    worker: dict[str, int]
+    sums: aggregates.Partial | None = None
+
+
+class WriteShardFn(beam.DoFn):
+    """``JacobianBatch -> ShardRecord`` once the batch's shard has all its rows; the shard's partial
+    sums ``(shard position, Partial)`` to ``aggregates``."""
+
+    def __init__(self, spec: JobSpec):
+        self._spec = spec
+        self._written = Metrics.counter(NAMESPACE, "shards_written")
+
+    def setup(self) -> None:
+        self._positions = {shard.start: i for i, shard in enumerate(self._spec.stored_ranges())}
+        self._open: dict[int, _OpenShard] = {}
+
+    def start_bundle(self) -> None:
+        self._abort()  # what a failed bundle left open in this instance, before Beam retries it
+
+    def process(self, batch: JacobianBatch) -> Iterator[ShardRecord | beam.pvalue.TaggedOutput]:
+        shard = batch.shard
+        if shard is None:
+            raise OutputError("WriteShards: a batch without its shard; ids must be grouped into shards first")
+        state = self._open.get(shard.start) or self._begin(batch)
+        state.writer.write(int(batch.ids[0]), {**batch.datasets, "sample_id": batch.ids})
+        state.sums = aggregates.add(state.sums, batch.partial)
+        if state.writer.rows_written == shard.rows:
+            yield from self._commit(shard, state)
+
+    def finish_bundle(self) -> None:
+        if self._open:
+            names = sorted(state.writer.name for state in self._open.values())
+            self._abort()
+            raise OutputError(f"{', '.join(names)}: the bundle ended before every row of the shard arrived")
+
+    def teardown(self) -> None:
+        self._abort()
+
+    def _begin(self, batch: JacobianBatch) -> _OpenShard:
+        spec, shard, engine = self._spec, batch.shard, batch.engine or {}
+        fingerprint = engine.get("model_fingerprint")
+        if spec.model_fingerprint and fingerprint != spec.model_fingerprint:
+            raise OutputError(
+                f"model weights changed since the run was planned (fingerprint {spec.model_fingerprint[:16]}… "
+                f"then, {str(fingerprint)[:16]}… in worker {os.getpid()})"
+            )
+        input_shape = shape_record(spec.sample_shape)
+        attrs = {
+            # HDF5 attributes hold arrays, not mappings: several inputs' shapes are stored as JSON.
+            "input_shape": json.dumps(input_shape) if isinstance(input_shape, dict) else input_shape,
+            "output_shape": batch.datasets["output"].shape[1:],
+            "dtype": spec.engine.store_dtype,
+            "model_fingerprint": fingerprint or "",
+            "run_key": spec.run_key,
+            "jacobeam_version": version(),
+            "run_identity": json.dumps(spec.identity, sort_keys=True),
+            "inputs": json.dumps(shard_inputs(spec.files, shard.start, shard.stop)),
+        }
+        files = contextlib.ExitStack()
+        writer = files.enter_context(
+            ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression, rows=shard.rows)
+        )
+        began = time.perf_counter() - batch.seconds
+        state = self._open[shard.start] = _OpenShard(writer, files, began, engine, batch.worker or {})
+        return state
+
+    def _commit(self, shard: ShardRange, state: _OpenShard) -> Iterator[ShardRecord | beam.pvalue.TaggedOutput]:
+        if state.sums is not None:
+            state.writer.attach(aggregates.PARTIALS, state.sums)
+        with state.files:
+            checksum = state.writer.commit()
+        del self._open[shard.start]
+        self._written.inc()
+        seconds = time.perf_counter() - state.began
+        log.info("shard %s: %d samples in %.2fs", state.writer.name, shard.rows, seconds)
+        yield ShardRecord(
+            file=shard_file(shard.start, shard.stop),
+            start=shard.start,
+            stop=shard.stop,
+            sha256=checksum,
+            model_fingerprint=str(state.engine.get("model_fingerprint", "")),
+            computed=True,
+            seconds=seconds,
+            worker_pid=state.worker.get("pid", os.getpid()),
+            engine_builds=state.worker.get("engine_builds", 0),
+            engine=state.engine or None,
+            rows=shard.rows,
+            nonfinite=state.writer.nonfinite,
+        )
+        if state.sums is not None:
+            yield beam.pvalue.TaggedOutput(AGGREGATES, (self._positions[shard.start], state.sums))
+
+    def _abort(self) -> None:
+        for state in self._open.values():
+            state.files.close()  # closes and deletes the temporary file
+        self._open = {}
+
+
+class KeepShardFn(beam.DoFn):
+    """``(ShardRange, sha256)`` of a shard already complete on disk -> its ``ShardRecord`` (and its stored
+    partial sums to ``aggregates``), after checking that this run wrote it."""
+
+    def __init__(self, spec: JobSpec):
+        self._spec = spec
+        self._skipped = Metrics.counter(NAMESPACE, "shards_skipped")
+
+    def setup(self) -> None:
+        self._positions = {shard.start: i for i, shard in enumerate(self._spec.stored_ranges())}
+
+    def process(self, element: tuple[ShardRange, str]) -> Iterator[ShardRecord | beam.pvalue.TaggedOutput]:
+        shard, checksum = element
+        spec = self._spec
+        path = shard_path(spec.output_dir, shard.start, shard.stop)
+        attrs = read_attrs(path)
+        expected = {"run_key": spec.run_key}
+        if spec.model_fingerprint:
+            expected["model_fingerprint"] = spec.model_fingerprint
+        for name, value in expected.items():
+            if attrs.get(name) != value:
+                raise OutputError(
+                    f"{path}: complete shard from a different run ({name} {attrs.get(name)!r}, this run "
+                    f"{value!r}); use a new output.path or remove that folder"
+                )
+        self._skipped.inc()
+        yield existing_record(spec.output_dir, shard.start, shard.stop, str(attrs["model_fingerprint"]), None, checksum)
+        if spec.engine.aggregate:
+            yield beam.pvalue.TaggedOutput(AGGREGATES, (self._positions[shard.start], aggregates.read_partial(path)))
+
+
+def _split_by_shard(batch: JacobianBatch, samples_per_shard: int) -> Iterator[tuple[int, JacobianBatch]]:
+    """A user's batch as ``(shard index, the part of the batch in that shard)``."""
+    try:
+        ids = np.asarray(batch.ids, np.int64)
+    except (TypeError, ValueError):
+        ids = None
+    if ids is None or ids.shape != (len(batch),) or (len(ids) and ids.min() < 0):
+        raise OutputError(
+            f"WriteShards needs each sample keyed by its id, an integer >= 0 (found keys such as "
+            f"{list(batch.ids[:3])}); key the samples (id, sample) before ComputeJacobians"
+        )
+    index = ids // samples_per_shard
+    for shard in np.unique(index):
+        rows = np.flatnonzero(index == shard)
+        yield int(shard), dataclasses.replace(
+            batch,
+            ids=ids[rows],
+            datasets={name: values[rows] for name, values in batch.datasets.items()},
+            partial=None,  # per batch, not per shard: user pipelines take no aggregates
+        )
+
+
+def _join_shard(element: tuple[int, Sequence[JacobianBatch]], samples_per_shard: int) -> JacobianBatch:
+    """One shard's parts, in id order, as one batch with its ``ShardRange``: ids ``[first, last + 1)``
+    without a gap or a repeat."""
+    _, parts = element
+    parts = sorted(parts, key=lambda part: int(part.ids[0]))
+    ids = np.concatenate([part.ids for part in parts])
+    order = np.argsort(ids, kind="stable")
+    ids = ids[order]
+    start, stop = int(ids[0]), int(ids[-1]) + 1
+    if len(ids) != stop - start or (len(ids) > 1 and (np.diff(ids) != 1).any()):
+        repeated = ids[1:][np.diff(ids) == 0]
+        problem = f"id {int(repeated[0])} twice" if len(repeated) else "a gap in the ids"
+        raise OutputError(f"WriteShards: shard of ids {start}..{stop - 1} holds {problem}; ids must be 0..n-1, each once")
+    datasets = {name: np.concatenate([part.datasets[name] for part in parts])[order] for name in parts[0].datasets}
+    return dataclasses.replace(
+        parts[0], ids=ids, datasets=datasets, shard=ShardRange(start, stop), seconds=sum(p.seconds for p in parts)
+    )
+
+
+def pipeline_spec(
+    output_dir: str,
+    model: ModelSource,
+    input_shape: Sequence[int] | Mapping[str, Sequence[int]],
+    options: EngineOptions = EngineOptions(),
+    samples_per_shard: int = 4096,
+    compression: str = "none",
+) -> JobSpec:
+    """The ``JobSpec`` for writing a user's pipeline's records: no input files; the number of samples
+    is known when every shard is written (ids ``0..n-1``)."""
+    if options.aggregate:
+        raise ValueError(
+            "jacobian.aggregate is for planned jobs (jacobeam run); in a pipeline of your own, combine "
+            "the records with a CombineFn"
+        )
+    shape = shape_record(input_shape)  # a list, or {input name: list} for several inputs
+    identity = {"model": dataclasses.asdict(model), "input_shape": shape, "engine": repr(options)}
+    return JobSpec(
+        model=model,
+        files=(SourceFile(path="(pipeline)", key=None, num_samples=0, sample_shape=shape_from_record(shape), dtype=options.compute_dtype),),
+        output_dir=output_dir,
+        run_key=hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16],
+        engine=options,
+        samples_per_shard=samples_per_shard,
+        compression=compression,
+        config={"model": dataclasses.asdict(model), "pipeline": True},
+        started_at=time.time(),
+        identity=identity,
+        open_ended=True,
+    )
+
+
+class WriteShards(beam.PTransform):
+    """``PCollection[JacobianBatch] -> PCollection[manifest dict]``: shards, then ``aggregates.h5``,
+    ``rejected.jsonl``, ``jacobians.h5`` and, last, ``manifest.json`` in ``spec.output_dir``.
+
+    ``complete``: ``(ShardRange, sha256)`` of shards already on disk, kept (``ReadSamples``' output);
+    ``rejected``: the ``Rejected`` runs of samples left out. For a user's pipeline, ``spec`` is
+    ``pipeline_spec(...)`` and the batches' ids are the samples' ids ``0..n-1``.
+    """
+
+    def __init__(self, spec: JobSpec, complete=None, rejected=None):
+        super().__init__()
+        self._spec, self._complete, self._rejected = spec, complete, rejected
+
+    def expand(self, batches):
+        spec = self._spec
+        if spec.open_ended:
+            batches = (
+                batches
+                | "ByShard" >> beam.FlatMap(_split_by_shard, spec.samples_per_shard)
+                | "GroupShards" >> beam.GroupByKey()
+                | "JoinShards" >> beam.Map(_join_shard, spec.samples_per_shard)
+            )
+        written = batches | "Write" >> beam.ParDo(WriteShardFn(spec)).with_outputs(AGGREGATES, main="records")
+        records, partials = [written.records], [written[AGGREGATES]]
+        if self._complete is not None:
+            kept = self._complete | "Keep" >> beam.ParDo(KeepShardFn(spec)).with_outputs(AGGREGATES, main="records")
+            records.append(kept.records)
+            partials.append(kept[AGGREGATES])
+        summary = None
+        if spec.engine.aggregate:
+            summary = tuple(partials) | "AllPartials" >> beam.Flatten() | "Aggregate" >> Aggregate(spec)
+        return (
+            tuple(records)
+            | "AllRecords" >> beam.Flatten()
+            | "Finalize" >> Finalize(spec, summary, self._rejected)
+        )
+
