@@ -49,7 +49,6 @@ def test_forward_and_reverse_agree_and_auto_picks_by_size():
     assert _engine(test_models.upsampler(), mode="auto", check_batch_independence=True).describe()["mode"] != "forward"
 
 
-
 @pytest.mark.parametrize("mode", ["reverse", "forward"])
 def test_float64_compute_matches_float64_finite_differences(mode):
     model = test_models.small_mlp()
