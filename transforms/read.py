@@ -1,16 +1,15 @@
 """Reading a planned job's samples: shard ranges in, batches of samples out.
 
 Each range is one unit of work: Beam spreads the ranges over the workers (``Reshuffle``), and each
-worker streams a range's samples in batches (file slices, rebatched across file boundaries, read
-ahead on a thread so that reading overlaps the computing downstream: ``transforms.batches``). A
-range whose shard is already complete on disk is not read: it goes to the ``complete`` output, and
-``WriteShards`` keeps its shard. Samples that the plan rejected (``input.on_bad_sample: skip``) are
-never read; they go to the dead-letter output ``rejected``.
+worker streams a range's samples through ``tf.data`` (file slices, rebatched across file boundaries,
+prefetched so that reading overlaps the computing downstream). A range whose shard is already complete
+on disk is not read: it goes to the ``complete`` output, and ``WriteShards`` keeps its shard. Samples
+that the plan rejected (``input.on_bad_sample: skip``) are never read; they go to the dead-letter
+output ``rejected``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 
 import apache_beam as beam
@@ -18,8 +17,7 @@ import numpy as np
 
 from transforms.elements import SampleBatch
 from transforms.errors import InputError
-from transforms.batches import prefetch, rebatch
-from transforms.readers import Samples, as_dtype, iter_slices, nonfinite_rows
+from transforms.readers import Samples, as_dtype, iter_slices, nonfinite_rows, tensor_spec
 from transforms.shards import proven_checksum, shard_path
 from transforms.spec import JobSpec, ShardRange
 
@@ -42,25 +40,33 @@ class ReadShardFn(beam.DoFn):
         if checksum is not None:
             yield beam.pvalue.TaggedOutput(COMPLETE, (shard, checksum))
             return
-        with contextlib.closing(self._batches(shard)) as batches:  # stops the reading thread on a failure
-            for ids, inputs, labels in batches:
-                yield SampleBatch(ids=ids, inputs=inputs, labels=labels, shard=shard)
+        for ids, inputs, labels in self._batches(shard):
+            inputs = {k: v.numpy() for k, v in inputs.items()} if isinstance(inputs, dict) else inputs.numpy()
+            yield SampleBatch(ids=ids.numpy(), inputs=inputs, labels=labels.numpy(), shard=shard)
 
-    def _batches(self, shard: ShardRange) -> Iterator[tuple[np.ndarray, Samples, np.ndarray]]:
-        """``(ids (b,), samples (b, *sample_shape) or a dict of them by input name, labels (b,))`` over
-        the range's kept samples, read one batch ahead on a thread; only the last batch can be short."""
+    def _batches(self, shard: ShardRange):
+        """tf.data over the range's kept samples; only the range's last batch can be short."""
+        import tensorflow as tf
+
         spec, dtype = self._spec, self._spec.engine.compute_dtype
         label_key = spec.label_key if spec.engine.outputs.rule == "label" else None
         batch_size = spec.engine.batch_size
 
-        def slices() -> Iterator[tuple[np.ndarray, Samples, np.ndarray]]:
+        def slices():
             for lo, hi in shard.kept():
                 for ids, samples, labels in iter_slices(spec.files, lo, hi, batch_size, label_key):
                     _check_finite(spec, ids, samples)
                     labels = np.zeros(len(ids)) if labels is None else labels.astype(np.float64)
                     yield ids, as_dtype(samples, dtype), labels
 
-        return prefetch(rebatch(slices(), batch_size))
+        # Samples are one tensor, or a dict of tensors by input name (a model with several inputs).
+        signature = (
+            tf.TensorSpec((None,), tf.int64),
+            tensor_spec(spec.sample_shape, dtype),
+            tf.TensorSpec((None,), tf.float64),
+        )
+        dataset = tf.data.Dataset.from_generator(slices, output_signature=signature)
+        return dataset.rebatch(batch_size).prefetch(2)
 
 
 def _check_finite(spec: JobSpec, ids: np.ndarray, samples: Samples) -> None:

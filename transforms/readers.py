@@ -253,6 +253,15 @@ def shape_from_record(record: list[int] | dict[str, list[int]]) -> Shape:
     return tuple(record)
 
 
+def tensor_spec(shape: Shape, dtype: str):
+    """The ``tf.TensorSpec`` of batches of such samples (a dict of specs for several inputs)."""
+    import tensorflow as tf
+
+    if isinstance(shape, Mapping):
+        return {name: tf.TensorSpec((None, *dims), dtype) for name, dims in shape.items()}
+    return tf.TensorSpec((None, *shape), dtype)
+
+
 def manifest_sources(manifest: Mapping[str, Any]) -> list[SourceFile]:
     """The input files a manifest lists, as ``SourceFile``s to read samples from again."""
     shape = shape_from_record(manifest["input_shape"])
