@@ -66,7 +66,14 @@ class ReadShardFn(beam.DoFn):
             tf.TensorSpec((None,), tf.float64),
         )
         dataset = tf.data.Dataset.from_generator(slices, output_signature=signature)
-        return dataset.rebatch(batch_size).prefetch(2)
+        # tf.data's default thread pool and autotuning compete with the engine's threads for the cores:
+        # one private thread for reading took W1 end to end (20,480 samples, 2 cores) from about 2,200 to
+        # 2,850 samples/s, level with a plain Python read-ahead thread.
+        options = tf.data.Options()
+        options.threading.private_threadpool_size = 1
+        options.threading.max_intra_op_parallelism = 1
+        options.autotune.enabled = False
+        return dataset.rebatch(batch_size).prefetch(2).with_options(options)
 
 
 def _check_finite(spec: JobSpec, ids: np.ndarray, samples: Samples) -> None:
