@@ -48,3 +48,23 @@ def test_suite_rows_run_and_agree_with_the_status_quo():
         assert row["samples_per_second"] > 0 and row["peak_rss_mb"] > 0
         assert row["max_rel_error"] <= WRONG, (row["id"], row["max_rel_error"])
     assert next(row for row in rows if row["id"] == "engine")["vs_engine"] == 1.0
+
+
+def test_side_by_side_rows_agree_and_are_ratios_to_the_first():
+    from benchmarks import sidebyside
+
+    rows = sidebyside.in_memory(WORKLOADS["mlp"], ["engine", "tf_batch_jacobian"], samples=256, repeats=1)
+
+    assert [row["row"] for row in rows] == ["engine", "tf_batch_jacobian"]
+    assert rows[0]["ratio"] == 1.0 and rows[0]["max_rel_error"] == 0.0
+    assert rows[1]["max_rel_error"] <= WRONG and rows[1]["samples_per_second"] > 0
+
+
+@pytest.mark.slow
+def test_side_by_side_end_to_end_runs_the_pipeline_against_the_engine():
+    from benchmarks import sidebyside
+
+    rows = sidebyside.end_to_end(WORKLOADS["mlp"], samples=300, repeats=1)
+
+    assert {row["row"]: row["ratio"] for row in rows}["engine in memory"] == 1.0
+    assert all(row["samples_per_second"] > 0 for row in rows)
