@@ -188,6 +188,11 @@ class JobSpec:
         """The ranges that have a shard: all but those whose samples were all rejected."""
         return [r for r in self.ranges() if r.rows]
 
+    def shard_positions(self) -> dict[int, int]:
+        """Each stored shard's place among the stored shards, by its first id: its leaf in the
+        aggregates tree."""
+        return {shard.start: i for i, shard in enumerate(self.stored_ranges())}
+
     def rejected(self) -> list[Rejected]:
         """Every rejected sample run (and unreadable file) of the plan."""
         return [*self.file_rejects, *(r for shard in self.ranges() for r in shard.rejected)]

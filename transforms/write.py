@@ -64,7 +64,7 @@ class WriteShardFn(beam.DoFn):
         self._written = Metrics.counter(NAMESPACE, "shards_written")
 
     def setup(self) -> None:
-        self._positions = {shard.start: i for i, shard in enumerate(self._spec.stored_ranges())}
+        self._positions = self._spec.shard_positions()
         self._open: dict[int, _OpenShard] = {}
 
     def start_bundle(self) -> None:
@@ -158,7 +158,7 @@ class KeepShardFn(beam.DoFn):
         self._skipped = Metrics.counter(NAMESPACE, "shards_skipped")
 
     def setup(self) -> None:
-        self._positions = {shard.start: i for i, shard in enumerate(self._spec.stored_ranges())}
+        self._positions = self._spec.shard_positions()
 
     def process(self, element: tuple[ShardRange, str]) -> Iterator[ShardRecord | beam.pvalue.TaggedOutput]:
         shard, checksum = element
