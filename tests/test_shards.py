@@ -84,7 +84,7 @@ def test_a_caller_that_fails_mid_shard_stops_the_writer_and_leaves_nothing(tmp_p
             writer.write(*batches[0])
             raise RuntimeError("engine failed")
     assert _leftovers(tmp_path) == []
-    assert not any(t.name.startswith("write shard-") for t in threading.enumerate())
+    assert not any(t.name.startswith("write shard-") for t in threading.enumerate()), [t.name for t in threading.enumerate()]
 
 
 def test_commit_refuses_a_shard_with_missing_rows(tmp_path, rng):
@@ -138,3 +138,41 @@ def test_the_writer_thread_is_scheduled_as_a_batch_thread(tmp_path, rng, monkeyp
         writer.commit()
     assert seen == [os.SCHED_BATCH, os.SCHED_BATCH]
     assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER  # the caller's is unchanged
+
+
+def test_a_later_commit_returns_at_once_and_its_future_gives_the_checksum(tmp_path, rng, monkeypatch):
+    """``commit_later`` queues the commit behind the writes: the caller goes on while the shard is
+    checksummed, flushed and renamed; the shard exists under its name only once the future is done."""
+    batches, jacobian, _ = _batches(rng)
+    release = threading.Event()
+    finish = ShardWriter._finish
+    monkeypatch.setattr(ShardWriter, "_finish", lambda self: (release.wait(), finish(self)))
+    with ShardWriter(str(tmp_path), 0, 40, {}) as writer:
+        for first, arrays in batches:
+            writer.write(first, arrays)
+        future = writer.commit_later()
+        assert not future.done() and not os.path.exists(writer.final_path)
+        with pytest.raises(OutputError, match="already committed"):
+            writer.attach("late", {"sum": np.ones(3)})
+        release.set()
+        checksum = future.result(timeout=30)
+    assert checksum == sha256_file(writer.final_path)
+    assert _leftovers(tmp_path) == ["shard-000000000000-000000000040.h5"]
+    with h5py.File(writer.final_path) as shard:
+        np.testing.assert_array_equal(shard["jacobian"][:], jacobian)
+
+
+def test_a_later_commit_that_fails_gives_its_error_through_the_future_and_leaves_nothing(tmp_path, rng, monkeypatch):
+    batches, _, _ = _batches(rng)
+
+    def no_disk(path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("transforms.shards.durable", no_disk)
+    with ShardWriter(str(tmp_path), 0, 40, {}) as writer:
+        for first, arrays in batches:
+            writer.write(first, arrays)
+        future = writer.commit_later()
+        with pytest.raises(OutputError, match=r"shard-000000000000-000000000040\.h5: writing the shard failed: .*No space left"):
+            future.result(timeout=30)
+    assert _leftovers(tmp_path) == []

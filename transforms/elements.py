@@ -44,7 +44,8 @@ class JacobianBatch:
 
     ``partial`` holds the batch's float64 partial sums for ``jacobian.aggregate``; ``seconds`` the
     compute time; ``engine`` what the engine ran (``JacobianEngine.describe()``) and ``worker`` the
-    process (``pid``, ``engine_builds``), for the manifest.
+    process (``pid``, ``engine_builds``), for the manifest. The arrays may be read-only views of the
+    engine's result buffers (copy one to change it in place).
     """
 
     ids: np.ndarray

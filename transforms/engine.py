@@ -493,7 +493,7 @@ class JacobianEngine:
                     except tf.errors.ResourceExhaustedError:
                         self._shrink(plan, k)
                         continue
-                    block = block.numpy()[: hi - lo]
+                    block = np.asarray(block)[: hi - lo]  # read-only, no copy (.numpy() copies)
                     if hi - lo == n and rows == extent:
                         blocks[k] = block
                     else:
@@ -503,9 +503,9 @@ class JacobianEngine:
                         else:
                             target[lo:hi, first : first + rows] = block
                     if output is None:
-                        output = y.numpy()[:n]  # one sub-batch: every block returns the same outputs
+                        output = np.asarray(y)[:n]  # one sub-batch: every block returns the same outputs
                     elif hi - lo < n:
-                        output[lo:hi] = y.numpy()[: hi - lo]
+                        output[lo:hi] = np.asarray(y)[: hi - lo]
                     start = first + rows
         if forward and index is not None:
             blocks = {k: np.take_along_axis(block, index[:, :, None], axis=1) for k, block in blocks.items()}
@@ -532,7 +532,8 @@ class JacobianEngine:
         """The datasets to store for a batch, and (where the full Jacobian was computed) the
         Jacobians ``(n, rows, d)`` in store dtype that aggregates are taken over.
 
-        ``labels`` ``(n,)`` are each sample's target output for ``outputs: label``.
+        ``labels`` ``(n,)`` are each sample's target output for ``outputs: label``. Arrays may be
+        read-only (views of TensorFlow's result buffers, not copies).
         """
         xs = [x[name] for name in self.input_names] if isinstance(x, Mapping) else [x]
         xs = [np.asarray(part, self.options.compute_dtype) for part in xs]

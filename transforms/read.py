@@ -41,8 +41,9 @@ class ReadShardFn(beam.DoFn):
             yield beam.pvalue.TaggedOutput(COMPLETE, (shard, checksum))
             return
         for ids, inputs, labels in self._batches(shard):
-            inputs = {k: v.numpy() for k, v in inputs.items()} if isinstance(inputs, dict) else inputs.numpy()
-            yield SampleBatch(ids=ids.numpy(), inputs=inputs, labels=labels.numpy(), shard=shard)
+            # np.asarray: read-only views of the tensors' buffers, where .numpy() would copy them.
+            inputs = {k: np.asarray(v) for k, v in inputs.items()} if isinstance(inputs, dict) else np.asarray(inputs)
+            yield SampleBatch(ids=np.asarray(ids), inputs=inputs, labels=np.asarray(labels), shard=shard)
 
     def _batches(self, shard: ShardRange):
         """tf.data over the range's kept samples; only the range's last batch can be short."""

@@ -15,11 +15,13 @@ Besides the engine's arrays, every shard holds a ``nonfinite`` mask over its row
 sample's results (Jacobian, output, ...) hold NaN or Inf although its input was finite.
 
 The rows reach the file on a background thread (``ShardWriter``), so that writing one batch overlaps
-computing the next; the caller sees a failed write at its next call, and never a half shard.
+computing the next, and so can the commit (checksum, flush to disk, rename: ``commit_later``); the
+caller sees a failed write at its next call or in the commit's future, and never a half shard.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -216,6 +218,8 @@ class ShardWriter:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._cancelled = False
+        self._committed: concurrent.futures.Future[str] | None = None  # set by commit_later
+        self._checksum: str | None = None
 
     def __enter__(self) -> ShardWriter:
         import h5py
@@ -247,7 +251,8 @@ class ShardWriter:
 
     def _run(self) -> None:
         """Do the queued jobs in order until the ``None`` that ends them; after a failure (or once the
-        shard is abandoned) only take jobs off the queue, so that the caller never waits forever."""
+        shard is abandoned) only take jobs off the queue, so that the caller never waits forever. Then
+        settle the commit's future, if a commit was queued."""
         _lower_priority()
         while (job := self._jobs.get()) is not None:
             if self._failure is None and not self._cancelled:
@@ -255,21 +260,36 @@ class ShardWriter:
                     job()
                 except BaseException as err:  # handed to the caller's thread, which raises it
                     self._failure = err
+        if self._committed is not None:
+            if self._failure is not None:
+                self._committed.set_exception(self._error())
+            elif self._checksum is None:
+                self._committed.set_exception(OutputError(f"{self.name}: abandoned before its commit"))
+            else:
+                self._committed.set_result(self._checksum)
 
     def _submit(self, job: Callable[[], None]) -> None:
         self._raise_failure()
+        if self._committed is not None:
+            raise OutputError(f"{self.name}: already committed")
         self._jobs.put(job)
 
     def _drain(self) -> None:
         """Wait until every queued job is done and the thread has ended."""
         if self._thread is not None:
-            self._jobs.put(None)
+            if self._committed is None:  # a queued commit already ended the queue
+                self._jobs.put(None)
             self._thread.join()
             self._thread = None
 
+    def _error(self) -> OutputError:
+        error = OutputError(f"{self.name}: writing the shard failed: {self._failure}")
+        error.__cause__ = self._failure
+        return error
+
     def _raise_failure(self) -> None:
         if self._failure is not None:
-            raise OutputError(f"{self.name}: writing the shard failed: {self._failure}") from self._failure
+            raise self._error()
 
     # -- writing ------------------------------------------------------------------------------------
 
@@ -347,10 +367,24 @@ class ShardWriter:
     def commit(self) -> str:
         """Wait for the queued writes; close, checksum and rename into place; returns the sha256 of the
         complete shard."""
-        self._drain()
+        return self.commit_later().result()
+
+    def commit_later(self) -> concurrent.futures.Future[str]:
+        """Queue the commit (close, checksum, flush, rename) behind the queued writes and return at once:
+        the future gives the sha256 of the complete shard, or raises an ``OutputError`` naming it. Once
+        the writer's thread has done it, the shard is complete on disk; nothing more may be written."""
         self._raise_failure()
+        if self._committed is not None:
+            raise OutputError(f"{self.name}: already committed")
         if self._queued != self.rows:
             raise OutputError(f"{self.name}: {self._queued} rows written, {self.rows} planned")
+        self._committed = concurrent.futures.Future()
+        self._jobs.put(self._finish)
+        self._jobs.put(None)  # the commit is the thread's last job
+        return self._committed
+
+    def _finish(self) -> None:
+        """The commit, on the writer's thread: in the file before the rename makes it count."""
         self._h5.attrs.update(num_rows=self.rows, nonfinite_count=self.nonfinite)
         self._h5.close()
         self._h5 = None
@@ -367,4 +401,4 @@ class ShardWriter:
             os.replace(self.temp_path, self.final_path)
             durable(os.path.dirname(self.final_path))
         faults.reached("shard_done")
-        return checksum
+        self._checksum = checksum

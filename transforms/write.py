@@ -17,6 +17,7 @@ leaves neither a half shard nor a duplicate.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -30,6 +31,8 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 from apache_beam.metrics import Metrics
+from apache_beam.pvalue import TaggedOutput
+from apache_beam.utils.windowed_value import WindowedValue
 
 from transforms import aggregates
 from transforms.aggregates import Aggregate
@@ -55,9 +58,21 @@ class _OpenShard:
     sums: aggregates.Partial | None = None
 
 
+@dataclasses.dataclass
+class _Committing:
+    shard: ShardRange
+    state: _OpenShard
+    checksum: concurrent.futures.Future[str]
+    element: WindowedValue  # the batch that completed the shard: its record goes to the same window
+
 class WriteShardFn(beam.DoFn):
-    """``JacobianBatch -> ShardRecord`` once the batch's shard has all its rows; the shard's partial
-    sums ``(shard position, Partial)`` to ``aggregates``."""
+    """``JacobianBatch -> ShardRecord`` once the batch's shard has all its rows and is committed; the
+    shard's partial sums ``(shard position, Partial)`` to ``aggregates``.
+
+    A complete shard's commit (checksum, flush to disk, rename) runs on its writer's thread while the
+    next shard computes; its record follows at a later batch or at the end of the bundle, in the window
+    of the batch that completed the shard. At most one commit is in flight: the next waits for it.
+    """
 
     def __init__(self, spec: JobSpec):
         self._spec = spec
@@ -66,25 +81,37 @@ class WriteShardFn(beam.DoFn):
     def setup(self) -> None:
         self._positions = self._spec.shard_positions()
         self._open: dict[int, _OpenShard] = {}
+        self._committing: list[_Committing] = []
 
     def start_bundle(self) -> None:
         self._abort()  # what a failed bundle left open in this instance, before Beam retries it
 
-    def process(self, batch: JacobianBatch) -> Iterator[ShardRecord | beam.pvalue.TaggedOutput]:
+    def process(self, batch: JacobianBatch, element=beam.DoFn.WindowedValueParam) -> Iterator[WindowedValue | TaggedOutput]:
         shard = batch.shard
         if shard is None:
             raise OutputError("WriteShards: a batch without its shard; ids must be grouped into shards first")
-        state = self._open.get(shard.start) or self._begin(batch)
-        state.writer.write(int(batch.ids[0]), {**batch.datasets, "sample_id": batch.ids})
-        state.sums = aggregates.add(state.sums, batch.partial)
-        if state.writer.rows_written == shard.rows:
-            yield from self._commit(shard, state)
+        try:
+            state = self._open.get(shard.start) or self._begin(batch)
+            state.writer.write(int(batch.ids[0]), {**batch.datasets, "sample_id": batch.ids})
+            state.sums = aggregates.add(state.sums, batch.partial)
+            if state.writer.rows_written == shard.rows:
+                yield from self._committed(wait=True)
+                if state.sums is not None:
+                    state.writer.attach(aggregates.PARTIALS, state.sums)
+                self._committing.append(_Committing(shard, state, state.writer.commit_later(), element))
+                del self._open[shard.start]
+            else:
+                yield from self._committed(wait=False)
+        except BaseException:
+            self._abort()  # a failed bundle leaves no writer open (Beam may never tear this instance down)
+            raise
 
-    def finish_bundle(self) -> None:
+    def finish_bundle(self) -> list[WindowedValue | TaggedOutput]:
         if self._open:
             names = sorted(state.writer.name for state in self._open.values())
             self._abort()
             raise OutputError(f"{', '.join(names)}: the bundle ended before every row of the shard arrived")
+        return list(self._committed(wait=True))
 
     def teardown(self) -> None:
         self._abort()
@@ -117,16 +144,21 @@ class WriteShardFn(beam.DoFn):
         state = self._open[shard.start] = _OpenShard(writer, files, began, engine, batch.worker or {})
         return state
 
-    def _commit(self, shard: ShardRange, state: _OpenShard) -> Iterator[ShardRecord | beam.pvalue.TaggedOutput]:
-        if state.sums is not None:
-            state.writer.attach(aggregates.PARTIALS, state.sums)
-        with state.files:
-            checksum = state.writer.commit()
-        del self._open[shard.start]
+    def _committed(self, wait: bool) -> Iterator[WindowedValue | TaggedOutput]:
+        """The records of the commits that are done (with ``wait``: of all of them, waiting), in order;
+        a failed commit raises here."""
+        while self._committing and (wait or self._committing[0].checksum.done()):
+            done = self._committing.pop(0)
+            with done.state.files:  # closes the writer; after a failed commit, deletes its temporary file
+                checksum = done.checksum.result()
+            yield from self._records(done, checksum)
+
+    def _records(self, done: _Committing, checksum: str) -> Iterator[WindowedValue | TaggedOutput]:
+        shard, state = done.shard, done.state
         self._written.inc()
         seconds = time.perf_counter() - state.began
         log.info("shard %s: %d samples in %.2fs", state.writer.name, shard.rows, seconds)
-        yield ShardRecord(
+        record = ShardRecord(
             file=shard_file(shard.start, shard.stop),
             start=shard.start,
             stop=shard.stop,
@@ -140,13 +172,19 @@ class WriteShardFn(beam.DoFn):
             rows=shard.rows,
             nonfinite=state.writer.nonfinite,
         )
+        yield done.element.with_value(record)
         if state.sums is not None:
-            yield beam.pvalue.TaggedOutput(AGGREGATES, (self._positions[shard.start], state.sums))
+            yield TaggedOutput(AGGREGATES, done.element.with_value((self._positions[shard.start], state.sums)))
 
     def _abort(self) -> None:
+        """Close what is open or committing (a temporary file is deleted; a commit in flight finishes,
+        leaving a complete shard that no record names yet: a retry or rerun writes it again)."""
+        for done in self._committing:
+            with contextlib.suppress(Exception), done.state.files:
+                done.checksum.exception()
         for state in self._open.values():
             state.files.close()  # closes and deletes the temporary file
-        self._open = {}
+        self._open, self._committing = {}, []
 
 
 class KeepShardFn(beam.DoFn):
@@ -160,7 +198,7 @@ class KeepShardFn(beam.DoFn):
     def setup(self) -> None:
         self._positions = self._spec.shard_positions()
 
-    def process(self, element: tuple[ShardRange, str]) -> Iterator[ShardRecord | beam.pvalue.TaggedOutput]:
+    def process(self, element: tuple[ShardRange, str]) -> Iterator[ShardRecord | TaggedOutput]:
         shard, checksum = element
         spec = self._spec
         path = shard_path(spec.output_dir, shard.start, shard.stop)
@@ -177,7 +215,7 @@ class KeepShardFn(beam.DoFn):
         self._skipped.inc()
         yield existing_record(spec.output_dir, shard.start, shard.stop, str(attrs["model_fingerprint"]), None, checksum)
         if spec.engine.aggregate:
-            yield beam.pvalue.TaggedOutput(AGGREGATES, (self._positions[shard.start], aggregates.read_partial(path)))
+            yield TaggedOutput(AGGREGATES, (self._positions[shard.start], aggregates.read_partial(path)))
 
 
 def _split_by_shard(batch: JacobianBatch, samples_per_shard: int) -> Iterator[tuple[int, JacobianBatch]]:
