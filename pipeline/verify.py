@@ -8,8 +8,10 @@
 3. ``K`` randomly chosen stored samples (seeded: ``--seed``) are recomputed from their input rows with
    methods independent of the engine's batched ``batch_jacobian``:
 
-   - a per-sample ``tf.GradientTape().jacobian`` of the float32 model. Both are float32 computations of
-     the same derivative, differing only in the order of operations: tolerance ``TAPE_RTOL``;
+   - a per-sample ``tf.GradientTape().jacobian`` of the float32 model (where the engine ran in forward
+     mode: one forward-mode JVP per input entry, in a plain loop, so that non-finite entries fall where
+     the run's do). Both are float32 computations of the same derivative, differing only in the order
+     of operations: tolerance ``TAPE_RTOL``;
    - central finite differences of a float64 twin of the model (a Keras model cloned with float64
      layers and its weights cast: ``LoadedModel.with_dtype``), for inputs of at most
      ``FD_MAX_ELEMENTS`` elements. The float32 Jacobian carries float32 rounding of a deep computation,
@@ -221,17 +223,41 @@ def float64_twin(loaded) -> tuple[Any, str | None]:
     return (lambda xs: np.asarray(twin.call([tf.constant(x, tf.float64) for x in xs]), np.float64)), None
 
 
-def _tape_function(call, shapes: list[tuple[int, ...]]):
-    """``(x_1, ..., x_k) -> (y, [dy/dx_1, ..., dy/dx_k])`` for one sample of each model input."""
+def _tape_function(call, shapes: list[tuple[int, ...]], forward: bool = False):
+    """``(x_1, ..., x_k) -> (y, [dy/dx_1, ..., dy/dx_k])`` for one sample of each model input, each
+    ``(1, *out, 1, *in)``: the full Jacobian, no batch assumption.
+
+    Reverse mode (``tape.jacobian``) by default. ``forward``: one forward-mode JVP per input entry, in a
+    sequential loop (no vectorisation), for runs whose engine used forward mode. Where the model is not
+    differentiable (``sqrt`` at 0), the two modes put NaN and inf in different places, and the reference
+    must fail where the run did.
+    """
     import tensorflow as tf
+
+    def jvp_columns(xs: list, k: int, y):
+        shape = shapes[k]
+        size = int(np.prod(shape, dtype=np.int64))
+
+        def column(i):
+            tangent = tf.reshape(tf.one_hot(i, size, dtype=tf.float32), (1, *shape))
+            with tf.autodiff.ForwardAccumulator(xs[k], tangent) as accumulator:
+                out = tf.cast(call(xs), tf.float32)
+            jvp = accumulator.jvp(out, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            return tf.reshape(jvp, [-1])
+
+        columns = tf.map_fn(column, tf.range(size), fn_output_signature=tf.float32, parallel_iterations=1)
+        return tf.reshape(tf.transpose(columns), tf.concat([tf.shape(y), [1], shape], 0))
 
     @tf.function(input_signature=[tf.TensorSpec((1, *shape), tf.float32) for shape in shapes])
     def one(*xs):
+        if forward:
+            y = tf.cast(call(list(xs)), tf.float32)
+            return y, [jvp_columns(list(xs), k, y) for k in range(len(xs))]
         with tf.GradientTape() as tape:
             for x in xs:
                 tape.watch(x)
             y = tf.cast(call(list(xs)), tf.float32)
-        return y, tape.jacobian(y, list(xs))  # (1, *out, 1, *in) each: the full Jacobian, no batch assumption
+        return y, tape.jacobian(y, list(xs))
 
     return one
 
@@ -327,7 +353,7 @@ def _recompute(
     # Values stored in float16/bfloat16 carry its rounding: the tolerances grow to cover it.
     eps = {"float16": 2 * 2.0**-10, "bfloat16": 2 * 2.0**-7}.get(store.name, 0.0)  # twice the unit roundoff
     tolerances = {"output": max(OUTPUT_RTOL, eps), "tape": max(TAPE_RTOL, eps), "finite_differences": max(FD_RTOL, eps)}
-    one = _tape_function(loaded.call, shapes)
+    one = _tape_function(loaded.call, shapes, forward=(manifest.get("engine") or {}).get("mode") == "forward")
     size = sum(int(np.prod(shape)) for shape in shapes)
     twin, why_not = (None, f"inputs have {size} elements, more than {FD_MAX_ELEMENTS}") if size > FD_MAX_ELEMENTS else float64_twin(loaded)
     errors: dict[str, list[float]] = {"output": [], "tape": [], "finite_differences": []}

@@ -196,7 +196,10 @@ def _nan_jacobian_model():
     return keras.Model(inputs, outputs)
 
 
-def test_nonfinite_jacobians_from_finite_inputs_are_flagged_and_counted(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_nonfinite_jacobians_from_finite_inputs_are_flagged_and_counted(tmp_path, monkeypatch, mode):
+    """Verify recomputes in the run's own mode: at sqrt(0) reverse mode puts NaN in other places of
+    the Jacobian than forward mode does, and the reference must fail where the run did."""
     monkeypatch.setattr(test_models, "nan_jacobian_model", _nan_jacobian_model, raising=False)
     data = tmp_path / "data"
     data.mkdir()
@@ -208,11 +211,12 @@ def test_nonfinite_jacobians_from_finite_inputs_are_flagged_and_counted(tmp_path
         {
             "model": {"factory": "tests.models:nan_jacobian_model"},
             "input": {"paths": [str(data / "*.npy")]},
-            "jacobian": {"batch_size": 4},
+            "jacobian": {"batch_size": 4, "mode": mode},
             "output": {"path": str(tmp_path / "out"), "samples_per_shard": 6},
         }
     )
     manifest = runner.run(cfg, [], show_progress=False).manifest
+    assert manifest["engine"]["mode"] == mode
     assert manifest["nonfinite"]["count"] == 2
     assert [s["nonfinite"] for s in manifest["shards"]] == [1, 1]
     with h5py.File(tmp_path / "out" / "jacobians.h5") as view:
@@ -221,6 +225,11 @@ def test_nonfinite_jacobians_from_finite_inputs_are_flagged_and_counted(tmp_path
         jac = view["jacobian"][:]
         assert np.isfinite(jac[~mask]).all() and not np.isfinite(jac[mask]).all()
         np.testing.assert_allclose(jac[0], np.diag(np.full(4, 5 / (2 * np.sqrt(6)))), rtol=1e-6)
+        # At x_1 = 0, sqrt's derivative is infinite: reverse mode gets NaN at (1, 1) alone, forward mode
+        # NaN or inf along row 1 (each column's JVP multiplies the infinity by 0 or 1).
+        expected = np.zeros((4, 4), bool)
+        expected[1, 1 if mode == "reverse" else slice(None)] = True
+        np.testing.assert_array_equal(~np.isfinite(jac[3]), expected)
     assert manifest["rejected"]["count"] == 0  # the inputs were fine: flagged, not rejected
     report = verify(tmp_path / "out", samples=10)
     assert report.ok, report.problems

@@ -363,7 +363,7 @@ class JacobianEngine:
             return [mode], f"mode {mode} (configured)"
         inputs = sum(self._size(k) for k in self._wrt)
         rows = self._extent("reverse", 0)
-        by_size = "forward" if inputs < rows else "reverse"
+        by_size = "forward" if inputs <= rows else "reverse"
         reason = f"{inputs} input entries vs {rows} output rows"
         if mode == "auto":
             return [by_size], f"mode auto: {by_size} ({reason})"
