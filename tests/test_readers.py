@@ -5,6 +5,7 @@ import io
 import h5py
 import numpy as np
 import pytest
+from apache_beam.pvalue import TaggedOutput
 
 from transforms import storage
 from transforms.errors import InputError
@@ -109,3 +110,75 @@ def test_truncated_npy_is_an_error_naming_the_rows(tmp_path, rng):
     with open_rows(str(path), None) as rows:
         with pytest.raises(InputError, match=r"t.npy: truncated: rows 5..10"):
             rows.read(5, 10)
+
+
+# --- ReadShardFn: TensorFlow's own reader for local .npy files, and the Python slices it stands in for ---
+
+
+def _read_all(spec, shard):
+    from transforms.read import ReadShardFn
+
+    batches = [b for b in ReadShardFn(spec).process(shard) if not isinstance(b, TaggedOutput)]  # not rejected runs
+    return [(b.ids, b.inputs, b.labels) for b in batches]
+
+
+def test_native_npy_batches_equal_the_python_slices_across_files_and_rejected_rows(tmp_path, rng, monkeypatch):
+    """Shards that start mid-file, span three files (one float64), skip rejected rows and end on a short
+    batch: both readers give the same batches of the same ids and values."""
+    from pipeline import config, plan
+    from transforms import read
+
+    data = tmp_path / "data"
+    data.mkdir()
+    arrays = [rng.normal(size=(n, 12)) for n in (13, 4, 21)]
+    arrays[0][5, 1] = np.nan  # rejected under on_bad_sample: skip
+    arrays[2][9:12] = np.inf
+    for i, array in enumerate(arrays):
+        np.save(data / f"part-{i}.npy", array.astype(np.float64 if i == 1 else np.float32))
+    cfg = config.validate(
+        {
+            "model": {"factory": "tests.models:small_mlp"},
+            "input": {"paths": [str(data / "*.npy")], "on_bad_sample": "skip"},
+            "jacobian": {"batch_size": 5},
+            "output": {"path": str(tmp_path / "out"), "samples_per_shard": 16},
+        }
+    )
+    spec = plan.make_job(cfg, check_model=False).spec
+    shards = [shard for shard in spec.ranges() if shard.rows]
+    assert any(shard.rejected for shard in shards) and len(shards) == 3
+    native = {shard.start: _read_all(spec, shard) for shard in shards}
+    assert all(read._npy_segments(spec, shard) for shard in shards)
+    monkeypatch.setattr(read, "_npy_segments", lambda spec, shard: None)
+    expected = np.concatenate([a.astype(np.float32) for a in arrays]).astype(np.float32)
+    for shard in shards:
+        python = _read_all(spec, shard)
+        assert [len(ids) for ids, _, _ in native[shard.start]] == [len(ids) for ids, _, _ in python]
+        assert len(native[shard.start][-1][0]) <= 5
+        for (ids, inputs, labels), (ids_py, inputs_py, labels_py) in zip(native[shard.start], python):
+            np.testing.assert_array_equal(ids, ids_py)
+            np.testing.assert_array_equal(inputs, inputs_py)
+            np.testing.assert_array_equal(inputs, expected[ids])
+            assert inputs.dtype == np.float32 and (labels == labels_py).all()
+        kept = np.concatenate([ids for ids, _, _ in native[shard.start]])
+        np.testing.assert_array_equal(kept, [i for lo, hi in shard.kept() for i in range(lo, hi)])
+
+
+def test_native_npy_reader_names_a_file_truncated_since_the_plan(tmp_path, rng):
+    from pipeline import config, plan
+
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "x.npy", rng.normal(size=(12, 12)).astype(np.float32))
+    cfg = config.validate(
+        {
+            "model": {"factory": "tests.models:small_mlp"},
+            "input": {"paths": [str(data / "*.npy")]},
+            "jacobian": {"batch_size": 5},
+            "output": {"path": str(tmp_path / "out")},
+        }
+    )
+    spec = plan.make_job(cfg, check_model=False).spec
+    with open(data / "x.npy", "r+b") as stream:
+        stream.truncate(stream.seek(0, 2) - 48)  # the last row, gone
+    with pytest.raises(InputError, match=r"x\.npy: truncated: rows 0\.\.12 .* changed during the run"):
+        _read_all(spec, spec.ranges()[0])

@@ -208,3 +208,19 @@ def describe(path: str, fmt: str, key: Key) -> tuple[int, Shape, str | dict[str,
         {name: shape[1:] for name, (shape, _) in found.items()},
         {name: dtype for name, (_, dtype) in found.items()},
     )
+
+
+def npy_data_offset(path: str) -> int | None:
+    """Where a local ``.npy`` file's rows begin, when ``tf.io.decode_raw`` can read them as they lie
+    (C order, a plain numeric dtype in this machine's byte order); else None."""
+    fmt = np.lib.format
+    try:
+        with open(path, "rb") as stream:
+            version = fmt.read_magic(stream)
+            header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, fortran_order, dtype = header(stream)
+            offset = stream.tell()
+    except (OSError, ValueError, EOFError):
+        return None  # the slice reader reports what is wrong with it
+    plain = dtype.kind in "fiu" and dtype.isnative and not (fortran_order and len(shape) > 1)
+    return offset if plain else None
