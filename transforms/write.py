@@ -2,7 +2,8 @@
 
 A planned job's batches (``ReadSamples`` -> ``ComputeJacobians``) know their shard: the writer streams
 them into the shard's temporary file as they come, in the same fused step, and commits the shard
-(rename) when its last row is written; nothing is grouped or held in memory. Beam never splits the
+when its last row is written (checksum, flush, rename: on the writer's thread, while the next shard
+computes); nothing is grouped or held in memory. Beam never splits the
 outputs of one element's processing across bundles, so a shard's batches, which all come from one
 range element, arrive in one bundle.
 
@@ -64,6 +65,7 @@ class _Committing:
     state: _OpenShard
     checksum: concurrent.futures.Future[str]
     element: WindowedValue  # the batch that completed the shard: its record goes to the same window
+
 
 class WriteShardFn(beam.DoFn):
     """``JacobianBatch -> ShardRecord`` once the batch's shard has all its rows and is committed; the
@@ -178,7 +180,7 @@ class WriteShardFn(beam.DoFn):
 
     def _abort(self) -> None:
         """Close what is open or committing (a temporary file is deleted; a commit in flight finishes,
-        leaving a complete shard that no record names yet: a retry or rerun writes it again)."""
+        leaving a complete shard that no record names yet: a retry writes it again, a rerun keeps it)."""
         for done in self._committing:
             with contextlib.suppress(Exception), done.state.files:
                 done.checksum.exception()
