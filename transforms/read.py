@@ -3,12 +3,12 @@
 Each range is one unit of work: Beam spreads the ranges over the workers (``Reshuffle``), and each
 worker streams a range's samples through ``tf.data`` (file slices, rebatched across file boundaries,
 prefetched so that reading overlaps the computing downstream). Local ``.npy`` files are read by
-TensorFlow's own ``FixedLengthRecordDataset``, with no Python per batch (W1 end to end 1.06x, W3 1.03x,
-20,480 samples, medians of 4 alternating runs); other files are read in slices in Python
-(``readers.iter_slices``) and handed over through ``Dataset.from_generator``. A range whose shard is already complete
-on disk is not read: it goes to the ``complete`` output, and ``WriteShards`` keeps its shard. Samples
-that the plan rejected (``input.on_bad_sample: skip``) are never read; they go to the dead-letter
-output ``rejected``.
+TensorFlow's own ``FixedLengthRecordDataset``, with no Python per batch (W1 end to end 1.06x, W3
+1.03x, 20,480 samples, medians of 4 alternating runs); other files are read in slices in Python
+(``readers.iter_slices``) and handed over through ``Dataset.from_generator``. A range whose shard is
+already complete on disk is not read: it goes to the ``complete`` output, and ``WriteShards`` keeps
+its shard. Samples that the plan rejected (``input.on_bad_sample: skip``) are never read; they go to
+the dead-letter output ``rejected``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from collections.abc import Iterator
 import apache_beam as beam
 import numpy as np
 
+from transforms import arrays, storage
 from transforms.elements import SampleBatch
 from transforms.errors import InputError
-from transforms import arrays, storage
 from transforms.readers import Samples, SourceFile, as_dtype, file_format, iter_slices, nonfinite_rows, tensor_spec
 from transforms.shards import proven_checksum, shard_path
 from transforms.spec import JobSpec, ShardRange
