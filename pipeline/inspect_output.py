@@ -95,8 +95,9 @@ def _engine(engine: dict | None) -> str:
     if not engine:
         return "(not recorded: every shard was kept from an earlier attempt)"
     xla = " + XLA" if engine["jit_compile"] else ""
+    by = " by double reverse" if engine.get("double_reverse") else ""  # absent in older manifests
     return (
-        f"{engine['mode']}{xla}, batch {engine['batch_size']}, {engine['compute_dtype']} -> "
+        f"{engine['mode']}{by}{xla}, batch {engine['batch_size']}, {engine['compute_dtype']} -> "
         f"{engine['store_dtype']} ({'; '.join(engine['reasons'])})"
     )
 

@@ -49,6 +49,44 @@ def test_forward_and_reverse_agree_and_auto_picks_by_size():
     assert _engine(test_models.upsampler(), mode="auto", check_batch_independence=True).describe()["mode"] != "forward"
 
 
+def test_forward_mode_runs_by_double_reverse_where_it_agrees_with_the_accumulator():
+    model = test_models.coupling_flow()  # square: auto runs forward mode
+    x = _samples(model, 9)
+    engine = _engine(model, mode="auto")
+    described = engine.describe()
+    assert (described["mode"], described["double_reverse"]) == ("forward", True)
+    assert [c["path"] for c in described["candidates"]] == ["forward", "forward by double reverse"]
+    assert described["candidates"][1]["relative_error"] < 1e-5
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
+def test_double_reverse_that_disagrees_with_the_accumulator_is_not_used(monkeypatch):
+    """Double reverse is a fast path with a known wrong case (zeros through image resizing, where the
+    accumulator reports the dropped tangent): it runs only after agreeing on the probe batch."""
+    build_block = strategies.build_block
+
+    def wrong_double_reverse(*args, double_reverse=False, **kwargs):
+        block = build_block(*args, double_reverse=double_reverse, **kwargs)
+        if not double_reverse:
+            return block
+
+        def wrong(*inputs):
+            y, columns = block(*inputs)
+            return y, columns * 1.5
+
+        wrong.experimental_get_tracing_count = block.experimental_get_tracing_count
+        return wrong
+
+    monkeypatch.setattr("transforms.engine.build_block", wrong_double_reverse)
+    model = test_models.coupling_flow()
+    x = _samples(model, 9)
+    engine = _engine(model, mode="forward")
+    described = engine.describe()
+    assert (described["mode"], described["double_reverse"]) == ("forward", False)
+    assert any("forward by double reverse disagrees with the reference" in r for r in described["reasons"])
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["reverse", "forward"])
 def test_float64_compute_matches_float64_finite_differences(mode):
     model = test_models.small_mlp()
@@ -218,8 +256,8 @@ def test_out_of_memory_is_retried_with_smaller_blocks(monkeypatch):
     real_block = engine._block
     failures = []
 
-    def block_failing_once(mode, jit, k, rows):
-        fn = real_block(mode, jit, k, rows)
+    def block_failing_once(plan, k, rows):
+        fn = real_block(plan, k, rows)
 
         def run(*args):
             if not failures:

@@ -37,6 +37,7 @@ class _Plan:
     batch: int  # samples per block
     rows: dict[int, int]  # block size per differentiated input
     reasons: list[str] = field(default_factory=list)
+    double_reverse: bool = False  # forward mode's blocks by double reverse (see transforms.strategies)
 
 
 class _FallbackLog(logging.Handler):
@@ -318,20 +319,20 @@ class JacobianEngine:
                 notes.append(f"{self.input_names[k]}: blocks of {rows[k]} of {extent} {'inputs' if mode == 'forward' else 'outputs'}")
         return batch, rows, notes
 
-    def _block(self, mode: str, jit: bool, k: int, rows: int):
-        key = (mode, jit, k, rows)
+    def _block(self, plan: _Plan, k: int, rows: int):
+        key = (plan.mode, plan.jit, plan.double_reverse, k, rows)
         if key not in self._blocks:
             self._blocks[key] = build_block(
-                mode, self.model.call, self.input_shapes, k, rows, self._extent(mode, k), self._dtype, jit,
-                operand=self._operand(mode),
+                plan.mode, self.model.call, self.input_shapes, k, rows, self._extent(plan.mode, k), self._dtype,
+                plan.jit, operand=self._operand(plan.mode), double_reverse=plan.double_reverse,
             )
         return self._blocks[key]
 
-    def _try(self, mode: str, jit: bool, timed: bool) -> tuple[dict[str, np.ndarray], float]:
+    def _try(self, mode: str, jit: bool, timed: bool, double_reverse: bool = False) -> tuple[dict[str, np.ndarray], float]:
         """Trace and run a path on the probe batch: its results, and (``timed``) the best of two
         runs on one full batch."""
         batch, rows, _ = self._sizing(mode)
-        plan = _Plan(mode, jit, batch, rows)
+        plan = _Plan(mode, jit, batch, rows, double_reverse=double_reverse)
         probe = [x[:batch] for x in self._probe]
         index = self._select(self._forward(probe), np.zeros(batch))
         with _capture_pfor_fallbacks() as fallbacks:
@@ -402,17 +403,17 @@ class JacobianEngine:
         first_tried = len(tried)
         best: tuple[tuple, str, bool] | None = None
         for mode in modes:
-            for jit in jit_options:
-                label = f"{mode}{' + XLA' if jit else ''}"
+            for jit, double_reverse in self._paths(mode, jit_options):
+                label = f"{mode}{' by double reverse' if double_reverse else ''}{' + XLA' if jit else ''}"
                 try:
-                    result, seconds = self._try(mode, jit, timed=timed)
+                    result, seconds = self._try(mode, jit, timed=timed, double_reverse=double_reverse)
                 except ForwardModeUnsupported as err:
                     if self.options.mode == "forward":
                         raise ModelError(f"{self.model.source}: {err}") from err
                     notes.append(f"forward: {err}")
                     tried.append({"path": label, "error": "an op has no forward-mode rule"})
                     break
-                except (tf.errors.OpError, ValueError, TypeError, NotImplementedError) as err:
+                except (tf.errors.OpError, ValueError, TypeError, NotImplementedError, LookupError) as err:
                     first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
                     if jit and self.options.jit_compile is True:
                         raise ModelError(
@@ -439,17 +440,28 @@ class JacobianEngine:
                 if reference_only and not jit:
                     entry["reference_only"] = True
                     continue
-                rank = (seconds,) if autotune else (modes.index(mode), seconds)
+                # Untimed, the double-reverse forward graph wins over the accumulator's it agrees with.
+                rank = (seconds,) if autotune else (modes.index(mode), seconds, not double_reverse)
                 if best is None or rank < best[0]:
-                    best = (rank, mode, jit)
+                    best = (rank, mode, jit, double_reverse)
         if best is None:
             return None
-        _, mode, jit = best
+        _, mode, jit, double_reverse = best
         if timed:
             speeds = [f"{e['path']} {1e6 * e['seconds_per_sample']:.1f} us/sample" for e in tried[first_tried:] if "seconds_per_sample" in e]
             notes.append(f"timed on a full batch: {', '.join(speeds)}")
         batch, rows, sizing = self._sizing(mode)
-        return _Plan(mode, jit, batch, rows, [*notes, *sizing])
+        return _Plan(mode, jit, batch, rows, [*notes, *sizing], double_reverse)
+
+    def _paths(self, mode: str, jit_options: list[bool]) -> list[tuple[bool, bool]]:
+        """``(jit, double_reverse)`` paths to try for ``mode``, the reference first. Forward mode's plain
+        graph also runs by double reverse (faster, but only trusted where it agrees with the
+        accumulator); not under XLA, where the accumulator's graph is the faster (W3, W4), nor where the
+        plain graph is only a reference (``jit_compile: true``)."""
+        paths = [(jit, False) for jit in jit_options]
+        if mode == "forward" and self.options.jit_compile is not True:
+            paths.insert(1, (False, True))
+        return paths
 
     # -- computing ----------------------------------------------------------------------------
 
@@ -489,7 +501,7 @@ class JacobianEngine:
                     rows = plan.rows[k]
                     first = min(start, extent - rows)  # keep every block full-size: no retrace
                     try:
-                        y, block = self._block(plan.mode, plan.jit, k, rows)(batch, first, given)
+                        y, block = self._block(plan, k, rows)(batch, first, given)
                     except tf.errors.ResourceExhaustedError:
                         self._shrink(plan, k)
                         continue
@@ -594,6 +606,7 @@ class JacobianEngine:
         plan = self._plan
         return {
             "mode": plan.mode,
+            "double_reverse": plan.double_reverse,  # forward mode's blocks by double reverse
             "jit_compile": plan.jit,
             "requested": {"mode": self.options.mode, "jit_compile": self.options.jit_compile},
             "batch_size": plan.batch,

@@ -9,7 +9,12 @@ has the output flattened to ``m`` entries and input ``k`` flattened to ``d`` ent
   (``batch_jacobian`` without pfor). Slower where pfor vectorises well, faster where its kernels are
   poor (max-pooling CNNs on CPU, see shared/benchmarks.md).
 - ``forward``: ``tf.autodiff.ForwardAccumulator`` over a vectorised batch of tangents, the columns
-  ``[start, start + c)`` of ``R``: ``(n, m, c)``. Cost grows with the number of columns.
+  ``[start, start + c)`` of ``R``: ``(n, m, c)``. Cost grows with the number of columns. Or
+  (``double_reverse``) the same block as the batch Jacobian of ``u^T J R`` with respect to the
+  cotangent ``u``: one primal and one backward pass for all columns, where the accumulator makes each
+  JVP the transpose of a VJP of its own (1.25x on W3 and W4 in the plain graph, not under XLA). It is
+  not always right: through image resizing it silently gives zeros where the accumulator reports a
+  dropped tangent, so the engine uses it only where it agrees with the accumulator.
 
 ``L`` (reverse only) is the identity, a per-sample choice of rows (``left="index"``: an int tensor
 ``(n, k)``) or a fixed matrix (``left="matrix"``: ``(r, m)``, vector-Jacobian products). ``R``
@@ -53,6 +58,7 @@ def build_block(
     dtype: tf.DType,
     jit_compile: bool,
     operand: Literal["identity", "index", "matrix"] = "identity",
+    double_reverse: bool = False,
 ) -> Callable:
     """A compiled ``block(xs, start, operand) -> (y_flat (n, m), block)`` for model input ``wrt``.
 
@@ -112,7 +118,29 @@ def build_block(
         columns = tf.vectorized_map(jvp, tangents)  # (c, n, m)
         return y, tf.transpose(columns, (1, 2, 0))
 
-    body = forward if mode == "forward" else reverse
+    def forward_by_double_reverse(xs, start, given):
+        xs = list(xs)
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                inner.watch(xs[wrt])
+                y = _flat_output(call, xs, dtype)
+            cotangent = tf.zeros_like(y)
+            outer.watch(cotangent)
+            row = inner.gradient(y, xs[wrt], output_gradients=cotangent)  # u^T J: linear in u
+            if row is None:
+                raise ForwardModeUnsupported("the output does not depend on the input")
+            row = tf.reshape(row, (tf.shape(y)[0], size))
+            if operand == "matrix":
+                row = tf.matmul(row, given[start : start + rows], transpose_b=True)  # u^T J R
+            elif rows != total:
+                row = row[:, start : start + rows]
+        columns = outer.batch_jacobian(row, cotangent)  # (n, c, m): (J R)^T
+        return y, tf.transpose(columns, (0, 2, 1))
+
+    if mode == "forward":
+        body = forward_by_double_reverse if double_reverse else forward
+    else:
+        body = reverse
     # No autograph: the bodies have no tensor-dependent Python control flow, and errors raised while
     # tracing (ForwardModeUnsupported) must reach the engine as themselves.
     return tf.function(body, input_signature=signature, jit_compile=jit_compile, autograph=False)
