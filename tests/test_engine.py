@@ -60,3 +60,15 @@ def test_fingerprint_hashes_the_weights():
     assert a.fingerprint() == b.fingerprint()
     b.variables[0].assign_add(np.full(b.variables[0].shape, 1e-3, np.float32))
     assert a.fingerprint() != b.fingerprint()
+
+
+def test_paths_are_compared_over_finite_entries_and_must_agree_on_which_are_finite():
+    """The engine's agreement check (XLA, double reverse, batch independence): a NaN must not make every
+    comparison pass, as ``nan > tolerance`` would."""
+    from transforms.engine import relative_error
+
+    reference = np.array([[1.0, np.nan], [4.0, 2.0]])
+    assert relative_error(np.array([[1.0, np.nan], [4.0, 2.2]]), reference) == pytest.approx(0.05)
+    assert relative_error(np.array([[1.0, 0.0], [4.0, 2.0]]), reference) == float("inf")
+    assert relative_error(np.array([[1.0, np.nan], [np.inf, 2.0]]), reference) == float("inf")
+    assert relative_error(np.full((2, 2), np.nan), np.full((2, 2), np.nan)) == 0.0

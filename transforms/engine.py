@@ -67,8 +67,16 @@ def _capture_pfor_fallbacks() -> Iterator[_FallbackLog]:
 
 
 def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
-    scale = max(float(np.max(np.abs(expected))), np.finfo(np.float32).tiny)
-    return float(np.max(np.abs(actual.astype(np.float64) - expected))) / scale
+    """Largest difference over the largest reference entry, both over the finite entries; inf where the
+    two disagree on which entries are finite (a NaN anywhere would otherwise pass every comparison)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    finite = np.isfinite(expected)
+    if not np.array_equal(finite, np.isfinite(actual)):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    scale = max(float(np.max(np.abs(expected[finite]))), np.finfo(np.float32).tiny)
+    return float(np.max(np.abs(actual[finite] - expected[finite]))) / scale
 
 
 def _activation_size(model: LoadedModel, shapes: Sequence[tuple[int, ...]], dtype: tf.DType) -> int:
@@ -401,7 +409,7 @@ class JacobianEngine:
         reference: dict[str, np.ndarray] | None = None
         tried = self.telemetry.setdefault("candidates", [])
         first_tried = len(tried)
-        best: tuple[tuple, str, bool] | None = None
+        best: tuple[tuple, str, bool, bool] | None = None  # (rank, mode, jit, double_reverse)
         for mode in modes:
             for jit, double_reverse in self._paths(mode, jit_options):
                 label = f"{mode}{' by double reverse' if double_reverse else ''}{' + XLA' if jit else ''}"
