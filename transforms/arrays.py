@@ -32,15 +32,20 @@ class Rows(Protocol):
     def read(self, start: int, stop: int) -> np.ndarray: ...
 
 
+def _npy_header(stream: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """A ``.npy`` stream's ``(shape, fortran_order, dtype)``, leaving the stream at its first row."""
+    fmt = np.lib.format
+    version = fmt.read_magic(stream)
+    header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+    return header(stream)
+
+
 class _NpyRows:
     """Rows of a C-ordered ``.npy`` stream, read by seeking: no memory map, no full load."""
 
     def __init__(self, stream: IO[bytes], name: str):
-        fmt = np.lib.format
         try:
-            version = fmt.read_magic(stream)
-            header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-            self.shape, fortran_order, self.dtype = header(stream)
+            self.shape, fortran_order, self.dtype = _npy_header(stream)
         except ValueError as err:
             raise CorruptInputError(f"{name}: not a valid .npy array: {err}", reason=f"corrupt: not a valid .npy array: {err}") from err
         except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:  # a damaged .npz member, a read error
@@ -213,12 +218,9 @@ def describe(path: str, fmt: str, key: Key) -> tuple[int, Shape, str | dict[str,
 def npy_data_offset(path: str) -> int | None:
     """Where a local ``.npy`` file's rows begin, when ``tf.io.decode_raw`` can read them as they lie
     (C order, a plain numeric dtype in this machine's byte order); else None."""
-    fmt = np.lib.format
     try:
         with open(path, "rb") as stream:
-            version = fmt.read_magic(stream)
-            header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-            shape, fortran_order, dtype = header(stream)
+            shape, fortran_order, dtype = _npy_header(stream)
             offset = stream.tell()
     except (OSError, ValueError, EOFError):
         return None  # the slice reader reports what is wrong with it

@@ -23,7 +23,9 @@ import numpy as np
 from transforms import arrays, storage
 from transforms.elements import SampleBatch
 from transforms.errors import InputError
-from transforms.readers import Samples, SourceFile, as_dtype, file_format, iter_slices, nonfinite_rows, tensor_spec
+from transforms.readers import (
+    Samples, SourceFile, as_dtype, file_format, iter_slices, nonfinite_rows, row_bytes, tensor_spec,
+)
 from transforms.shards import proven_checksum, shard_path
 from transforms.spec import JobSpec, ShardRange
 
@@ -139,17 +141,17 @@ def _native(spec: JobSpec, segments: list[_Segment]):
             return ids, values, tf.zeros(tf.shape(ids), tf.float64)
 
         ids = tf.data.Dataset.range(segment.start, segment.stop).batch(batch_size)
-        part = tf.data.Dataset.zip((ids, _records(segment, batch_size, shape))).map(decode)
+        part = tf.data.Dataset.zip((ids, _records(segment, batch_size))).map(decode)
         dataset = part if dataset is None else dataset.concatenate(part)
     return dataset
 
 
-def _records(segment: _Segment, batch_size: int, shape: tuple[int, ...]):
+def _records(segment: _Segment, batch_size: int):
     """The segment's rows as raw records of ``batch_size`` rows, the last one shorter."""
     import tensorflow as tf
 
     source = segment.source
-    row = int(np.prod(shape, dtype=np.int64)) * np.dtype(source.dtype).itemsize
+    row = row_bytes(source)
     first, last = segment.start - source.first_id, segment.stop - source.first_id
     size = os.path.getsize(source.path)
     if size < segment.offset + last * row:
