@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tests import models as test_models
 from tests.reference import assert_close, central_differences, tape_loop
-from transforms import strategies
+from transforms.engine import blocks as strategies
 from transforms.engine import JacobianEngine
 from transforms.errors import ModelError
 from transforms.models import wrap_model
@@ -77,7 +77,7 @@ def test_double_reverse_that_disagrees_with_the_accumulator_is_not_used(monkeypa
         wrong.experimental_get_tracing_count = block.experimental_get_tracing_count
         return wrong
 
-    monkeypatch.setattr("transforms.engine.build_block", wrong_double_reverse)
+    monkeypatch.setattr("transforms.engine.facade.build_block", wrong_double_reverse)
     model = test_models.coupling_flow()
     x = _samples(model, 9)
     engine = _engine(model, mode="forward")
@@ -184,7 +184,7 @@ def test_auto_keeps_the_faster_of_xla_and_the_plain_graph(monkeypatch, slow):
         fn = real(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs)
         return _Slowed(fn, 0.05) if jit_compile == slow else fn
 
-    monkeypatch.setattr("transforms.engine.build_block", slowed)
+    monkeypatch.setattr("transforms.engine.facade.build_block", slowed)
     engine = _engine(model, jit_compile="auto")
     described = engine.describe()
     assert described["jit_compile"] is not slow
@@ -206,7 +206,7 @@ def test_xla_that_disagrees_is_rejected_under_auto_however_fast(monkeypatch):
             return _Slowed(fn, 0.05)
         return tf.function(lambda *args: (lambda y, block: (y, block * 1.01))(*fn(*args)))
 
-    monkeypatch.setattr("transforms.engine.build_block", wrong_under_xla)
+    monkeypatch.setattr("transforms.engine.facade.build_block", wrong_under_xla)
     engine = _engine(model, jit_compile="auto")
     assert engine.describe()["jit_compile"] is False
     assert any("disagrees" in reason for reason in engine.describe()["reasons"])
@@ -232,7 +232,7 @@ def test_required_xla_is_checked_against_the_plain_graph_and_refused_when_it_dis
             return fn
         return tf.function(lambda *args: (lambda y, block: (y, block * 1.01))(*fn(*args)))
 
-    monkeypatch.setattr("transforms.engine.build_block", wrong_under_xla)
+    monkeypatch.setattr("transforms.engine.facade.build_block", wrong_under_xla)
     with pytest.raises(ModelError, match=r"reverse \+ XLA disagrees with the reference .*use jit_compile auto or false"):
         _engine(model, mode="reverse", jit_compile=True)
 

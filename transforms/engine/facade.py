@@ -1,6 +1,6 @@
 """The Jacobian engine: compiled per-sample Jacobians of a model, built once per worker.
 
-Pure TensorFlow, no Beam. The engine chooses how to differentiate (``transforms.strategies``),
+Pure TensorFlow, no Beam. The engine chooses how to differentiate (``transforms.engine.blocks``),
 whether XLA runs, and how to cut a batch into blocks so that the working set stays within a memory
 budget; it checks each fast path against a plain one before trusting it.
 """
@@ -22,7 +22,7 @@ from transforms.errors import ModelError
 from transforms.models import LoadedModel
 from transforms.reductions import FULL, SQUARE, projection_matrix, reduce_full
 from transforms.spec import EngineOptions
-from transforms.strategies import MODES, ForwardModeUnsupported, build_block
+from transforms.engine.blocks import MODES, ForwardModeUnsupported, build_block
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class _Plan:
     batch: int  # samples per block
     rows: dict[int, int]  # block size per differentiated input
     reasons: list[str] = field(default_factory=list)
-    double_reverse: bool = False  # forward mode's blocks by double reverse (see transforms.strategies)
+    double_reverse: bool = False  # forward mode's blocks by double reverse (see transforms.engine.blocks)
 
 
 class _FallbackLog(logging.Handler):
