@@ -47,7 +47,7 @@ class Built:
 def engine_modes() -> tuple[list[str], str | None]:
     """The values of ``EngineOptions.mode`` and its default, or ``([], None)`` when the engine has no
     modes yet (another change adds them; the suite runs with and without)."""
-    from transforms.engine import EngineOptions
+    from transforms.spec import EngineOptions
 
     fields = {f.name: f for f in dataclasses.fields(EngineOptions)}
     if "mode" not in fields:
@@ -166,7 +166,8 @@ def _torch(workload: Workload, transform: str) -> Built:
 
 def _engine(workload: Workload, jit_compile: bool, mode: str | None, batch_size: int = 256) -> Built:
     """jacobeam's engine in memory, on the model the pipeline loads for ``workload.factory``."""
-    from transforms.engine import EngineOptions, JacobianEngine
+    from transforms.engine import JacobianEngine
+    from transforms.spec import EngineOptions
     from transforms.models import load
 
     options: dict[str, Any] = {"batch_size": batch_size, "jit_compile": jit_compile}

@@ -1,5 +1,6 @@
 """Engine modes, XLA, memory budget, multi-input models and guards, each against an independent reference."""
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -16,14 +17,14 @@ from transforms.engine import blocks as strategies
 from transforms.engine import JacobianEngine
 from transforms.errors import ModelError
 from transforms.models import wrap_model
-from transforms.spec import EngineOptions
+from transforms.spec import EngineOptions, OutputSelection
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _engine(model, **options):
+def _engine(model, wrap_block=None, **options):
     options.setdefault("batch_size", 8)
-    return JacobianEngine(wrap_model(model, model.name), model.input_shape[1:], EngineOptions(**options))
+    return JacobianEngine(wrap_model(model, model.name), model.input_shape[1:], EngineOptions(**options), wrap_block=wrap_block)
 
 
 def _samples(model, n, seed=0):
@@ -77,7 +78,7 @@ def test_double_reverse_that_disagrees_with_the_accumulator_is_not_used(monkeypa
         wrong.experimental_get_tracing_count = block.experimental_get_tracing_count
         return wrong
 
-    monkeypatch.setattr("transforms.engine.facade.build_block", wrong_double_reverse)
+    monkeypatch.setattr("transforms.engine.blocks.build_block", wrong_double_reverse)
     model = test_models.coupling_flow()
     x = _samples(model, 9)
     engine = _engine(model, mode="forward")
@@ -184,7 +185,7 @@ def test_auto_keeps_the_faster_of_xla_and_the_plain_graph(monkeypatch, slow):
         fn = real(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs)
         return _Slowed(fn, 0.05) if jit_compile == slow else fn
 
-    monkeypatch.setattr("transforms.engine.facade.build_block", slowed)
+    monkeypatch.setattr("transforms.engine.blocks.build_block", slowed)
     engine = _engine(model, jit_compile="auto")
     described = engine.describe()
     assert described["jit_compile"] is not slow
@@ -206,7 +207,7 @@ def test_xla_that_disagrees_is_rejected_under_auto_however_fast(monkeypatch):
             return _Slowed(fn, 0.05)
         return tf.function(lambda *args: (lambda y, block: (y, block * 1.01))(*fn(*args)))
 
-    monkeypatch.setattr("transforms.engine.facade.build_block", wrong_under_xla)
+    monkeypatch.setattr("transforms.engine.blocks.build_block", wrong_under_xla)
     engine = _engine(model, jit_compile="auto")
     assert engine.describe()["jit_compile"] is False
     assert any("disagrees" in reason for reason in engine.describe()["reasons"])
@@ -232,7 +233,7 @@ def test_required_xla_is_checked_against_the_plain_graph_and_refused_when_it_dis
             return fn
         return tf.function(lambda *args: (lambda y, block: (y, block * 1.01))(*fn(*args)))
 
-    monkeypatch.setattr("transforms.engine.facade.build_block", wrong_under_xla)
+    monkeypatch.setattr("transforms.engine.blocks.build_block", wrong_under_xla)
     with pytest.raises(ModelError, match=r"reverse \+ XLA disagrees with the reference .*use jit_compile auto or false"):
         _engine(model, mode="reverse", jit_compile=True)
 
@@ -249,30 +250,118 @@ def test_small_budget_forces_blocks_and_smaller_batches(mode):
     assert engine.describe()["retraces_after_setup"] == 0
 
 
-def test_out_of_memory_is_retried_with_smaller_blocks(monkeypatch):
-    model = test_models.small_cnn()
-    x = _samples(model, 7)
-    engine = _engine(model, mode="reverse")
-    real_block = engine._block
-    failures = []
+class _OutOfMemory:
+    """A ``wrap_block`` that raises TensorFlow's out-of-memory error on chosen block calls (counted from
+    1 over every block of the engine, once ``armed``), and records each call's sample count and rows."""
 
-    def block_failing_once(plan, k, rows):
-        fn = real_block(plan, k, rows)
+    def __init__(self, fail_calls=(), always=False):
+        self.fail_calls, self.always, self.armed = set(fail_calls), always, False
+        self.calls = []
 
-        def run(*args):
-            if not failures:
-                failures.append(rows)
-                raise tf.errors.ResourceExhaustedError(None, None, "injected OOM")
-            return fn(*args)
+    def __call__(self, fn):
+        def run(xs, start, given):
+            if self.armed:
+                self.calls.append(int(xs[0].shape[0]))
+                if self.always or len(self.calls) in self.fail_calls:
+                    raise tf.errors.ResourceExhaustedError(None, None, "injected OOM")
+            return fn(xs, start, given)
 
         return run
 
-    monkeypatch.setattr(engine, "_block", block_failing_once)
+
+def _plan_sizes(engine, batch, rows):
+    """Set an engine's plan to ``batch`` samples per sub-batch and ``rows`` rows per block."""
+    from transforms.engine.budget import Sizes
+
+    plan = engine._plan
+    engine._plan = dataclasses.replace(plan, sizes=Sizes(batch, tuple((k, rows) for k, _ in plan.sizes.rows)))
+
+
+def test_out_of_memory_is_retried_with_smaller_blocks():
+    model = test_models.small_cnn()
+    x = _samples(model, 7)
+    oom = _OutOfMemory(fail_calls=[1])
+    engine = _engine(model, mode="reverse", wrap_block=oom)
+    oom.armed = True
     result = engine(x)
-    assert failures == [3]
     described = engine.describe()
     assert described["oom_retries"] == 1 and described["block_rows"]["x"] == 1
     assert_close(result["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
+def test_out_of_memory_part_way_recomputes_every_incomplete_sample():
+    """The issue's reproduction: 16 samples, 8 per sub-batch, 1 row per block, an OOM on the first block
+    call. The retry halved the batch while the loop's step stayed 8, and samples 12-15 came back as
+    uninitialised memory with no error."""
+    model = test_models.small_mlp()
+    x = _samples(model, 16)
+    expected = tape_loop(model, x)
+    for fail_at in (1, 2, 5, 7):  # the first call; a later row of the first sub-batch; the second sub-batch
+        oom = _OutOfMemory(fail_calls=[fail_at])
+        engine = _engine(model, mode="reverse", batch_size=8, wrap_block=oom)
+        _plan_sizes(engine, batch=8, rows=1)
+        oom.armed = True
+        result = engine(x)
+        assert engine.describe()["oom_retries"] == 1
+        assert np.isfinite(result["jacobian"]).all()
+        assert_close(result["jacobian"], expected, rtol=1e-5)
+        assert_close(result["output"], model(x).numpy(), rtol=1e-6)
+
+
+def test_out_of_memory_retries_use_the_smaller_batch_for_every_remaining_sample():
+    model = test_models.small_mlp()
+    x = _samples(model, 16)
+    oom = _OutOfMemory(fail_calls=[1, 2])
+    engine = _engine(model, mode="reverse", batch_size=8, wrap_block=oom)
+    _plan_sizes(engine, batch=8, rows=1)
+    oom.armed = True
+    result = engine(x)
+    # Two failures at one row per block: the batch halves twice; every later call has 2 samples.
+    assert oom.calls[:2] == [8, 4] and set(oom.calls[2:]) == {2}
+    assert engine.batch_size == 2 and engine.describe()["oom_retries"] == 2
+    assert_close(result["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
+def test_persistent_out_of_memory_is_a_clear_error():
+    model = test_models.small_mlp()
+    oom = _OutOfMemory(always=True)
+    engine = _engine(model, mode="reverse", batch_size=4, wrap_block=oom, memory_budget=10**9)
+    oom.armed = True
+    with pytest.raises(ModelError, match=r"\w+: out of memory even for one sample and one row per block "
+                                         r"\(samples x rows per block tried: 4 x \{'x': 5\}, .*1 x \{'x': 1\}; "
+                                         r"memory_budget 1,000,000,000 bytes\)"):
+        engine(_samples(model, 6))
+
+
+def test_an_error_of_jacobeams_own_code_surfaces_instead_of_a_fallback(monkeypatch):
+    """Falling back to another path is for what TensorFlow cannot run; a TypeError raised by jacobeam's
+    own code is a bug. (The function is compiled under the engine's file name: raised by jacobeam.)"""
+    from transforms.engine import operands
+
+    namespace = {}
+    code = "def select(self, y, labels):\n    raise TypeError('a bug in jacobeam')\n"
+    exec(compile(code, operands.__file__, "exec"), namespace)
+    monkeypatch.setattr(operands.Operands, "select", namespace["select"])
+    with pytest.raises(TypeError, match="a bug in jacobeam"):
+        _engine(test_models.small_mlp(), outputs=OutputSelection(rule="argmax"))
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 8, 9, 16, 256])
+def test_label_rows_at_every_batch_size(batch_size):
+    """``outputs: label`` failed at any batch_size above 8 (the probe had 8 samples but batch_size labels)."""
+    model = test_models.small_cnn()
+    x = _samples(model, 19)
+    labels = np.arange(19) % 3
+    engine = _engine(model, batch_size=batch_size, outputs=OutputSelection(rule="label"))
+    result = {}
+    for lo in range(0, len(x), engine.batch_size):
+        part = engine(x[lo : lo + engine.batch_size], labels[lo : lo + engine.batch_size])
+        for name, value in part.items():
+            result.setdefault(name, []).append(value)
+    result = {name: np.concatenate(parts) for name, parts in result.items()}
+    assert (result["output_index"][:, 0] == labels).all()
+    expected = tape_loop(model, x)[np.arange(19), labels][:, None]
+    assert_close(result["jacobian"], expected, rtol=1e-5)
 
 
 def test_batch_coupled_model_is_refused():

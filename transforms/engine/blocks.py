@@ -27,7 +27,7 @@ The block size ``c`` is fixed per function, so a function traces once; ``start``
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -144,3 +144,47 @@ def build_block(
     # No autograph: the bodies have no tensor-dependent Python control flow, and errors raised while
     # tracing (ForwardModeUnsupported) must reach the engine as themselves.
     return tf.function(body, input_signature=signature, jit_compile=jit_compile, autograph=False)
+
+
+class Path(NamedTuple):
+    """One way to compute blocks: a mode, under XLA or not, and (forward mode) by double reverse."""
+
+    mode: str
+    jit: bool = False
+    double_reverse: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode}{' by double reverse' if self.double_reverse else ''}{' + XLA' if self.jit else ''}"
+
+
+class BlockCache:
+    """Compiled blocks of one model, built on first use and kept: a block function traces once per
+    path and size. ``wrap`` (a test seam) is applied to every block built, e.g. to inject failures."""
+
+    def __init__(
+        self,
+        call: Call,
+        input_shapes: Sequence[tuple[int, ...]],
+        dtype: tf.DType,
+        wrap: Callable[[Callable], Callable] | None = None,
+    ):
+        self._call, self._shapes, self._dtype, self._wrap = call, input_shapes, dtype, wrap
+        self._built: dict[tuple, Callable] = {}
+        self._compiled: list[Callable] = []
+
+    def get(self, path: Path, wrt: int, rows: int, total: int, operand: str) -> Callable:
+        key = (path, wrt, rows, total, operand)
+        if key not in self._built:
+            fn = build_block(
+                path.mode, self._call, self._shapes, wrt, rows, total, self._dtype, path.jit,
+                operand=operand, double_reverse=path.double_reverse,
+            )
+            self._compiled.append(fn)
+            self._built[key] = fn if self._wrap is None else self._wrap(fn)
+        return self._built[key]
+
+    @property
+    def traces(self) -> int:
+        """How many times the blocks built so far have traced."""
+        return sum(fn.experimental_get_tracing_count() for fn in self._compiled)

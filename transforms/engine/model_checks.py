@@ -1,0 +1,70 @@
+"""Checks of a model against the samples it will get, before anything is differentiated."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from transforms.engine.diagnostics import AGREEMENT, relative_error
+from transforms.errors import ModelError
+from transforms.models import LoadedModel
+
+
+def resolve_inputs(
+    model: LoadedModel, shapes: Sequence[int] | Mapping[str, Sequence[int]]
+) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+    """The model's input names and the samples' shape for each, checked against what it declares."""
+    names = model.input_names
+    if not isinstance(shapes, Mapping):
+        if len(names) != 1:
+            raise ModelError(f"{model.source} takes inputs {list(names)}; give one shape per input")
+        shapes = {names[0]: tuple(shapes)}
+    missing = [name for name in names if name not in shapes]
+    if missing:
+        raise ModelError(f"{model.source}: no samples for model input(s) {missing}")
+    found = tuple(tuple(int(d) for d in shapes[name]) for name in names)
+    for name, want, got in zip(names, model.input_shapes or (), found):
+        if len(want) != len(got) or any(w is not None and w != g for w, g in zip(want, got)):
+            label = f"input {name!r}" if len(names) > 1 else "samples"
+            raise ModelError(f"{model.source} expects {label} of shape {tuple(want)}; the inputs hold samples of shape {got}")
+    return names, found
+
+
+def resolve_wrt(names: Sequence[str], wrt: Sequence[str] | None, source: str) -> list[int]:
+    """Positions of the inputs to differentiate by (``jacobian.wrt``; None: all)."""
+    if wrt is None:
+        return list(range(len(names)))
+    unknown = [name for name in wrt if name not in names]
+    if unknown:
+        raise ModelError(f"jacobian.wrt: {source} has no input(s) {unknown}; it has {list(names)}")
+    return [list(names).index(name) for name in wrt]
+
+
+def output_shape(
+    forward: Callable[[Sequence[np.ndarray]], np.ndarray],
+    probe: Sequence[np.ndarray],
+    source: str,
+    shapes: Sequence[tuple[int, ...]],
+    check_batch_independence: bool,
+    dtype: str,
+) -> tuple[int, ...]:
+    """One sample's output shape; and refuse a model whose samples interact inside a batch (per-sample
+    Jacobians by ``batch_jacobian`` would then be wrong)."""
+    try:
+        y = forward(probe)
+    except (ValueError, TypeError, tf.errors.InvalidArgumentError) as err:
+        raise ModelError(f"{source}: cannot call the model on samples of shape(s) {list(shapes)}: {err}") from err
+    n = len(y)
+    if check_batch_independence and n >= 2:
+        half = n // 2
+        parts = np.concatenate([forward([x[:half] for x in probe]), forward([x[half:] for x in probe])])
+        error = relative_error(parts, y)
+        if error > AGREEMENT[dtype]:
+            raise ModelError(
+                f"{source}: a sample's output depends on the other samples in its batch "
+                f"(relative difference {error:.2g} between one batch and two halves), e.g. BatchNorm in "
+                "training mode or a batch-level op; per-sample Jacobians by batch_jacobian would be wrong"
+            )
+    return tuple(int(d) for d in y.shape[1:])

@@ -1,0 +1,206 @@
+"""Choosing how to compute: the mode, XLA or not, double reverse, and block sizes, as one ``Plan``.
+
+Each candidate path runs on a seeded probe batch; the plain graph of the first mode is the reference
+every other path must agree with before it is trusted (a fast path can be wrong: forward mode through
+max-pooling under XLA is, double reverse through image resizing is). A path that TensorFlow cannot
+run (no XLA kernel, no pfor or forward-mode rule) is left out with a reason; an error raised by
+jacobeam's own code is a bug and surfaces as itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from transforms.engine.blocks import MODES, ForwardModeUnsupported, Path
+from transforms.engine.budget import Sizes
+from transforms.engine.diagnostics import (
+    AGREEMENT,
+    capture_pfor_fallbacks,
+    full_tracebacks,
+    raised_by_jacobeam,
+    relative_error,
+)
+from transforms.engine.executor import Plan
+from transforms.engine.operands import Operands
+from transforms.errors import ModelError
+from transforms.spec import EngineOptions
+
+log = logging.getLogger(__name__)
+
+# Errors with which TensorFlow says it cannot run a path (besides its own OpError).
+_CANNOT_RUN = (tf.errors.OpError, ValueError, TypeError, NotImplementedError, LookupError)
+
+Run = Callable[[Plan, Sequence[np.ndarray], "np.ndarray | None"], tuple[Plan, dict]]
+
+
+class Planner:
+    """Finds the plan for one engine.
+
+    ``size(mode)`` gives the block sizes of a mode within the memory budget; ``run(plan, xs, index)``
+    computes with a plan (re-planning smaller on out-of-memory) and returns the plan it ended with and
+    the results; ``forward(xs)`` evaluates the model; ``probe(n)`` gives ``n`` seeded samples.
+    ``telemetry`` receives the candidates tried and the ops pfor could not vectorise.
+    """
+
+    def __init__(
+        self,
+        options: EngineOptions,
+        operands: Operands,
+        wrt: Sequence[int],
+        source: str,
+        size: Callable[[str], Sizes],
+        run: Run,
+        forward: Callable[[Sequence[np.ndarray]], np.ndarray],
+        probe: Callable[[int], list[np.ndarray]],
+        probe_samples: int,
+        telemetry: dict[str, Any],
+    ):
+        self._options, self._operands, self._wrt, self._source = options, operands, wrt, source
+        self._size, self._run, self._forward, self._probe = size, run, forward, probe
+        self._probe_samples = probe_samples
+        self._telemetry = telemetry
+
+    def choose(self) -> Plan:
+        modes, reason = self._candidates()
+        notes = [reason]
+        plan = self._first_good(modes, notes)
+        fallbacks = [mode for mode in ("reverse", "reverse_loop") if mode not in modes]
+        if plan is None and self._options.mode in ("auto", "autotune") and fallbacks:
+            # The plain loop over outputs is last: it needs neither forward-mode rules nor pfor.
+            notes.append(f"{', '.join(modes)} failed: trying {', '.join(fallbacks)}")
+            plan = self._first_good(fallbacks, notes)
+        if plan is None:
+            hint = "; use jit_compile auto or false" if self._options.jit_compile is True else ""
+            raise ModelError(f"{self._source}: no way to compute Jacobians worked: {'; '.join(notes[1:])}{hint}")
+        return plan
+
+    def _candidates(self) -> tuple[list[str], str]:
+        mode, kind, operands = self._options.mode, self._options.reduce.kind, self._operands
+        if operands.right is not None:
+            return ["forward"], f"reduce {kind}: products with input-side vectors run in forward mode"
+        if operands.left is not None:
+            if mode == "autotune":
+                modes = ["reverse", "reverse_loop"]
+            else:
+                modes = ["reverse_loop" if mode == "reverse_loop" else "reverse"]
+            return modes, f"reduce {kind}: products with output-side vectors run in reverse mode"
+        if mode in MODES:
+            return [mode], f"mode {mode} (configured)"
+        inputs = sum(operands.sizes[k] for k in self._wrt)
+        rows = operands.extent("reverse", 0)
+        by_size = "forward" if inputs <= rows else "reverse"
+        reason = f"{inputs} input entries vs {rows} output rows"
+        if mode == "auto":
+            return [by_size], f"mode auto: {by_size} ({reason})"
+        return [by_size] + [m for m in MODES if m != by_size], "mode autotune: fastest path agreeing with the others"
+
+    def _paths(self, mode: str) -> list[Path]:
+        """Paths to try for ``mode``, the reference first. Forward mode's plain graph also runs by double
+        reverse (faster, but only trusted where it agrees with the accumulator); not under XLA, where
+        the accumulator's graph is the faster, nor where the plain graph is only a reference
+        (``jit_compile: true``)."""
+        jit_compile = self._options.jit_compile
+        paths = [Path(mode, jit) for jit in {True: [False, True], False: [False], "auto": [False, True]}[jit_compile]]
+        if mode == "forward" and jit_compile is not True:
+            paths.insert(1, Path(mode, False, True))
+        return paths
+
+    def _first_good(self, modes: list[str], notes: list[str]) -> Plan | None:
+        """Try each path; keep the best that works and agrees with the reference.
+
+        Best is the fastest per sample under ``autotune``; else the first mode, and with
+        ``jit_compile: auto`` the faster of its plain graph and XLA (XLA is not always faster: it
+        loses on max-pooling CNNs and wins on small dense chains). With ``jit_compile: true`` the plain
+        graph runs too, on the probe only, as the reference XLA must agree with; it is never used.
+        """
+        options = self._options
+        autotune = options.mode == "autotune"
+        timed = autotune or options.jit_compile == "auto"
+        reference_only = options.jit_compile is True
+        reference: dict | None = None
+        tried = self._telemetry.setdefault("candidates", [])
+        first_tried = len(tried)
+        best: tuple[tuple, Plan] | None = None
+        for mode in modes:
+            for path in self._paths(mode):
+                try:
+                    plan, result, seconds = self._try(path, timed)
+                except ForwardModeUnsupported as err:
+                    if options.mode == "forward":
+                        raise ModelError(f"{self._source}: {err}") from err
+                    notes.append(f"forward: {err}")
+                    tried.append({"path": path.label, "error": "an op has no forward-mode rule"})
+                    break
+                except _CANNOT_RUN as err:
+                    if isinstance(err, ModelError) or raised_by_jacobeam(err):
+                        raise
+                    first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+                    if path.jit and options.jit_compile is True:
+                        raise ModelError(
+                            f"{self._source}: XLA compilation failed (jit_compile: true): {first_line}"
+                        ) from err
+                    log.warning("%s failed for %s, falling back: %s", path.label, self._source, first_line)
+                    notes.append(f"{path.label} failed: {first_line}")
+                    tried.append({"path": path.label, "error": first_line})
+                    continue
+                entry: dict[str, Any] = {"path": path.label}
+                if timed:
+                    entry["seconds_per_sample"] = seconds
+                if reference is None:
+                    reference = result
+                else:
+                    error = max(relative_error(result[k], reference[k]) for k in reference)
+                    entry["relative_error"] = error
+                    if error > AGREEMENT[options.compute_dtype]:
+                        log.warning("%s disagrees with the reference path (relative error %.2g): not used", path.label, error)
+                        notes.append(f"{path.label} disagrees with the reference (relative error {error:.2g})")
+                        tried.append(entry)
+                        continue
+                tried.append(entry)
+                if reference_only and not path.jit:
+                    entry["reference_only"] = True
+                    continue
+                # Untimed, the double-reverse forward graph wins over the accumulator's it agrees with.
+                rank = (seconds,) if autotune else (modes.index(mode), seconds, not path.double_reverse)
+                if best is None or rank < best[0]:
+                    best = (rank, plan)
+        if best is None:
+            return None
+        plan = best[1]
+        if timed:
+            speeds = [f"{e['path']} {1e6 * e['seconds_per_sample']:.1f} us/sample" for e in tried[first_tried:] if "seconds_per_sample" in e]
+            notes.append(f"timed on a full batch: {', '.join(speeds)}")
+        return Plan(plan.path, plan.sizes, (*notes, *plan.sizes.notes, *plan.reasons))
+
+    def _try(self, path: Path, timed: bool) -> tuple[Plan, dict, float]:
+        """Trace and run a path on the probe batch: the plan it ran with (smaller if it ran out of
+        memory), its results, and (``timed``) the best of two runs on one full batch per sample."""
+        sizes = self._size(path.mode)
+        plan = Plan(path, sizes)
+        probe = self._probe(min(sizes.batch, self._probe_samples))
+        with full_tracebacks(), capture_pfor_fallbacks() as fallbacks:
+            plan, result = self._run(plan, probe, self._select(probe))
+        for op in fallbacks.ops:
+            if op not in self._telemetry["pfor_fallbacks"]:
+                log.warning("pfor could not vectorise %s: it runs in a while_loop (slow)", op)
+                self._telemetry["pfor_fallbacks"].append(op)
+        if not timed:
+            return plan, result, 0.0
+        full = self._probe(plan.sizes.batch)
+        index = self._select(full)
+        timings = []
+        for _ in range(2):
+            began = time.perf_counter()
+            plan, _ = self._run(plan, full, index)
+            timings.append(time.perf_counter() - began)
+        return plan, result, min(timings) / len(full[0])
+
+    def _select(self, xs: Sequence[np.ndarray]) -> np.ndarray | None:
+        """The output rows of probe samples; ``label`` selects output 0 of each (any valid row does)."""
+        return self._operands.select(self._forward(xs), np.zeros(len(xs[0]), np.int64))
