@@ -27,7 +27,7 @@ from pydantic import (
 
 from transforms.errors import JacobeamError
 from transforms.images import ImageOptions
-from transforms.spec import EngineOptions, OutputSelection, Reduction
+from transforms.spec import EngineOptions, OutputSelection, Reduction, SelfCheck
 
 
 class ConfigError(JacobeamError, ValueError):
@@ -172,6 +172,28 @@ class BasisConfig(_Section):
     output: str | None = None
 
 
+class SelfCheckConfig(_Section):
+    """``jacobian.self_check``: every shard recomputes a few of its samples one at a time, independently
+    of the engine's batched computation, and records the relative error (shard attribute ``self_check``
+    and the manifest). A kink of the model at the sample (ReLU, max-pool: the derivative is not unique
+    there) is recorded as a note, not a mismatch."""
+
+    samples: NonNegativeInt = Field(
+        1,
+        description="samples recomputed per shard (chosen by a generator seeded with the shard's first id); "
+        "0 turns the self-check off",
+    )
+    on_mismatch: Literal["fail", "warn"] = Field(
+        "fail",
+        description="a relative error above the tolerance of the compute dtype (1e-4 float32, 1e-9 float64, "
+        "at least twice the epsilon of the store dtype): fail stops the run naming shard, sample and dataset; "
+        "warn logs it and records it in the shard and the manifest",
+    )
+
+    def spec(self) -> SelfCheck:
+        return SelfCheck(samples=self.samples, on_mismatch=self.on_mismatch)
+
+
 # Reductions that need every row of the Jacobian, and so cannot follow a per-sample row selection.
 _NEEDS_ALL_ROWS = ("diagonal", "trace", "slogdet", "vjp", "jvp", "basis")
 _PRODUCTS = ("vjp", "jvp", "project", "basis")
@@ -199,6 +221,8 @@ class JacobianConfig(_Section):
     # TensorFlow intra-op threads per worker process; "auto" shares the machine's cores
     # between the local worker processes so that they do not oversubscribe the CPU.
     threads: PositiveInt | Literal["auto"] = "auto"
+    # Each shard recomputes a few samples independently and records the error (see SelfCheckConfig).
+    self_check: SelfCheckConfig = SelfCheckConfig()
 
     @model_validator(mode="after")
     def _consistent_products(self) -> JacobianConfig:

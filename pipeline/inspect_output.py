@@ -102,6 +102,25 @@ def _engine(engine: dict | None) -> str:
     )
 
 
+def _self_check(summary: dict[str, Any]) -> str:
+    """The run's self-check in one line (the manifest's ``self_check``)."""
+    if not summary["samples_per_shard"]:
+        return "off (jacobian.self_check.samples: 0)"
+    if not summary["samples_checked"]:
+        return "no sample checked"
+    error = summary["max_rel_error"]
+    line = (
+        f"{summary['samples_checked']:,} sample(s) in {summary['shards_checked']:,} shard(s) recomputed on their own, "
+        f"max relative error {'n/a' if error is None else error if isinstance(error, str) else f'{error:.2g}'} "
+        f"(tolerance {summary['tolerance']:g})"
+    )
+    if summary["kinks"]:
+        line += f"; {len(summary['kinks'])} at a kink (derivative not unique)"
+    if summary["mismatches"]:
+        line += f"; {len(summary['mismatches'])} MISMATCH(ES), e.g. sample {summary['mismatches'][0]['id']} (on_mismatch: warn)"
+    return line
+
+
 def format_report(report: Report) -> str:
     lines = [f"{report.folder}: {'complete' if report.ok else 'NOT COMPLETE'}"]
     manifest = report.manifest
@@ -125,6 +144,7 @@ def format_report(report: Report) -> str:
                 [f"  nonfinite   {manifest['nonfinite']['count']:,} sample(s) with NaN/Inf results"]
                 if manifest.get("nonfinite", {}).get("count") else []
             ),
+            *([f"  self-check  {_self_check(manifest['self_check'])}"] if "self_check" in manifest else []),
             *([f"  verified    {'ok' if manifest['verify']['ok'] else 'FAILED'} at {manifest['verify']['checked_at']}"]
               if "verify" in manifest else []),
             f"  last run    {run['wall_seconds']:.1f} s, {run['samples_computed']:,} computed, "

@@ -131,12 +131,13 @@ def scan_inputs(files: list[SourceFile], on_bad_sample: str) -> dict[str, FileSc
 def run_identity(config: dict[str, Any]) -> dict[str, Any]:
     """What decides the values stored for a sample id, down to the last bit, and how ids are grouped
     into shards: the model source, ``input.key`` (and ``input.sample_shape``, ``input.image`` where
-    given), ``output.samples_per_shard`` and the whole ``jacobian`` section but ``threads`` (flattened
-    to dotted keys, for messages naming the key).
+    given), ``output.samples_per_shard`` and the whole ``jacobian`` section but ``threads`` and
+    ``self_check`` (flattened to dotted keys, for messages naming the key).
 
-    Not part of it: threads (how fast), compression (how stored), the input globs (an incremental run
-    may add one; the files themselves are compared one by one) and ``on_bad_sample`` (a sample is
-    rejected or not by the data alone; the policy only decides whether a run with rejections goes ahead).
+    Not part of it: threads (how fast), the self-check (how the results are checked, not what they
+    are), compression (how stored), the input globs (an incremental run may add one; the files
+    themselves are compared one by one) and ``on_bad_sample`` (a sample is rejected or not by the data
+    alone; the policy only decides whether a run with rejections goes ahead).
     """
     identity = {
         "model.path": config["model"].get("path"),
@@ -154,7 +155,7 @@ def run_identity(config: dict[str, Any]) -> dict[str, Any]:
         for key, value in section.items():
             if isinstance(value, dict):
                 flatten(f"{prefix}{key}.", value)
-            elif f"{prefix}{key}" != "jacobian.threads":
+            elif f"{prefix}{key}" != "jacobian.threads" and not prefix.startswith("jacobian.self_check."):
                 identity[f"{prefix}{key}"] = value
 
     flatten("jacobian.", config.get("jacobian", {}))
@@ -455,6 +456,7 @@ def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fi
         id_segments=tuple(tuple(s) for s in segments),
         identity=identity,
         model_fingerprint=fingerprint,
+        self_check=config.jacobian.self_check.spec(),
     )
 
 

@@ -63,7 +63,7 @@ def build(pipeline: beam.Pipeline, spec: JobSpec):
     batches of samples -> batches of Jacobians -> shards (+ aggregates, rejected samples) -> manifest."""
     samples = pipeline | "ReadSamples" >> ReadSamples(spec)
     jacobians = samples.batches | "ComputeJacobians" >> ComputeJacobians(
-        spec.model, spec.sample_shape, spec.engine, spec.tf_threads
+        spec.model, spec.sample_shape, spec.engine, spec.tf_threads, self_check=spec.self_check
     )
     return jacobians | "WriteShards" >> WriteShards(spec, complete=samples.complete, rejected=samples.rejected)
 

@@ -10,8 +10,9 @@
 
    - a per-sample ``tf.GradientTape().jacobian`` of the float32 model (where the engine ran in forward
      mode: one forward-mode JVP per input entry, in a plain loop, so that non-finite entries fall where
-     the run's do). Both are float32 computations of the same derivative, differing only in the order
-     of operations: tolerance ``TAPE_RTOL``;
+     the run's do; ``transforms.engine.reference``, which the run's self-check uses too). Both are
+     float32 computations of the same derivative, differing only in the order of operations:
+     tolerance ``TAPE_RTOL``;
    - central finite differences of a float64 twin of the model (a Keras model cloned with float64
      layers and its weights cast: ``LoadedModel.with_dtype``), for inputs of at most
      ``FD_MAX_ELEMENTS`` elements. The float32 Jacobian carries float32 rounding of a deep computation,
@@ -50,7 +51,7 @@ from transforms import storage
 from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, missing_sources, write_manifest
 from transforms.shards import NONFINITE, SHARDS_DIR, is_shard_file, sha256_file
 
-TAPE_RTOL = 1e-4  # per-sample tape (float32) vs stored (float32)
+TAPE_RTOL = 1e-4  # per-sample tape (float32) vs stored (float32): transforms.engine.reference.RTOL
 OUTPUT_RTOL = 1e-5  # recomputed model output vs stored output
 FD_RTOL = 1e-3  # float64 central differences vs stored float32 Jacobian
 FD_MAX_ELEMENTS = 4096  # finite differences cost 2 model evaluations per input element
@@ -223,45 +224,6 @@ def float64_twin(loaded) -> tuple[Any, str | None]:
     return (lambda xs: np.asarray(twin.call([tf.constant(x, tf.float64) for x in xs]), np.float64)), None
 
 
-def _tape_function(call, shapes: list[tuple[int, ...]], forward: bool = False):
-    """``(x_1, ..., x_k) -> (y, [dy/dx_1, ..., dy/dx_k])`` for one sample of each model input, each
-    ``(1, *out, 1, *in)``: the full Jacobian, no batch assumption.
-
-    Reverse mode (``tape.jacobian``) by default. ``forward``: one forward-mode JVP per input entry, in a
-    sequential loop (no vectorisation), for runs whose engine used forward mode. Where the model is not
-    differentiable (``sqrt`` at 0), the two modes put NaN and inf in different places, and the reference
-    must fail where the run did.
-    """
-    import tensorflow as tf
-
-    def jvp_columns(xs: list, k: int, y):
-        shape = shapes[k]
-        size = int(np.prod(shape, dtype=np.int64))
-
-        def column(i):
-            tangent = tf.reshape(tf.one_hot(i, size, dtype=tf.float32), (1, *shape))
-            with tf.autodiff.ForwardAccumulator(xs[k], tangent) as accumulator:
-                out = tf.cast(call(xs), tf.float32)
-            jvp = accumulator.jvp(out, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return tf.reshape(jvp, [-1])
-
-        columns = tf.map_fn(column, tf.range(size), fn_output_signature=tf.float32, parallel_iterations=1)
-        return tf.reshape(tf.transpose(columns), tf.concat([tf.shape(y), [1], shape], 0))
-
-    @tf.function(input_signature=[tf.TensorSpec((1, *shape), tf.float32) for shape in shapes])
-    def one(*xs):
-        if forward:
-            y = tf.cast(call(list(xs)), tf.float32)
-            return y, [jvp_columns(list(xs), k, y) for k in range(len(xs))]
-        with tf.GradientTape() as tape:
-            for x in xs:
-                tape.watch(x)
-            y = tf.cast(call(list(xs)), tf.float32)
-        return y, tape.jacobian(y, list(xs))
-
-    return one
-
-
 def _one_input(f, xs: list[np.ndarray], k: int):
     """``f`` (a batch function of every input) as a batch function of input ``k`` alone, the other
     inputs held at their value in ``xs`` (one sample each)."""
@@ -295,14 +257,6 @@ def _finite_differences(f, x: np.ndarray, step: float = FD_STEP) -> tuple[np.nda
     return np.moveaxis(central, 0, -1).reshape(*central.shape[1:], *x.shape), not kinked
 
 
-def _store_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
 def _as_stored(reference: np.ndarray, store: np.dtype) -> np.ndarray:
     """The reference rounded as the stored values were (a float16 overflow is inf in both)."""
     with np.errstate(over="ignore"):
@@ -314,6 +268,7 @@ def _recompute(
 ) -> None:
     import tensorflow as tf
 
+    from transforms.engine import reference, store_dtype
     from transforms.models import load
     from transforms.readers import manifest_sources, open_samples
 
@@ -349,11 +304,13 @@ def _recompute(
     # One stored Jacobian per differentiated input: "jacobian", or "jacobian/<input>" for several inputs.
     datasets = [f"jacobian/{n}" for n in names] if several else ["jacobian"]
     outputs = int(np.prod(manifest["output_shape"], dtype=np.int64))
-    store = _store_dtype(manifest.get("dtype", "float32"))
+    stored_dtype = manifest.get("dtype", "float32")
+    store = store_dtype(stored_dtype)
     # Values stored in float16/bfloat16 carry its rounding: the tolerances grow to cover it.
-    eps = {"float16": 2 * 2.0**-10, "bfloat16": 2 * 2.0**-7}.get(store.name, 0.0)  # twice the unit roundoff
-    tolerances = {"output": max(OUTPUT_RTOL, eps), "tape": max(TAPE_RTOL, eps), "finite_differences": max(FD_RTOL, eps)}
-    one = _tape_function(loaded.call, shapes, forward=(manifest.get("engine") or {}).get("mode") == "forward")
+    eps = reference.store_roundoff(stored_dtype)
+    tolerances = {name: reference.tolerance(rtol, stored_dtype) for name, rtol in
+                  (("output", OUTPUT_RTOL), ("tape", TAPE_RTOL), ("finite_differences", FD_RTOL))}
+    one = reference.tape_function(loaded.call, shapes, forward=(manifest.get("engine") or {}).get("mode") == "forward")
     size = sum(int(np.prod(shape)) for shape in shapes)
     twin, why_not = (None, f"inputs have {size} elements, more than {FD_MAX_ELEMENTS}") if size > FD_MAX_ELEMENTS else float64_twin(loaded)
     errors: dict[str, list[float]] = {"output": [], "tape": [], "finite_differences": []}

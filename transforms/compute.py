@@ -15,13 +15,15 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 
 import apache_beam as beam
+import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.utils import shared
 
 from transforms import aggregates, faults
 from transforms.elements import JacobianBatch, SampleBatch, stack_samples, take
 from transforms.errors import ModelError
-from transforms.spec import EngineOptions, ModelSource
+from transforms.self_check import SelfChecker, chosen_ids
+from transforms.spec import EngineOptions, ModelSource, SelfCheck
 
 log = logging.getLogger(__name__)
 NAMESPACE = "jacobeam"  # the Beam metrics namespace
@@ -62,11 +64,22 @@ def build_engine(model: ModelSource, input_shape, options: EngineOptions, tf_thr
 
 class ComputeJacobiansFn(beam.DoFn):
     """``SampleBatch -> JacobianBatch...``: one output batch per engine call (the engine may take fewer
-    samples at a time than a batch holds, to keep within its memory budget)."""
+    samples at a time than a batch holds, to keep within its memory budget).
 
-    def __init__(self, model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None = None):
+    With ``self_check``, the samples of a batch's shard that ``self_check.chosen_ids`` picks are
+    recomputed one at a time when their batch is computed (``transforms.self_check``); the records go
+    with the batch (``JacobianBatch.checks``) to the shard writer, which stores them and acts on a
+    mismatch. Batches without a shard (a user's pipeline) are not checked.
+    """
+
+    def __init__(
+        self, model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None = None,
+        self_check: SelfCheck | None = None,
+    ):
         self._model, self._input_shape, self._options, self._tf_threads = model, input_shape, options, tf_threads
+        self._self_check = self_check if self_check is not None and self_check.samples > 0 else None
         self._shared = shared.Shared()
+        self._shared_checker = shared.Shared()
         self._samples = Metrics.counter(NAMESPACE, "samples")
         self._batches = Metrics.counter(NAMESPACE, "batches")
         self._latency = Metrics.distribution(NAMESPACE, "batch_latency_ms")
@@ -81,6 +94,11 @@ class ComputeJacobiansFn(beam.DoFn):
         self._engine = self._shared.acquire(
             lambda: build_engine(self._model, self._input_shape, self._options, self._tf_threads), tag=key
         )
+        self._checker, self._chosen = None, {}
+        if self._self_check is not None:  # its reference function is traced at the first check
+            self._checker = self._shared_checker.acquire(
+                lambda: SelfChecker(self._engine, self._self_check), tag=f"{key} {self._self_check!r}"
+            )
 
     def process(self, batch: SampleBatch) -> Iterator[JacobianBatch]:
         engine, kinds = self._engine, self._options.aggregate
@@ -105,7 +123,29 @@ class ComputeJacobiansFn(beam.DoFn):
                 seconds=seconds,
                 engine={**described, "model_fingerprint": engine.fingerprint},
                 worker={"pid": os.getpid(), "engine_builds": _engine_builds},
+                checks=self._check(part, datasets),
             )
+
+    def _check(self, part: SampleBatch, datasets: dict) -> list[dict] | None:
+        """The self-check of the samples of ``part`` that its shard checks (see ``transforms.self_check``)."""
+        if self._checker is None or part.shard is None:
+            return None
+        shard = part.shard
+        if shard.start not in self._chosen:
+            if len(self._chosen) > 64:
+                self._chosen.clear()
+            self._chosen[shard.start] = chosen_ids(shard, self._self_check.samples)
+        rows = np.flatnonzero(np.isin(np.asarray(part.ids), self._chosen[shard.start]))
+        if not len(rows):
+            return None
+        names = self._engine.input_names
+        checks = []
+        for row in rows:
+            inputs = part.inputs
+            xs = [inputs[name][row : row + 1] for name in names] if isinstance(inputs, dict) else [inputs[row : row + 1]]
+            stored = {name: values[row : row + 1] for name, values in datasets.items()}
+            checks.append(self._checker.check(xs, stored, int(part.ids[row])))
+        return checks
 
     def _report(self, engine: dict) -> None:
         self._retraces.set(engine["retraces_after_setup"])
@@ -127,7 +167,8 @@ class ComputeJacobians(beam.PTransform):
     ``SampleBatch`` elements (``batched=True``, the default where its element type says so, as
     ``ReadSamples``' does) is used as it comes, fused with its producer and consumer. Each ``JacobianBatch`` holds the datasets the engine makes (see
     ``transforms.engine.JacobianEngine``) and the samples' keys as ``ids``; ``| beam.FlatMap(
-    JacobianBatch.records)`` gives one ``(key, {dataset: array})`` per sample.
+    JacobianBatch.records)`` gives one ``(key, {dataset: array})`` per sample. ``self_check``
+    (``jacobian.self_check``) recomputes chosen samples of each planned shard (see ``ComputeJacobiansFn``).
     """
 
     def __init__(
@@ -137,9 +178,11 @@ class ComputeJacobians(beam.PTransform):
         options: EngineOptions = EngineOptions(),
         tf_threads: int | None = None,
         batched: bool | None = None,
+        self_check: SelfCheck | None = None,
     ):
         super().__init__()
         self._model, self._options, self._tf_threads, self._batched = model, options, tf_threads, batched
+        self._self_check = self_check
         self._input_shape = (
             {name: tuple(shape) for name, shape in input_shape.items()}
             if isinstance(input_shape, Mapping)
@@ -156,5 +199,5 @@ class ComputeJacobians(beam.PTransform):
                 | "Batch" >> beam.BatchElements(max_batch_size=self._options.batch_size)
                 | "Stack" >> beam.Map(stack_samples)
             )
-        fn = ComputeJacobiansFn(self._model, self._input_shape, self._options, self._tf_threads)
+        fn = ComputeJacobiansFn(self._model, self._input_shape, self._options, self._tf_threads, self._self_check)
         return samples | "Compute" >> beam.ParDo(fn).with_output_types(JacobianBatch)

@@ -44,8 +44,9 @@ class JacobianBatch:
 
     ``partial`` holds the batch's float64 partial sums for ``jacobian.aggregate``; ``seconds`` the
     compute time; ``engine`` what the engine ran (``JacobianEngine.describe()``) and ``worker`` the
-    process (``pid``, ``engine_builds``), for the manifest. The arrays may be read-only views of the
-    engine's result buffers (copy one to change it in place).
+    process (``pid``, ``engine_builds``), for the manifest. ``checks`` are the records of the self-check
+    of samples of this batch (``transforms.self_check``), if any. The arrays may be read-only views of
+    the engine's result buffers (copy one to change it in place).
     """
 
     ids: np.ndarray
@@ -55,6 +56,7 @@ class JacobianBatch:
     seconds: float = 0.0
     engine: dict[str, Any] | None = None
     worker: dict[str, int] | None = None
+    checks: list[dict[str, Any]] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)

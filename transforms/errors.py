@@ -39,3 +39,8 @@ class ModelError(JacobeamError, ValueError):
 
 class OutputError(JacobeamError, RuntimeError):
     """An output folder that cannot take this run's results, or shards that do not fit together."""
+
+
+class SelfCheckError(JacobeamError, RuntimeError):
+    """The run's self-check: a sample recomputed on its own does not reproduce what the engine computed
+    for it in its batch; the message names the shard, the sample, the dataset and the error."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import apache_beam as beam
 
-from transforms import faults, storage
+from transforms import faults, self_check, storage
 from transforms.aggregates import PARTIALS
 from transforms.errors import OutputError
 from transforms.readers import shape_record
@@ -241,9 +241,13 @@ def build_manifest(
                 "sha256": record.sha256,
                 "computed_in_this_run": record.computed,
                 **({"worker_pid": record.worker_pid, "engine_builds": record.engine_builds} if record.computed else {}),
+                **({"self_check": record.self_check["checked"]} if record.self_check else {}),
             }
             for record in records
         ],
+        # Each shard recomputed samples on their own (jacobian.self_check): what was checked, the largest
+        # relative error, every kink and mismatch.
+        "self_check": self_check.summary(spec.self_check, records),
         "versions": library_versions(),
         "run": {
             "wall_seconds": round(wall, 3),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import json
 import os
 import queue
 import re
@@ -45,6 +46,7 @@ _SHARD_NAME = re.compile(r"^shard-(\d{12})-(\d{12})\.h5$")
 _TEMP_NAME = re.compile(r"^\.shard-\d{12}-\d{12}\.h5\.tmp-[0-9a-f]+$|^\.jacobeam-write-test-[0-9a-f]+$")
 _CHUNK_BYTES = 1 << 20
 NONFINITE = "nonfinite"
+SELF_CHECK = "self_check"  # a shard's attribute: its self-check, as JSON (transforms.self_check)
 CHECKSUM_SUFFIX = ".sha256"  # a remote shard's sidecar
 
 
@@ -64,6 +66,9 @@ class ShardRecord:
     rows: int | None = None  # samples stored; fewer than stop - start when some were rejected
     nonfinite: int = 0  # rows whose results hold NaN or Inf
     engine: dict[str, Any] | None = None  # what the engine ran and why (``JacobianEngine.describe()``)
+    # The shard's self-check (its ``self_check`` attribute; for a shard computed in this run, each check's
+    # ``timing`` too); None when it checked nothing.
+    self_check: dict[str, Any] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -130,6 +135,7 @@ def existing_record(
     """The record of a complete shard found on disk (kept, not recomputed); ``checksum`` when known."""
     path = shard_path(output_dir, start, stop)
     attrs = read_attrs(path)
+    checked = attrs.get(SELF_CHECK)
     return ShardRecord(
         file=shard_file(start, stop),
         start=start,
@@ -140,6 +146,7 @@ def existing_record(
         rows=int(attrs.get("num_rows", stop - start)),
         nonfinite=int(attrs.get("nonfinite_count", 0)),
         engine=engine,
+        self_check=None if checked is None else json.loads(checked.decode() if isinstance(checked, bytes) else str(checked)),
     )
 
 
@@ -361,6 +368,14 @@ class ShardWriter:
             target = self._h5.require_group(group)
             for name, values in arrays.items():
                 target[name] = values
+
+        self._submit(store)
+
+    def set_attrs(self, attrs: dict[str, Any]) -> None:
+        """Set attributes of the shard (after the ones it was opened with), in order with the writes."""
+
+        def store() -> None:
+            self._h5.attrs.update(attrs)
 
         self._submit(store)
 

@@ -118,6 +118,19 @@ class EngineOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class SelfCheck:
+    """The run's self-check (``jacobian.self_check``): in each shard, ``samples`` samples (chosen by a
+    seeded generator keyed by the shard's first id) are recomputed one at a time by an independent
+    per-sample method and compared with what the engine computed; ``on_mismatch`` says whether a
+    difference beyond the tolerance stops the run (``fail``) or is logged and recorded (``warn``).
+    ``samples`` 0 turns it off. Not part of the run's identity: it decides how results are checked,
+    not what they are."""
+
+    samples: int = 1
+    on_mismatch: Literal["fail", "warn"] = "fail"
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardRange:
     """Sample ids ``[start, stop)``: one Beam element, one shard.
 
@@ -165,6 +178,7 @@ class JobSpec:
     id_segments: tuple[tuple[int, int], ...] = ()  # id ranges added by successive (incremental) runs
     identity: dict[str, Any] = dataclasses.field(default_factory=dict)  # what run_key hashes, for messages
     model_fingerprint: str | None = None  # as found by the launcher's model check
+    self_check: SelfCheck = SelfCheck()  # jacobian.self_check
     # The samples of a user's pipeline (``transforms.write.pipeline_spec``): not planned from files, their
     # ids 0..n-1 are counted when every shard is written.
     open_ended: bool = False

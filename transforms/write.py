@@ -36,13 +36,14 @@ from apache_beam.pvalue import TaggedOutput
 from apache_beam.utils.windowed_value import WindowedValue
 
 from transforms import aggregates
+from transforms import self_check
 from transforms.aggregates import Aggregate
 from transforms.elements import JacobianBatch
-from transforms.errors import OutputError
+from transforms.errors import OutputError, SelfCheckError
 from transforms.finalize import Finalize
 from transforms.readers import SourceFile, shape_from_record, shape_record
-from transforms.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_file, shard_path
-from transforms.spec import EngineOptions, JobSpec, ModelSource, ShardRange, shard_inputs, version
+from transforms.shards import SELF_CHECK, ShardRecord, ShardWriter, existing_record, read_attrs, shard_file, shard_path
+from transforms.spec import EngineOptions, JobSpec, ModelSource, SelfCheck, ShardRange, shard_inputs, version
 
 log = logging.getLogger(__name__)
 NAMESPACE = "jacobeam"
@@ -57,6 +58,7 @@ class _OpenShard:
     engine: dict[str, Any]  # what the engine ran, as the first batch reports it
     worker: dict[str, int]
     sums: aggregates.Partial | None = None
+    checks: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the self-check's records
 
 
 @dataclasses.dataclass
@@ -94,12 +96,15 @@ class WriteShardFn(beam.DoFn):
             raise OutputError("WriteShards: a batch without its shard; ids must be grouped into shards first")
         try:
             state = self._open.get(shard.start) or self._begin(batch)
+            self._take_checks(state, shard, batch.checks or [])
             state.writer.write(int(batch.ids[0]), {**batch.datasets, "sample_id": batch.ids})
             state.sums = aggregates.add(state.sums, batch.partial)
             if state.writer.rows_written == shard.rows:
                 yield from self._committed(wait=True)
                 if state.sums is not None:
                     state.writer.attach(aggregates.PARTIALS, state.sums)
+                if state.checks:
+                    state.writer.set_attrs({SELF_CHECK: json.dumps(self._check_record(state.checks, timing=False))})
                 self._committing.append(_Committing(shard, state, state.writer.commit_later(), element))
                 del self._open[shard.start]
             else:
@@ -146,6 +151,43 @@ class WriteShardFn(beam.DoFn):
         state = self._open[shard.start] = _OpenShard(writer, files, began, engine, batch.worker or {})
         return state
 
+    def _take_checks(self, state: _OpenShard, shard: ShardRange, checks: list[dict[str, Any]]) -> None:
+        """Keep the self-check's records of a batch for its shard; a mismatch stops the run (``on_mismatch:
+        fail``: this shard is never committed) or is logged (``warn``)."""
+        for check in checks:
+            where = self._input_row(check["id"])
+            if where is not None:  # the sample's input file and row, next to its id
+                check = {"id": check["id"], "input": where, **check}
+            state.checks.append(check)
+            if check["verdict"] == self_check.MISMATCH:
+                message = self._mismatch(shard, check)
+                if self._spec.self_check.on_mismatch == "fail":
+                    raise SelfCheckError(f"{message}; jacobian.self_check.on_mismatch: warn would record it and go on")
+                log.warning("%s (recorded: jacobian.self_check.on_mismatch is warn)", message)
+            elif check["verdict"] == self_check.KINK:
+                log.info("self-check: %s sample %d: %s (%s relative error %s; not a mismatch)", state.writer.name,
+                         check["id"], self_check.KINK_NOTE, check["dataset"], check["max_rel_error"])
+
+    def _input_row(self, sample_id: int) -> dict[str, Any] | None:
+        source = next((f for f in self._spec.files if f.num_samples and f.first_id <= sample_id < f.stop_id), None)
+        return None if source is None or self._spec.open_ended else {"file": source.path, "row": sample_id - source.first_id}
+
+    def _mismatch(self, shard: ShardRange, check: dict[str, Any]) -> str:
+        where = check.get("input")
+        row = f" (input {where['file']} row {where['row']})" if where else ""
+        return (
+            f"self-check failed: {shard_file(shard.start, shard.stop)} (ids {shard.start}..{shard.stop - 1}), sample "
+            f"{check['id']}{row}: {check['dataset']} differs from the reference ({check['reference']}) by "
+            f"max relative error {check['max_rel_error']}, tolerance {check['tolerance']:g}"
+        )
+
+    def _check_record(self, checks: list[dict[str, Any]], timing: bool) -> dict[str, Any]:
+        """A shard's self-check as stored: in its attribute (without ``timing``, which differs from run to
+        run: a resumed run must write the same bytes) and in its ``ShardRecord``."""
+        options = self._spec.self_check
+        kept = [check if timing else {k: v for k, v in check.items() if k != "timing"} for check in checks]
+        return {"samples": options.samples, "on_mismatch": options.on_mismatch, "checked": kept}
+
     def _committed(self, wait: bool) -> Iterator[WindowedValue | TaggedOutput]:
         """The records of the commits that are done (with ``wait``: of all of them, waiting), in order;
         a failed commit raises here."""
@@ -173,6 +215,7 @@ class WriteShardFn(beam.DoFn):
             engine=state.engine or None,
             rows=shard.rows,
             nonfinite=state.writer.nonfinite,
+            self_check=self._check_record(state.checks, timing=True) if state.checks else None,
         )
         yield done.element.with_value(record)
         if state.sums is not None:
@@ -290,6 +333,7 @@ def pipeline_spec(
         started_at=time.time(),
         identity=identity,
         open_ended=True,
+        self_check=SelfCheck(samples=0),  # its batches have no planned shard to check samples of
     )
 
 

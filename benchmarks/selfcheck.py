@@ -1,0 +1,99 @@
+"""What the run's self-check costs: the in-process pipeline with ``jacobian.self_check.samples: 1`` (the
+default) against ``0`` (off), on the same inputs, alternating after one warm-up run of each.
+
+``python -m benchmarks.selfcheck [--workload mlp] [--samples 20480] [--samples-per-shard 4096] [--repeats 5]``
+
+Each run is a fresh pipeline as a user starts one (``runner.run``, in-process): its worker builds its
+engine and, with the self-check on, traces the reference function at its first check, so every "on" run
+pays that one-time cost. Printed: the median wall time of each (the manifest's ``run.wall_seconds``,
+planning to manifest) and their ratio, which on a shared machine is as noisy as any two runs; and the
+self-check's own time inside the "on" runs (the manifest's ``self_check.seconds``: every check, the
+first one's tracing included), as a share of the run's wall time, which is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.suite import write_inputs
+from benchmarks.workloads import WORKLOADS, Workload
+
+BATCH = 256
+
+
+def measure(workload: Workload, samples: int, samples_per_shard: int, repeats: int) -> dict:
+    from pipeline import config, runner
+
+    with tempfile.TemporaryDirectory(prefix="jacobeam-selfcheck-") as temp:
+        glob = write_inputs(workload, samples, Path(temp) / "data")
+
+        def run(checks: int) -> dict:
+            out = Path(temp) / f"out-{checks}"
+            shutil.rmtree(out, ignore_errors=True)
+            cfg = config.validate(
+                {
+                    "model": {"factory": workload.factory},
+                    "input": {"paths": [glob]},
+                    "jacobian": {"batch_size": BATCH, "self_check": {"samples": checks}},
+                    "output": {"path": str(out), "samples_per_shard": samples_per_shard},
+                }
+            )
+            return runner.run(cfg, [], show_progress=False).manifest
+
+        run(1), run(0)  # warm-up: imports, first-touch memory
+        found: dict[int, list[dict]] = {1: [], 0: []}
+        for repeat in range(repeats):
+            for checks in (1, 0) if repeat % 2 == 0 else (0, 1):  # alternating which goes first
+                found[checks].append(run(checks))
+    on = [m["run"]["wall_seconds"] for m in found[1]]
+    off = [m["run"]["wall_seconds"] for m in found[0]]
+    checking = [m["self_check"]["seconds"] for m in found[1]]
+    first = [c["timing"]["seconds"] for m in found[1] for s in m["shards"] for c in s.get("self_check", []) if c["timing"]["traced"]]
+    later = [c["timing"]["seconds"] for m in found[1] for s in m["shards"] for c in s.get("self_check", []) if not c["timing"]["traced"]]
+    summary = found[1][-1]["self_check"]
+    return {
+        "workload": workload.key,
+        "samples": samples,
+        "shards": len(found[1][-1]["shards"]),
+        "walls_on": on,
+        "walls_off": off,
+        "wall_on": statistics.median(on),
+        "wall_off": statistics.median(off),
+        "ratio": statistics.median(on) / statistics.median(off),
+        "checking": statistics.median(checking),
+        "share": statistics.median(c / w for c, w in zip(checking, on)),
+        "first_check": statistics.median(first) if first else None,
+        "later_check": statistics.median(later) if later else None,
+        "max_rel_error": summary["max_rel_error"],
+        "tolerance": summary["tolerance"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.selfcheck", description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mlp")
+    parser.add_argument("--samples", type=int, default=20480)
+    parser.add_argument("--samples-per-shard", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    workload = WORKLOADS[args.workload]
+    found = measure(workload, args.samples, args.samples_per_shard, args.repeats)
+    later = "n/a" if found["later_check"] is None else f"{1000 * found['later_check']:.1f} ms"
+    print(f"{workload.key} {workload.name}: {args.samples:,} samples, {found['shards']} shards of {args.samples_per_shard:,}, median of {args.repeats}")
+    each = lambda walls: ", ".join(f"{w:.2f}" for w in walls)  # noqa: E731
+    print(f"  self_check.samples 1   {found['wall_on']:7.2f} s  ({each(found['walls_on'])})")
+    print(f"  self_check.samples 0   {found['wall_off']:7.2f} s  ({each(found['walls_off'])})")
+    print(f"  ratio on/off           {found['ratio']:7.3f}  (wall times: as noisy as any two runs)")
+    print(f"  checking inside a run  {found['checking']:7.3f} s = {100 * found['share']:.1f}% of its wall time "
+          f"(first check, tracing the reference: {1000 * (found['first_check'] or 0):.0f} ms; each later one: {later})")
+    print(f"  max relative error     {found['max_rel_error']} (tolerance {found['tolerance']:g})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""The run's self-check (``jacobian.self_check``): each shard recomputes a few samples on their own."""
+
+import json
+import re
+from pathlib import Path
+
+import h5py
+import keras
+import numpy as np
+import pytest
+
+from pipeline import cli, config, runner
+from pipeline.inspect_output import format_report, inspect
+from transforms import self_check
+from transforms.engine import JacobianEngine
+from transforms.errors import SelfCheckError
+from transforms.models import wrap_model
+from transforms.shards import sha256_file
+from transforms.spec import EngineOptions, Rejected, SelfCheck, ShardRange
+
+SIZES = {"a": 7, "b": 13, "c": 20}  # 40 samples: shards [0, 16), [16, 32), [32, 40)
+SHARDS = ["shard-000000000000-000000000016.h5", "shard-000000000016-000000000032.h5", "shard-000000000032-000000000040.h5"]
+
+
+def _write(folder: Path, shape=(12,), seed=0, labels=None) -> np.ndarray:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    parts = []
+    for name, size in SIZES.items():
+        x = rng.normal(size=(size, *shape)).astype(np.float32)
+        if labels is None:
+            np.save(folder / f"{name}.npy", x)
+        else:
+            np.savez(folder / f"{name}.npz", x=x, y=rng.integers(0, labels, size))
+        parts.append(x)
+    return np.concatenate(parts)
+
+
+def _config(data: Path, out: Path, factory="tests.models:small_mlp", key=None, **jacobian):
+    suffix = "*.npy" if key is None else "*.npz"
+    return config.validate(
+        {
+            "model": {"factory": factory},
+            "input": {"paths": [str(data / suffix)], "key": key},
+            "jacobian": {"batch_size": 4, **jacobian},
+            "output": {"path": str(out), "samples_per_shard": 16},
+        }
+    )
+
+
+def _run(cfg):
+    return runner.run(cfg, [], show_progress=False).manifest
+
+
+def _attr(path: Path):
+    with h5py.File(path) as h5:
+        return json.loads(h5.attrs["self_check"]) if "self_check" in h5.attrs else None
+
+
+def _shas(out: Path) -> dict[str, str]:
+    return {p.name: sha256_file(p) for p in sorted((out / "shards").iterdir())}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """A default run of the small MLP: the reference for the runs that fail or warn."""
+    root = tmp_path_factory.mktemp("self-check")
+    samples = _write(root / "data")
+    manifest = _run(_config(root / "data", root / "out"))
+    return root, samples, manifest
+
+
+def _corrupt(monkeypatch, samples: np.ndarray, ids: range, factor: float = 1.5) -> None:
+    """The engine returns the Jacobians of the samples ``ids`` scaled by ``factor``."""
+    targets = {samples[i].tobytes() for i in ids}
+    original = JacobianEngine.compute
+
+    def compute(engine, x, labels=None):
+        datasets, full = original(engine, x, labels)
+        hit = [i for i, row in enumerate(np.asarray(x)) if row.tobytes() in targets]
+        if hit:
+            jacobian = np.array(datasets["jacobian"])
+            jacobian[hit] *= factor
+            datasets = {**datasets, "jacobian": jacobian}
+        return datasets, full
+
+    monkeypatch.setattr(JacobianEngine, "compute", compute)
+
+
+# --- which samples --------------------------------------------------------------------------------------
+
+
+def test_chosen_ids_are_seeded_by_the_shard_and_skip_rejected_samples():
+    shard = ShardRange(16, 32, rejected=(Rejected("b.npy", "holds NaN", 3, 18, 30),))
+    chosen = self_check.chosen_ids(shard, 3)
+    assert len(chosen) == 3 and all(i in (16, 17, 30, 31) for i in chosen)
+    np.testing.assert_array_equal(chosen, self_check.chosen_ids(ShardRange(16, 32, shard.rejected), 3))
+    assert list(self_check.chosen_ids(shard, 10)) == [16, 17, 30, 31]  # all, when a shard holds fewer
+    assert len(self_check.chosen_ids(shard, 0)) == 0
+    firsts = {int(self_check.chosen_ids(ShardRange(start, start + 4096), 1)[0]) - start for start in range(0, 40960, 4096)}
+    assert len(firsts) > 1  # not the same place in every shard
+
+
+# --- the default run ------------------------------------------------------------------------------------
+
+
+def test_default_run_checks_one_sample_per_shard_in_its_attributes_and_the_manifest(clean):
+    root, _, manifest = clean
+    out = root / "out"
+    summary = manifest["self_check"]
+    assert summary["samples_per_shard"] == 1 and summary["on_mismatch"] == "fail"
+    assert summary["samples_checked"] == 3 and summary["shards_checked"] == 3
+    assert summary["tolerance"] == 1e-4 and summary["max_rel_error"] < 1e-5
+    assert summary["kinks"] == [] and summary["mismatches"] == []
+    assert summary["reference"] == "tf.GradientTape().jacobian of one sample"
+    for shard, name in zip(manifest["shards"], SHARDS):
+        stored = _attr(out / "shards" / name)
+        (check,) = stored["checked"]
+        assert stored["samples"] == 1 and stored["on_mismatch"] == "fail"
+        assert check["id"] == self_check.chosen_ids(ShardRange(shard["start"], shard["stop"]), 1)[0]
+        assert check["verdict"] == "ok" and check["max_rel_error"] < 1e-5
+        assert set(check["errors"]) == {"jacobian", "output"}
+        assert "timing" not in check  # the shard's bytes do not depend on how long a check took
+        first = {"a.npy": 0, "b.npy": 7, "c.npy": 20}[Path(check["input"]["file"]).name]
+        assert check["input"]["row"] == check["id"] - first
+        (listed,) = shard["self_check"]
+        assert {k: v for k, v in listed.items() if k != "timing"} == check and listed["timing"]["seconds"] > 0
+    line = next(line for line in format_report(inspect(str(out))).splitlines() if line.startswith("  self-check"))
+    assert re.fullmatch(
+        r"  self-check  3 sample\(s\) in 3 shard\(s\) recomputed on their own, max relative error \S+ \(tolerance 0.0001\)", line
+    )
+
+
+def test_samples_zero_records_nothing(clean, tmp_path):
+    root, _, _ = clean
+    manifest = _run(_config(root / "data", tmp_path / "out", self_check={"samples": 0}))
+    assert all(_attr(tmp_path / "out" / "shards" / name) is None for name in SHARDS)
+    assert all("self_check" not in shard for shard in manifest["shards"])
+    assert manifest["self_check"]["samples_per_shard"] == 0 and manifest["self_check"]["samples_checked"] == 0
+    assert "  self-check  off (jacobian.self_check.samples: 0)" in format_report(inspect(str(tmp_path / "out")))
+
+
+def test_a_run_resumed_with_another_self_check_setting_keeps_its_shards(clean, tmp_path):
+    """The self-check decides how results are checked, not what they are: not part of the run's identity."""
+    root, _, first = clean
+    out = tmp_path / "out"
+    _run(_config(root / "data", out, self_check={"samples": 0}))
+    (out / "shards" / SHARDS[1]).unlink()
+    (out / "manifest.json").unlink()
+    manifest = _run(_config(root / "data", out))
+    assert [s["computed_in_this_run"] for s in manifest["shards"]] == [False, True, False]
+    assert manifest["self_check"]["samples_checked"] == 1  # the shard computed now
+    assert _attr(out / "shards" / SHARDS[1]) == _attr(root / "out" / "shards" / SHARDS[1])
+
+
+# --- mismatches -----------------------------------------------------------------------------------------
+
+
+def test_a_corrupted_result_fails_the_run_in_one_line_naming_shard_and_sample(clean, tmp_path, monkeypatch, capsys):
+    root, samples, _ = clean
+    out = tmp_path / "out"
+    _corrupt(monkeypatch, samples, range(16, 32))
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(json.dumps(_config(root / "data", out).model_dump(mode="json")))
+
+    assert cli.main(["-q", "run", str(cfg)]) == 2
+
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if line.startswith("jacobeam: error:"))
+    chosen = int(self_check.chosen_ids(ShardRange(16, 32), 1)[0])
+    file, row = ("b.npy", chosen - 7) if chosen < 20 else ("c.npy", chosen - 20)
+    assert re.match(
+        rf"jacobeam: error: self-check failed: shards/{SHARDS[1]} \(ids 16..31\), sample {chosen} "
+        rf"\(input \S+/{file} row {row}\): jacobian differs from the reference \(tf.GradientTape\(\).jacobian of one "
+        r"sample\) by max relative error 0.5, tolerance 0.0001; jacobian.self_check.on_mismatch: warn would record it "
+        r"and go on( \[while running '[^']*'\])?$",
+        line,
+    ), line
+    # The failing shard was never committed; shards completed before it are intact; nothing half-written.
+    names = sorted(p.name for p in (out / "shards").iterdir())
+    assert SHARDS[1] not in names and all(not name.startswith(".") for name in names)
+    assert all(sha256_file(out / "shards" / name) == sha256_file(root / "out" / "shards" / name) for name in names)
+    assert not (out / "manifest.json").exists()
+
+    monkeypatch.undo()  # the engine is right again: the same command completes the run
+    assert cli.main(["-q", "run", str(cfg)]) == 0
+    assert _shas(out) == _shas(root / "out")
+
+
+def test_on_mismatch_warn_completes_and_records_the_mismatch(clean, tmp_path, monkeypatch, caplog):
+    root, samples, _ = clean
+    out = tmp_path / "out"
+    _corrupt(monkeypatch, samples, range(32, 40), factor=2.0)
+    manifest = _run(_config(root / "data", out, self_check={"on_mismatch": "warn"}))
+    chosen = int(self_check.chosen_ids(ShardRange(32, 40), 1)[0])
+    summary = manifest["self_check"]
+    assert summary["mismatches"] == [
+        {"file": f"shards/{SHARDS[2]}", "id": chosen, "dataset": "jacobian", "max_rel_error": 1.0}
+    ]
+    assert summary["max_rel_error"] == 1.0 and summary["samples_checked"] == 3
+    (check,) = _attr(out / "shards" / SHARDS[2])["checked"]
+    assert check["verdict"] == "mismatch" and check["errors"]["jacobian"] == 1.0
+    assert any(f"sample {chosen}" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    report = format_report(inspect(str(out)))
+    assert f"1 MISMATCH(ES), e.g. sample {chosen} (on_mismatch: warn)" in report
+
+
+# --- reduced and selected results -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "factory, jacobian, datasets",
+    [
+        ("tests.models:small_mlp", {"reduce": "frobenius", "outputs": "label", "labels": {"key": "y"}}, {"frobenius", "output"}),
+        ("tests.models:small_mlp", {"reduce": "project", "project": {"dim": 4}}, {"projection", "output"}),
+        ("tests.models:coupling_flow", {"reduce": "slogdet"}, {"sign", "logabsdet", "output"}),
+    ],
+)
+def test_reduced_and_selected_results_are_checked(tmp_path, factory, jacobian, datasets):
+    shape = (8,) if "flow" in factory else (12,)
+    _write(tmp_path / "data", shape, labels=5)
+    manifest = _run(_config(tmp_path / "data", tmp_path / "out", factory, key="x", **jacobian))
+    summary = manifest["self_check"]
+    assert summary["samples_checked"] == 3 and summary["max_rel_error"] < 1e-4, summary
+    checks = [check for shard in manifest["shards"] for check in shard["self_check"]]
+    assert {name for name in checks[0]["errors"]} == datasets
+    if jacobian.get("reduce") == "project":  # forward mode, along the projection's columns
+        assert summary["reference"].startswith("forward-mode JVPs along the product's vectors")
+
+
+# --- kinks ----------------------------------------------------------------------------------------------
+
+
+def kinked_relu(dtype: str = "float32") -> keras.Model:
+    """x[4] -> Dense 3 relu -> Dense 2, whose first hidden unit is exactly at its kink (pre-activation 0)
+    for samples with x1 = 2 x0 + x2 / 2 (dyadic values: exact in floating point): ``kinked_samples``."""
+    model = keras.Sequential(
+        [keras.Input((4,), dtype=dtype), keras.layers.Dense(3, activation="relu", dtype=dtype), keras.layers.Dense(2, dtype=dtype)]
+    )
+    kernel = np.array([[1.0, 0.3, -0.7], [-0.5, 0.8, 0.2], [0.25, -0.4, 0.9], [0.0, 0.6, 0.5]])
+    model.layers[0].set_weights([kernel.astype(dtype), np.array([0.0, 2.0, 2.0], dtype)])
+    model.layers[1].set_weights([np.array([[1.5, -2.0], [0.7, 0.4], [-0.3, 0.9]], dtype), np.zeros(2, dtype)])
+    return model
+
+
+def kinked_samples(n: int) -> np.ndarray:
+    rng = np.random.default_rng(7)
+    x0, x2, x3 = rng.integers(-8, 9, n) / 8, rng.integers(-4, 5, n) / 4, rng.integers(-4, 5, n) / 4
+    return np.stack([x0, 2 * x0 + x2 / 2, x2, x3], axis=1).astype(np.float32)
+
+
+NUDGE = np.array([1e-6, 0, 0, 0], np.float32)  # onto the active side of the kinked unit
+
+
+def test_a_kinked_sample_is_a_note_and_a_corrupted_one_a_mismatch():
+    x = kinked_samples(4)
+    engine = JacobianEngine(wrap_model(kinked_relu(), "kinked"), (4,), EngineOptions(batch_size=4))
+    checker = self_check.SelfChecker(engine, SelfCheck())
+    computed = engine(x)
+    other_side = engine(x + NUDGE)  # another batching's round-off could have put it there
+    row = lambda datasets, i: {name: values[i : i + 1] for name, values in datasets.items()}  # noqa: E731
+
+    assert checker.check([x[:1]], row(computed, 0), 0)["verdict"] == "ok"
+    kink = checker.check([x[:1]], row(other_side, 0), 0)
+    assert kink["verdict"] == "kink" and kink["max_rel_error"] > 1e-2
+    assert kink["note"].startswith("at a kink: derivative not unique")
+    doubled = {**row(other_side, 0), "jacobian": 2 * other_side["jacobian"][:1]}
+    assert checker.check([x[:1]], doubled, 0)["verdict"] == "mismatch"
+
+
+def test_a_run_whose_samples_sit_at_kinks_completes_with_notes(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    np.save(tmp_path / "data" / "x.npy", kinked_samples(40))
+    original = JacobianEngine.compute
+    monkeypatch.setattr(JacobianEngine, "compute", lambda engine, x, labels=None: original(engine, x + NUDGE, labels))
+    manifest = _run(_config(tmp_path / "data", tmp_path / "out", "tests.test_self_check:kinked_relu"))
+    summary = manifest["self_check"]
+    assert summary["samples_checked"] == 3 and len(summary["kinks"]) == 3 and summary["mismatches"] == []
+    assert summary["max_rel_error"] is None  # every check was at a kink: none judged by the tolerance
+    assert "3 at a kink (derivative not unique)" in format_report(inspect(str(tmp_path / "out")))
+
+
+def test_config_keys_and_their_checks():
+    base = {"model": {"builtin": "mlp"}, "input": {"paths": ["x.npy"]}, "output": {"path": "out"}}
+    assert config.validate(base).jacobian.self_check.spec() == SelfCheck(samples=1, on_mismatch="fail")
+    for bad, key in (({"samples": -1}, "samples"), ({"on_mismatch": "ignore"}, "on_mismatch"), ({"sample": 2}, "sample")):
+        with pytest.raises(config.ConfigError, match=rf"jacobian.self_check.{key}"):
+            config.validate({**base, "jacobian": {"self_check": bad}})
+    with pytest.raises(SelfCheckError):  # a JacobeamError: the command line prints it as one line
+        raise SelfCheckError("x")
