@@ -68,3 +68,14 @@ def test_side_by_side_end_to_end_runs_the_pipeline_against_the_engine():
 
     assert {row["row"]: row["ratio"] for row in rows}["engine in memory"] == 1.0
     assert all(row["samples_per_second"] > 0 for row in rows)
+
+
+@pytest.mark.slow
+def test_self_check_benchmark_times_the_pipeline_with_and_without_the_check():
+    from benchmarks import selfcheck
+
+    found = selfcheck.measure(WORKLOADS["mlp"], samples=300, samples_per_shard=128, repeats=1)
+
+    assert found["shards"] == 3 and found["wall_on"] > 0 and found["wall_off"] > 0
+    assert 0 < found["checking"] < found["wall_on"] and found["first_check"] > 0
+    assert found["max_rel_error"] < found["tolerance"] == 1e-4
