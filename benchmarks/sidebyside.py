@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.rows import RowSpec, build, engine_modes, row_specs
-from benchmarks.suite import relative_error, write_inputs
+from benchmarks.suite import write_inputs
+from transforms.engine.diagnostics import relative_error
 from benchmarks.workloads import WORKLOADS, Workload, inputs
 
 BATCH = 256

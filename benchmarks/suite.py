@@ -28,6 +28,7 @@ import numpy as np
 from benchmarks.measure import Budget
 from benchmarks.rows import BASELINE, RowSpec, row_specs
 from benchmarks.workloads import WORKLOADS, Workload, flops_per_jacobian, inputs
+from transforms.engine.diagnostics import relative_error
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES_PER_SHARD = 512  # several shards per run, so that two worker processes both get work
@@ -110,15 +111,6 @@ def run_task(task: dict[str, Any], folder: Path, timeout_s: float) -> tuple[dict
     path.write_text(json.dumps({**task, "out": str(folder)}))
     process = run_process([sys.executable, "-m", "benchmarks.worker", str(path)], folder / "log.txt", timeout_s)
     return json.loads((folder / "result.json").read_text()), process
-
-
-def relative_error(found: np.ndarray, reference: np.ndarray) -> float:
-    """Largest absolute difference over the reference's largest entry (Jacobians have many near-zero
-    entries, so an entry-wise relative error would mostly measure noise)."""
-    if found.shape != reference.shape:
-        return float("inf")
-    scale = max(float(np.abs(reference).max()), 1e-30)
-    return float(np.abs(found.astype(np.float64) - reference).max()) / scale
 
 
 def _in_memory(row: RowSpec, workload: Workload, samples: int, plan: Plan, folder: Path) -> tuple[dict, np.ndarray]:

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from transforms import storage
+from transforms.engine.diagnostics import relative_error
 from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, missing_sources, write_manifest
 from transforms.shards import NONFINITE, SHARDS_DIR, is_shard_file, sha256_file
 
@@ -93,19 +94,6 @@ class Report:
             "problems": self.problems,
             "notes": self.notes,
         }
-
-
-def _rel_error(actual: np.ndarray, reference: np.ndarray) -> float:
-    """Largest difference relative to the reference's largest entry, over entries finite in both; inf
-    when the two disagree on which entries are finite."""
-    actual, reference = np.asarray(actual, np.float64), np.asarray(reference, np.float64)
-    if actual.shape != reference.shape or not np.array_equal(np.isfinite(actual), np.isfinite(reference)):
-        return float("inf")
-    finite = np.isfinite(reference)
-    if not finite.any():
-        return 0.0
-    scale = max(float(np.abs(reference[finite]).max()), 1e-12)
-    return float(np.abs(actual[finite] - reference[finite]).max()) / scale
 
 
 # --- structure: checksums and coverage ------------------------------------------------------------------
@@ -334,7 +322,7 @@ def _recompute(
             return _as_stored(full if selected is None else full[selected], store).reshape(stored[k].shape)
 
         def check(name: str, k: int | None, value: np.ndarray, reference: np.ndarray) -> None:
-            error = _rel_error(value, reference)
+            error = relative_error(value, reference, floor=1e-12)
             errors[name].append(error)
             if not error <= tolerances[name]:
                 label = name.replace("_", " ") + ("" if k is None or not several else f" ({datasets[k]})")
@@ -349,7 +337,7 @@ def _recompute(
             check("tape", k, value, stored_rows(jacobians[k].numpy(), k))
         if twin is not None and not nonfinite:
             x64 = [x.astype(np.float64) for x in xs]
-            if _rel_error(twin(x64).reshape(stored_out.shape), stored_out) > max(1e-3, eps):
+            if relative_error(twin(x64).reshape(stored_out.shape), stored_out, floor=1e-12) > max(1e-3, eps):
                 twin, why_not = None, "the float64 rebuild of the model does not reproduce its outputs"
                 continue
             differences = {k: _finite_differences(_one_input(twin, x64, k), x64[k][0]) for k in stored}

@@ -1,7 +1,20 @@
 """The Jacobian engine: compiled per-sample Jacobians of a model, built once per worker. Pure TensorFlow,
-never Beam. ``facade.JacobianEngine`` composes the other modules (see its docstring)."""
+never Beam. ``facade.JacobianEngine`` composes the other modules (see its docstring).
+
+Importing the package is light: ``JacobianEngine`` and ``store_dtype`` (which import TensorFlow) load
+when first asked for; ``relative_error`` is numpy only.
+"""
+
+from typing import Any
 
 from transforms.engine.diagnostics import relative_error
-from transforms.engine.facade import JacobianEngine, store_dtype
 
 __all__ = ["JacobianEngine", "relative_error", "store_dtype"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("JacobianEngine", "store_dtype"):
+        from transforms.engine import facade
+
+        return getattr(facade, name)
+    raise AttributeError(f"module 'transforms.engine' has no attribute {name!r}")

@@ -16,16 +16,18 @@ AGREEMENT = {"float32": 1e-4, "float64": 1e-9}  # max |a - b| / max |b| for two 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # transforms/: jacobeam's own engine code
 
 
-def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
-    """Largest difference over the largest reference entry, both over the finite entries; inf where the
-    two disagree on which entries are finite (a NaN anywhere would otherwise pass every comparison)."""
+def relative_error(actual: np.ndarray, expected: np.ndarray, floor: float = 0.0, scale: float | None = None) -> float:
+    """Largest difference over the largest reference entry (at least ``floor``; or a fixed ``scale``),
+    both over the finite entries; inf where the two disagree on which entries are finite (a NaN
+    anywhere would otherwise pass every comparison)."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     finite = np.isfinite(expected)
     if not np.array_equal(finite, np.isfinite(actual)):
         return float("inf")
     if not finite.any():
         return 0.0
-    scale = max(float(np.max(np.abs(expected[finite]))), np.finfo(np.float32).tiny)
+    if scale is None:
+        scale = max(float(np.max(np.abs(expected[finite]))), floor, np.finfo(np.float32).tiny)
     return float(np.max(np.abs(actual[finite] - expected[finite]))) / scale
 
 
