@@ -47,7 +47,7 @@ class Built:
 def engine_modes() -> tuple[list[str], str | None]:
     """The values of ``EngineOptions.mode`` and its default, or ``([], None)`` when the engine has no
     modes yet (another change adds them; the suite runs with and without)."""
-    from transforms.spec import EngineOptions
+    from jacobeam.transforms.spec import EngineOptions
 
     fields = {f.name: f for f in dataclasses.fields(EngineOptions)}
     if "mode" not in fields:
@@ -92,7 +92,7 @@ def row_specs(modes: list[str], default_mode: str | None, peers: dict[str, bool]
     rows += [
         RowSpec("pipeline_1proc", "jacobeam pipeline, in-process (runner.run)", "pipeline", {"workers": 1}),
         RowSpec("pipeline_2proc", "jacobeam pipeline, 2 worker processes (runner.run)", "pipeline", {"workers": 2}),
-        RowSpec("cli", "jacobeam command (python -m pipeline run)", "cli", {"workers": 1}),
+        RowSpec("cli", "jacobeam command (python -m jacobeam run)", "cli", {"workers": 1}),
     ]
     return rows
 
@@ -166,9 +166,9 @@ def _torch(workload: Workload, transform: str) -> Built:
 
 def _engine(workload: Workload, jit_compile: bool, mode: str | None, batch_size: int = 256) -> Built:
     """jacobeam's engine in memory, on the model the pipeline loads for ``workload.factory``."""
-    from transforms.engine import JacobianEngine
-    from transforms.spec import EngineOptions
-    from transforms.models import load
+    from jacobeam.transforms.engine import JacobianEngine
+    from jacobeam.transforms.spec import EngineOptions
+    from jacobeam.transforms.engine.models import load
 
     options: dict[str, Any] = {"batch_size": batch_size, "jit_compile": jit_compile}
     if mode is not None:

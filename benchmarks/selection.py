@@ -24,7 +24,7 @@ import numpy as np
 def _wide():
     import keras
 
-    from transforms.models import seeded_weights
+    from jacobeam.transforms.engine.models import seeded_weights
 
     model = keras.Sequential(
         [
@@ -39,13 +39,13 @@ def _wide():
 
 
 def _mlp():
-    from transforms.models import build_mlp
+    from jacobeam.transforms.engine.models import build_mlp
 
     return build_mlp()
 
 
 def _rows(model, folder: str):
-    from transforms.spec import OutputSelection, Reduction
+    from jacobeam.transforms.spec import OutputSelection, Reduction
 
     m = int(np.prod(model.output_shape[1:]))
     vector = os.path.join(folder, "u.npy")
@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.selection", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples and repeats")
     args = parser.parse_args(argv)
-    from transforms.engine import JacobianEngine
-    from transforms.models import wrap_model
-    from transforms.spec import EngineOptions
+    from jacobeam.transforms.engine import JacobianEngine
+    from jacobeam.transforms.engine.models import wrap_model
+    from jacobeam.transforms.spec import EngineOptions
 
     n, repeats = (512, 3) if args.quick else (2048, 5)
     with tempfile.TemporaryDirectory() as folder:

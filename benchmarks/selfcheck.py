@@ -27,7 +27,7 @@ BATCH = 256
 
 
 def measure(workload: Workload, samples: int, samples_per_shard: int, repeats: int) -> dict:
-    from pipeline import config, runner
+    from jacobeam.pipeline import config, runner
 
     with tempfile.TemporaryDirectory(prefix="jacobeam-selfcheck-") as temp:
         glob = write_inputs(workload, samples, Path(temp) / "data")

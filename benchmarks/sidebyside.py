@@ -24,7 +24,7 @@ import numpy as np
 
 from benchmarks.rows import RowSpec, build, engine_modes, row_specs
 from benchmarks.suite import write_inputs
-from transforms.engine.diagnostics import relative_error
+from jacobeam.transforms.engine.diagnostics import relative_error
 from benchmarks.workloads import WORKLOADS, Workload, inputs
 
 BATCH = 256
@@ -72,9 +72,9 @@ def in_memory(workload: Workload, row_ids: list[str], samples: int, repeats: int
 
 def end_to_end(workload: Workload, samples: int, repeats: int) -> list[dict]:
     """The in-process pipeline and the engine in memory on the same samples, alternating."""
-    from pipeline import config, runner
-    from transforms.engine import JacobianEngine
-    from transforms.models import load
+    from jacobeam.pipeline import config, runner
+    from jacobeam.transforms.engine import JacobianEngine
+    from jacobeam.transforms.engine.models import load
 
     with tempfile.TemporaryDirectory(prefix="jacobeam-sidebyside-") as temp:
         glob = write_inputs(workload, samples, Path(temp) / "data")

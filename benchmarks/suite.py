@@ -28,7 +28,7 @@ import numpy as np
 from benchmarks.measure import Budget
 from benchmarks.rows import BASELINE, RowSpec, row_specs
 from benchmarks.workloads import WORKLOADS, Workload, flops_per_jacobian, inputs
-from transforms.engine.diagnostics import relative_error
+from jacobeam.transforms.engine.diagnostics import relative_error
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES_PER_SHARD = 512  # several shards per run, so that two worker processes both get work
@@ -154,7 +154,7 @@ def _end_to_end_once(row: RowSpec, workload: Workload, inputs_glob: str, folder:
     else:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.yaml").write_text(yaml.safe_dump(config))
-        command = [sys.executable, "-m", "pipeline", "-q", "run", str(folder / "config.yaml"), *beam_args]
+        command = [sys.executable, "-m", "jacobeam", "-q", "run", str(folder / "config.yaml"), *beam_args]
         process = run_process(command, folder / "log.txt", plan.timeout_s)
         found["command_seconds"] = process.wall_seconds
     run = json.loads((out / "manifest.json").read_text())["run"]

@@ -63,7 +63,7 @@ def row(task: dict[str, Any]) -> dict[str, Any]:
 def _record_first_jacobian(found: dict[str, Any]) -> None:
     """Note ``time.time()`` when an engine in this process first returns a batch's Jacobians
     (the in-process runner's worker runs here; worker processes of other runners are not seen)."""
-    from transforms.engine import JacobianEngine
+    from jacobeam.transforms.engine import JacobianEngine
 
     compute = JacobianEngine.compute
 
@@ -77,7 +77,7 @@ def _record_first_jacobian(found: dict[str, Any]) -> None:
 
 def pipeline(task: dict[str, Any]) -> dict[str, Any]:
     """jacobeam's Beam pipeline through its Python API, as a user's program would call it."""
-    from pipeline import config, runner
+    from jacobeam.pipeline import config, runner
 
     found: dict[str, Any] = {}
     if not task["beam_args"]:

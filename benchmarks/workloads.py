@@ -136,7 +136,7 @@ def _param_shapes(workload: Workload) -> list[list[tuple[int, ...]]]:
 def weights(workload: Workload, seed: int = WEIGHT_SEED) -> list[list[np.ndarray]]:
     """Per layer, its float32 weights (``Permute``: one int64 index array).
 
-    Draws as ``transforms.models.seeded_weights`` does (biases N(0, 0.1), kernels N(0, 1/fan_in)), in
+    Draws as ``transforms.engine.models.seeded_weights`` does (biases N(0, 0.1), kernels N(0, 1/fan_in)), in
     the same order, so W1 and W2 get exactly the weights of jacobeam's builtins ``mlp`` and ``cnn``.
     """
     rng = np.random.default_rng(seed)

@@ -12,9 +12,9 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
-from transforms.errors import ModelError, OutputError
-from transforms.readers import Shape, SourceFile
-from transforms.spec import ModelSource
+from jacobeam.transforms.errors import ModelError, OutputError
+from jacobeam.transforms.inputs.readers import Shape, SourceFile
+from jacobeam.transforms.spec import ModelSource
 
 
 def configure_tf_threads(tf_threads: int | None) -> None:
@@ -88,12 +88,12 @@ def check_model(model: ModelSource, files: list[SourceFile]) -> tuple[str, tuple
 def check_writable(folder: str | Path) -> None:
     """Create the output folder if needed and prove that files can be created in it (and in ``shards/``):
     permission bits say little on network file systems, read-only mounts or for root, so try it."""
-    from transforms import storage
+    from jacobeam.transforms.output import storage
 
     if not storage.is_local(folder):
         _check_remote_writable(str(folder))
         return
-    from transforms.shards import SHARDS_DIR
+    from jacobeam.transforms.output.shards import SHARDS_DIR
 
     root = Path(folder)
     if root.exists() and not root.is_dir():
@@ -115,7 +115,7 @@ def check_writable(folder: str | Path) -> None:
 
 def _check_remote_writable(folder: str) -> None:
     """Create and delete a probe object: the only way to learn that credentials and bucket allow writes."""
-    from transforms import storage
+    from jacobeam.transforms.output import storage
 
     probe = storage.join(folder, f".jacobeam-write-test-{uuid.uuid4().hex[:12]}")
     try:

@@ -1,4 +1,4 @@
-"""The ``jacobeam`` command (also ``python -m pipeline``): run, demo, inspect, verify.
+"""The ``jacobeam`` command (also ``python -m jacobeam``): run, demo, inspect, verify.
 
 Arguments after the config that jacobeam does not know are Beam ``PipelineOptions``
 (``--runner``, ``--direct_num_workers``, ``--temp_location``, ...), as in every Beam program.
@@ -13,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from transforms import storage
-from transforms.errors import JacobeamError
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.errors import JacobeamError
 
 log = logging.getLogger("jacobeam")
 
@@ -107,12 +107,12 @@ def _summary(result) -> str:
 
 
 def _run(config, beam_args: list[str], quiet: bool, overwrite: bool = False, verify_samples: int = 0) -> int:
-    from pipeline import runner
+    from jacobeam.pipeline import runner
 
     result = runner.run(config, beam_args, show_progress=not quiet, overwrite=overwrite, verify_samples=verify_samples)
     print(_summary(result))
     if result.verification is not None:
-        from pipeline.verify import format_report
+        from jacobeam.pipeline.verify import format_report
 
         print(format_report(result.verification))
         return 0 if result.verification.ok else 1
@@ -120,8 +120,8 @@ def _run(config, beam_args: list[str], quiet: bool, overwrite: bool = False, ver
 
 
 def _demo(args, beam_args: list[str]) -> int:
-    from pipeline import config as config_module
-    from pipeline import demo
+    from jacobeam.pipeline import config as config_module
+    from jacobeam.pipeline import demo
 
     root = args.root or demo.DEMO_ROOT
     config = config_module.load(None, args.overrides, base=demo.demo_config(root))
@@ -131,7 +131,7 @@ def _demo(args, beam_args: list[str]) -> int:
 
 
 def _verify(args) -> int:
-    from pipeline.verify import format_report, verify
+    from jacobeam.pipeline.verify import format_report, verify
 
     report = verify(args.folder, samples=args.samples, seed=args.seed)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
@@ -146,12 +146,12 @@ def _ids(text: str) -> list[int]:
 
 
 def _inspect(args) -> int:
-    from pipeline.inspect_output import format_report, inspect
+    from jacobeam.pipeline.inspect_output import format_report, inspect
 
     report = inspect(args.folder)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     if args.plot and report.ok:
-        from pipeline.plot import plot
+        from jacobeam.pipeline.plot import plot
 
         if not storage.is_local(args.folder):
             raise JacobeamError(
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         beam_args = quiet_workers + beam_args
     try:
         if args.command == "run":
-            from pipeline import config as config_module
+            from jacobeam.pipeline import config as config_module
 
             config = config_module.load(args.config, args.overrides)
             return _run(config, beam_args, args.quiet, args.overwrite, args.verify)

@@ -25,9 +25,9 @@ from pydantic import (
     model_validator,
 )
 
-from transforms.errors import JacobeamError
-from transforms.images import ImageOptions
-from transforms.spec import EngineOptions, OutputSelection, Reduction, SelfCheck
+from jacobeam.transforms.errors import JacobeamError
+from jacobeam.transforms.inputs.images import ImageOptions
+from jacobeam.transforms.spec import EngineOptions, OutputSelection, Reduction, SelfCheck
 
 
 class ConfigError(JacobeamError, ValueError):

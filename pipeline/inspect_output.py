@@ -10,9 +10,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from transforms import storage
-from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file, missing_sources, view_datasets
-from transforms.shards import SHARDS_DIR, is_shard_file, is_temp_file
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file, missing_sources, view_datasets
+from jacobeam.transforms.output.shards import SHARDS_DIR, is_shard_file, is_temp_file
 
 
 @dataclass

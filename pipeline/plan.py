@@ -27,13 +27,13 @@ import re
 import time
 from typing import Any
 
-from pipeline.config import Config, ConfigError, to_dict
-from transforms import storage
-from transforms.errors import CorruptInputError, InputError, OutputError
-from transforms.aggregates import AGGREGATES
-from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file, remove_temp_files
-from transforms.images import ImageOptions
-from transforms.readers import (
+from jacobeam.pipeline.config import Config, ConfigError, to_dict
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.errors import CorruptInputError, InputError, OutputError
+from jacobeam.transforms.aggregates import AGGREGATES
+from jacobeam.transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file, remove_temp_files
+from jacobeam.transforms.inputs.images import ImageOptions
+from jacobeam.transforms.inputs.readers import (
     IMAGE_SUFFIXES,
     Key,
     Shape,
@@ -45,8 +45,8 @@ from transforms.readers import (
     shape_record,
     unreadable_file,
 )
-from transforms.scan import FileScan, scan_files
-from transforms.shards import (
+from jacobeam.transforms.inputs.scan import FileScan, scan_files
+from jacobeam.transforms.output.shards import (
     CHECKSUM_SUFFIX,
     SHARDS_DIR,
     is_checksum_file,
@@ -54,7 +54,7 @@ from transforms.shards import (
     read_attrs,
     shard_name,
 )
-from transforms.spec import JobSpec, ModelSource, Rejected, ShardRange, shard_inputs
+from jacobeam.transforms.spec import JobSpec, ModelSource, Rejected, ShardRange, shard_inputs
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def resolve_inputs(
 
 
 def scan_inputs(files: list[SourceFile], on_bad_sample: str) -> dict[str, FileScan]:
-    """Read every sample once (see ``transforms.scan``); under ``error`` the first bad one stops the run."""
+    """Read every sample once (see ``transforms.inputs.scan``); under ``error`` the first bad one stops the run."""
     began = time.monotonic()
     scans = scan_files(files)
     log.info("scanned %d input file(s) in %.1f s", len(scans), time.monotonic() - began)
@@ -306,7 +306,7 @@ def read_folder(output_dir: str) -> Folder:
     only if it looks like what jacobeam writes; otherwise it is listed as alien and never touched.
 
     In a remote folder a shard counts only when it has jacobeam's attributes and a checksum sidecar (see
-    ``transforms.shards``; the worker checks its bytes against the sidecar before keeping it); one that
+    ``transforms.output.shards``; the worker checks its bytes against the sidecar before keeping it); one that
     jacobeam wrote (it has a sidecar, or a ``run_key``) but that fails this is listed as owned, not as a
     shard: ``prepare_output`` removes it and it is computed again."""
     root = storage.normalize(output_dir)
@@ -469,7 +469,7 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
     """
     policy = config.input.on_bad_sample
     if check_model:
-        from pipeline.checks import configure_tf_threads
+        from jacobeam.pipeline.checks import configure_tf_threads
 
         configure_tf_threads(tf_threads)  # before reading inputs, which may run TensorFlow ops
     files = resolve_inputs(
@@ -483,7 +483,7 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
     files = _with_hashes(files, scans)
     fingerprint, output_shape = None, None
     if check_model:
-        from pipeline.checks import check_model as check
+        from jacobeam.pipeline.checks import check_model as check
 
         fingerprint, output_shape = check(ModelSource(**to_dict(config)["model"]), files)
     identity = run_identity(to_dict(config))
@@ -519,7 +519,7 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
 def prepare_output(job: Job) -> None:
     """The run's first writes, once every check has passed: make sure the folder can be written, apply
     ``--overwrite`` (only files jacobeam wrote), remove temporary files that a killed run left."""
-    from pipeline.checks import check_writable
+    from jacobeam.pipeline.checks import check_writable
 
     root = job.spec.output_dir
     check_writable(root)

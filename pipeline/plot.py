@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from transforms.finalize import VIEW
-from transforms.readers import iter_slices, manifest_sources
+from jacobeam.transforms.finalize import VIEW
+from jacobeam.transforms.inputs.readers import iter_slices, manifest_sources
 
 _NORM_CHUNK = 256  # samples read at a time for the norms histogram
 

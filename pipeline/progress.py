@@ -12,9 +12,9 @@ import threading
 import time
 from typing import TextIO
 
-from transforms import storage
-from transforms.shards import SHARDS_DIR, shard_name
-from transforms.spec import JobSpec
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.output.shards import SHARDS_DIR, shard_name
+from jacobeam.transforms.spec import JobSpec
 
 
 class ShardProgress:

@@ -13,15 +13,16 @@ import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
-from pipeline import plan
-from pipeline.config import Config
-from pipeline.progress import ShardProgress
-from transforms import faults, storage
-from transforms.compute import ComputeJacobians
-from transforms.finalize import MANIFEST
-from transforms.read import ReadSamples
-from transforms.spec import JobSpec
-from transforms.write import WriteShards
+from jacobeam.pipeline import plan
+from jacobeam.pipeline.config import Config
+from jacobeam.pipeline.progress import ShardProgress
+from jacobeam.transforms.testing import faults
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.compute import ComputeJacobians
+from jacobeam.transforms.finalize import MANIFEST
+from jacobeam.transforms.read import ReadSamples
+from jacobeam.transforms.spec import JobSpec
+from jacobeam.transforms.write import WriteShards
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def run(
     manifest = json.loads(storage.read_text(storage.join(spec.output_dir, MANIFEST)))
     verification = None
     if verify_samples:
-        from pipeline import verify
+        from jacobeam.pipeline import verify
 
         verification = verify.verify(spec.output_dir, samples=verify_samples)
         manifest = verify.record(spec.output_dir, verification)

@@ -47,10 +47,10 @@ from typing import Any
 
 import numpy as np
 
-from transforms import storage
-from transforms.engine.diagnostics import relative_error
-from transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, missing_sources, write_manifest
-from transforms.shards import NONFINITE, SHARDS_DIR, is_shard_file, sha256_file
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.engine.diagnostics import relative_error
+from jacobeam.transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, missing_sources, write_manifest
+from jacobeam.transforms.output.shards import NONFINITE, SHARDS_DIR, is_shard_file, sha256_file
 
 TAPE_RTOL = 1e-4  # per-sample tape (float32) vs stored (float32): transforms.engine.reference.RTOL
 OUTPUT_RTOL = 1e-5  # recomputed model output vs stored output
@@ -174,8 +174,8 @@ def _check_view(root: str, column: np.ndarray, report: Report) -> None:
 
 
 def _check_inputs(manifest: dict[str, Any], report: Report) -> bool:
-    from transforms.errors import InputError
-    from transforms.readers import describe, manifest_sources
+    from jacobeam.transforms.errors import InputError
+    from jacobeam.transforms.inputs.readers import describe, manifest_sources
 
     fine = True
     for source in manifest_sources(manifest):
@@ -201,7 +201,7 @@ def float64_twin(loaded) -> tuple[Any, str | None]:
     (``LoadedModel.with_dtype``, the same twin that ``compute_dtype: float64`` runs), or None and why not."""
     import tensorflow as tf
 
-    from transforms.errors import ModelError
+    from jacobeam.transforms.errors import ModelError
 
     try:
         twin = loaded.with_dtype("float64")
@@ -256,9 +256,9 @@ def _recompute(
 ) -> None:
     import tensorflow as tf
 
-    from transforms.engine import reference, store_dtype
-    from transforms.models import load
-    from transforms.readers import manifest_sources, open_samples
+    from jacobeam.transforms.engine import reference, store_dtype
+    from jacobeam.transforms.engine.models import load
+    from jacobeam.transforms.inputs.readers import manifest_sources, open_samples
 
     stored_kind = manifest.get("stored", {}).get("reduce", "none")
     if stored_kind != "none":

@@ -14,9 +14,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from transforms.engine import JacobianEngine
-from transforms.models import seeded_weights, wrap_model
-from transforms.spec import EngineOptions
+from jacobeam.transforms.engine import JacobianEngine
+from jacobeam.transforms.engine.models import seeded_weights, wrap_model
+from jacobeam.transforms.spec import EngineOptions
 
 
 def peak() -> int:

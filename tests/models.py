@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import keras
 
-from transforms.models import seeded_weights
+from jacobeam.transforms.engine.models import seeded_weights
 
 
 def small_mlp(dtype: str = "float32") -> keras.Model:

@@ -10,8 +10,8 @@ import h5py
 import numpy as np
 import pytest
 
-from pipeline import cli, config, runner
-from pipeline.verify import verify
+from jacobeam.pipeline import cli, config, runner
+from jacobeam.pipeline.verify import verify
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
 from tests.test_pipeline import folder_state
@@ -271,8 +271,8 @@ def test_keras_file_with_code_is_refused_and_imports_nothing(tmp_path, monkeypat
     """safe_mode stays on: neither a pickled lambda nor a module named in the file's config runs."""
     import keras
 
-    from transforms.errors import ModelError
-    from transforms.models import load
+    from jacobeam.transforms.errors import ModelError
+    from jacobeam.transforms.engine.models import load
 
     lam = keras.Sequential([keras.Input((3,)), keras.layers.Lambda(lambda x: x * 2)])
     lam.save(tmp_path / "lambda.keras")

@@ -10,11 +10,11 @@ import pytest
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.util import assert_that
 
-from pipeline import verify
+from jacobeam.pipeline import verify
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop, tape_loop_inputs
-from transforms import ComputeJacobians, EngineOptions, JacobianBatch, ModelSource, WriteShards, pipeline_spec
-from transforms.errors import OutputError
+from jacobeam.transforms import ComputeJacobians, EngineOptions, JacobianBatch, ModelSource, WriteShards, pipeline_spec
+from jacobeam.transforms.errors import OutputError
 
 MODEL = ModelSource(factory="tests.models:small_cnn")
 SHAPE = (8, 8, 1)
@@ -114,9 +114,9 @@ def test_aggregates_are_refused_for_a_users_pipeline(tmp_path):
 def test_a_bundle_that_ends_mid_shard_is_an_error(tmp_path, samples):
     """The planned path streams a shard's batches within one bundle; a batch stream that stops before a
     shard's last row must fail the bundle, not commit or leave a half shard."""
-    from transforms.elements import JacobianBatch as Batch
-    from transforms.spec import ShardRange
-    from transforms.write import WriteShardFn
+    from jacobeam.transforms.elements import JacobianBatch as Batch
+    from jacobeam.transforms.spec import ShardRange
+    from jacobeam.transforms.write import WriteShardFn
 
     spec = pipeline_spec(str(tmp_path / "out"), MODEL, SHAPE, samples_per_shard=8)
     fn = WriteShardFn(spec)

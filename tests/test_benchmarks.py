@@ -9,7 +9,7 @@ import pytest
 from benchmarks.measure import Budget
 from benchmarks.suite import WRONG, Plan, run_suite
 from benchmarks.workloads import WORKLOADS, weights
-from transforms.models import build_cnn, build_mlp
+from jacobeam.transforms.engine.models import build_cnn, build_mlp
 
 # The CNN, because its layout (channels last, HWIO kernels, flatten order) is where a peer's
 # translation of the weights would go wrong; peers run where installed (the `bench` extra).

@@ -1,6 +1,6 @@
 """Block sizing against the memory budget: arithmetic, tested without TensorFlow."""
 
-from transforms.engine.budget import Sizes, Workload, size_blocks, smaller
+from jacobeam.transforms.engine.budget import Sizes, Workload, size_blocks, smaller
 
 
 def _work(**overrides):

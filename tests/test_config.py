@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import config, demo
+from jacobeam.pipeline import config, demo
 
 MINIMAL = {"model": {"builtin": "mlp"}, "input": {"paths": ["data/*.npy"]}, "output": {"path": "out/"}}
 

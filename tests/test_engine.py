@@ -5,10 +5,10 @@ import pytest
 
 from tests import models as test_models
 from tests.reference import assert_close, central_differences, tape_loop
-from transforms.engine import JacobianEngine
-from transforms.spec import EngineOptions
-from transforms.errors import ModelError
-from transforms.models import build_cnn, build_mlp, load, wrap_model
+from jacobeam.transforms.engine import JacobianEngine
+from jacobeam.transforms.spec import EngineOptions
+from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.engine.models import build_cnn, build_mlp, load, wrap_model
 
 
 def _engine(model, batch_size=8, **options):
@@ -65,7 +65,7 @@ def test_fingerprint_hashes_the_weights():
 def test_paths_are_compared_over_finite_entries_and_must_agree_on_which_are_finite():
     """The engine's agreement check (XLA, double reverse, batch independence): a NaN must not make every
     comparison pass, as ``nan > tolerance`` would."""
-    from transforms.engine import relative_error
+    from jacobeam.transforms.engine import relative_error
 
     reference = np.array([[1.0, np.nan], [4.0, 2.0]])
     assert relative_error(np.array([[1.0, np.nan], [4.0, 2.2]]), reference) == pytest.approx(0.05)

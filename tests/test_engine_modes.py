@@ -13,11 +13,11 @@ import tensorflow as tf
 
 from tests import models as test_models
 from tests.reference import assert_close, central_differences, tape_loop
-from transforms.engine import blocks as strategies
-from transforms.engine import JacobianEngine
-from transforms.errors import ModelError
-from transforms.models import wrap_model
-from transforms.spec import EngineOptions, OutputSelection
+from jacobeam.transforms.engine import blocks as strategies
+from jacobeam.transforms.engine import JacobianEngine
+from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.engine.models import wrap_model
+from jacobeam.transforms.spec import EngineOptions, OutputSelection
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -78,7 +78,7 @@ def test_double_reverse_that_disagrees_with_the_accumulator_is_not_used(monkeypa
         wrong.experimental_get_tracing_count = block.experimental_get_tracing_count
         return wrong
 
-    monkeypatch.setattr("transforms.engine.blocks.build_block", wrong_double_reverse)
+    monkeypatch.setattr("jacobeam.transforms.engine.blocks.build_block", wrong_double_reverse)
     model = test_models.coupling_flow()
     x = _samples(model, 9)
     engine = _engine(model, mode="forward")
@@ -185,7 +185,7 @@ def test_auto_keeps_the_faster_of_xla_and_the_plain_graph(monkeypatch, slow):
         fn = real(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs)
         return _Slowed(fn, 0.05) if jit_compile == slow else fn
 
-    monkeypatch.setattr("transforms.engine.blocks.build_block", slowed)
+    monkeypatch.setattr("jacobeam.transforms.engine.blocks.build_block", slowed)
     engine = _engine(model, jit_compile="auto")
     described = engine.describe()
     assert described["jit_compile"] is not slow
@@ -207,7 +207,7 @@ def test_xla_that_disagrees_is_rejected_under_auto_however_fast(monkeypatch):
             return _Slowed(fn, 0.05)
         return tf.function(lambda *args: (lambda y, block: (y, block * 1.01))(*fn(*args)))
 
-    monkeypatch.setattr("transforms.engine.blocks.build_block", wrong_under_xla)
+    monkeypatch.setattr("jacobeam.transforms.engine.blocks.build_block", wrong_under_xla)
     engine = _engine(model, jit_compile="auto")
     assert engine.describe()["jit_compile"] is False
     assert any("disagrees" in reason for reason in engine.describe()["reasons"])
@@ -233,7 +233,7 @@ def test_required_xla_is_checked_against_the_plain_graph_and_refused_when_it_dis
             return fn
         return tf.function(lambda *args: (lambda y, block: (y, block * 1.01))(*fn(*args)))
 
-    monkeypatch.setattr("transforms.engine.blocks.build_block", wrong_under_xla)
+    monkeypatch.setattr("jacobeam.transforms.engine.blocks.build_block", wrong_under_xla)
     with pytest.raises(ModelError, match=r"reverse \+ XLA disagrees with the reference .*use jit_compile auto or false"):
         _engine(model, mode="reverse", jit_compile=True)
 
@@ -271,7 +271,7 @@ class _OutOfMemory:
 
 def _plan_sizes(engine, batch, rows):
     """Set an engine's plan to ``batch`` samples per sub-batch and ``rows`` rows per block."""
-    from transforms.engine.budget import Sizes
+    from jacobeam.transforms.engine.budget import Sizes
 
     plan = engine._plan
     engine._plan = dataclasses.replace(plan, sizes=Sizes(batch, tuple((k, rows) for k, _ in plan.sizes.rows)))
@@ -336,7 +336,7 @@ def test_persistent_out_of_memory_is_a_clear_error():
 def test_an_error_of_jacobeams_own_code_surfaces_instead_of_a_fallback(monkeypatch):
     """Falling back to another path is for what TensorFlow cannot run; a TypeError raised by jacobeam's
     own code is a bug. (The function is compiled under the engine's file name: raised by jacobeam.)"""
-    from transforms.engine import operands
+    from jacobeam.transforms.engine import operands
 
     namespace = {}
     code = "def select(self, y, labels):\n    raise TypeError('a bug in jacobeam')\n"

@@ -20,15 +20,15 @@ import h5py
 import numpy as np
 import pytest
 
-from pipeline import cli
-from pipeline.verify import verify
-from transforms import faults
-from transforms.shards import sha256_file
+from jacobeam.pipeline import cli
+from jacobeam.pipeline.verify import verify
+from jacobeam.transforms.testing import faults
+from jacobeam.transforms.output.shards import sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
-# Every named point of transforms/faults.py, some at a later occurrence (the N-th shard, ...).
+# Every named point of transforms/testing/faults.py, some at a later occurrence (the N-th shard, ...).
 POINTS = [
     "plan", "setup", "shard_write:1", "shard_write:4", "shard_commit:2", "shard_done:3",
     "view_write", "view", "rejected", "manifest",
@@ -68,7 +68,7 @@ def job(tmp_path_factory):
 
 
 def _killed_run(config: Path, kill_at: str | None = None, after: float | None = None, args=()) -> int:
-    """Run ``python -m pipeline run`` in its own process group; SIGKILL the whole group when it dies by
+    """Run ``python -m jacobeam run`` in its own process group; SIGKILL the whole group when it dies by
     itself at ``kill_at``, or after ``after`` seconds. Returns the exit status (-9: killed)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop(faults.KILL_AT, None)
@@ -76,7 +76,7 @@ def _killed_run(config: Path, kill_at: str | None = None, after: float | None = 
         env[faults.KILL_AT] = kill_at
     with open(config.with_suffix(".stderr"), "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "-q", "run", str(config), *args],
+            [sys.executable, "-m", "jacobeam", "-q", "run", str(config), *args],
             cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr,
         )
         try:

@@ -8,8 +8,8 @@ from apache_beam.testing.util import assert_that
 
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
-from transforms.inference import JacobianModelHandler
-from transforms.spec import EngineOptions, ModelSource, Reduction
+from jacobeam.transforms.inference import JacobianModelHandler
+from jacobeam.transforms.spec import EngineOptions, ModelSource, Reduction
 
 
 def test_run_inference_yields_each_samples_jacobian():

@@ -5,8 +5,8 @@ import pytest
 import tensorflow as tf
 
 from tests import models as test_models
-from transforms.errors import ModelError
-from transforms.models import load
+from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.engine.models import load
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,15 @@ import tensorflow as tf
 import yaml
 from PIL import Image
 
-from pipeline import cli, config, runner
-from pipeline.verify import verify
+from jacobeam.pipeline import cli, config, runner
+from jacobeam.pipeline.verify import verify
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop, tape_loop_inputs
 from tests.test_pipeline import folder_state
-from transforms import images, tfrecords
-from transforms.errors import InputError
-from transforms.images import ImageOptions
-from transforms.readers import assign_ids, describe, iter_slices, open_samples
+from jacobeam.transforms.inputs import images, tfrecords
+from jacobeam.transforms.errors import InputError
+from jacobeam.transforms.inputs.images import ImageOptions
+from jacobeam.transforms.inputs.readers import assign_ids, describe, iter_slices, open_samples
 
 SIZES = {"b": 13, "a": 7, "c": 20}  # written out of order: ids follow sorted path order
 

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline import cli, config, runner
-from pipeline.verify import TAPE_RTOL, verify
+from jacobeam.pipeline import cli, config, runner
+from jacobeam.pipeline.verify import TAPE_RTOL, verify
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop_inputs
 from tests.test_pipeline import folder_state
-from transforms.errors import InputError
-from transforms.readers import assign_ids, describe, iter_slices, manifest_sources, open_samples
-from transforms.scan import scan_file
+from jacobeam.transforms.errors import InputError
+from jacobeam.transforms.inputs.readers import assign_ids, describe, iter_slices, manifest_sources, open_samples
+from jacobeam.transforms.inputs.scan import scan_file
 
 SIZES = {"b": 13, "a": 7, "c": 20}  # written out of order: ids follow sorted path order
 KEY = {"image": "pixels", "meta": "side/info"}  # input name -> array (an .h5 dataset path may nest)
@@ -310,7 +310,7 @@ def test_a_users_pipeline_writes_several_inputs_jacobians(tmp_path):
     import apache_beam as beam
     from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
-    from transforms import ComputeJacobians, EngineOptions, ModelSource, WriteShards, pipeline_spec
+    from jacobeam.transforms import ComputeJacobians, EngineOptions, ModelSource, WriteShards, pipeline_spec
 
     rng = np.random.default_rng(9)
     samples = {"image": rng.normal(size=(10, 4, 4, 1)).astype(np.float32), "meta": rng.normal(size=(10, 3)).astype(np.float32)}

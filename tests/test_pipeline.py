@@ -10,10 +10,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pipeline import cli, config, runner
+from jacobeam.pipeline import cli, config, runner
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
-from transforms.shards import sha256_file
+from jacobeam.transforms.output.shards import sha256_file
 
 FILE_SIZES = {"b": 13, "a": 7, "c": 20}  # written out of order: ids follow sorted path order
 

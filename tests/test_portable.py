@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 import pytest
 
-from pipeline import config, runner
+from jacobeam.pipeline import config, runner
 from tests.services import beam_service
 from tests.test_pipeline import write_inputs
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from apache_beam.pvalue import TaggedOutput
 
-from transforms import storage
-from transforms.errors import InputError
-from transforms.readers import assign_ids, check_consistent, describe, iter_slices, open_rows
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.errors import InputError
+from jacobeam.transforms.inputs.readers import assign_ids, check_consistent, describe, iter_slices, open_rows
 
 
 def _write(path, array, key="x"):
@@ -116,7 +116,7 @@ def test_truncated_npy_is_an_error_naming_the_rows(tmp_path, rng):
 
 
 def _read_all(spec, shard):
-    from transforms.read import ReadShardFn
+    from jacobeam.transforms.read import ReadShardFn
 
     batches = [b for b in ReadShardFn(spec).process(shard) if not isinstance(b, TaggedOutput)]  # not rejected runs
     return [(b.ids, b.inputs, b.labels) for b in batches]
@@ -125,8 +125,8 @@ def _read_all(spec, shard):
 def test_native_npy_batches_equal_the_python_slices_across_files_and_rejected_rows(tmp_path, rng, monkeypatch):
     """Shards that start mid-file, span three files (one float64), skip rejected rows and end on a short
     batch: both readers give the same batches of the same ids and values."""
-    from pipeline import config, plan
-    from transforms import read
+    from jacobeam.pipeline import config, plan
+    from jacobeam.transforms import read
 
     data = tmp_path / "data"
     data.mkdir()
@@ -164,7 +164,7 @@ def test_native_npy_batches_equal_the_python_slices_across_files_and_rejected_ro
 
 
 def test_native_npy_reader_names_a_file_truncated_since_the_plan(tmp_path, rng):
-    from pipeline import config, plan
+    from jacobeam.pipeline import config, plan
 
     data = tmp_path / "data"
     data.mkdir()

@@ -10,14 +10,14 @@ import h5py
 import numpy as np
 import pytest
 
-from pipeline import cli, runner
+from jacobeam.pipeline import cli, runner
 from tests import remote_fs
 from tests.reference import assert_close, tape_loop
 from tests.models import small_cnn
 from tests.services import beam_service
 from tests.test_pipeline import job_config, run, write_inputs
-from transforms import storage
-from transforms.shards import CHECKSUM_SUFFIX
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.output.shards import CHECKSUM_SUFFIX
 
 OUT = "fakegcs://bucket/out"
 
@@ -191,7 +191,7 @@ def test_a_run_killed_while_writing_a_remote_folder_resumes_to_the_same_output(t
     import subprocess
     import sys
 
-    from transforms import faults
+    from jacobeam.transforms.testing import faults
 
     _, clean_cfg, _ = _jobs(tmp_path)
     clean = run(clean_cfg)
@@ -204,7 +204,7 @@ def test_a_run_killed_while_writing_a_remote_folder_resumes_to_the_same_output(t
     }))
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(repo), faults.KILL_AT: point}
-    launcher = "import sys, tests.remote_fs; from pipeline.cli import main; sys.exit(main(sys.argv[1:]))"
+    launcher = "import sys, tests.remote_fs; from jacobeam.pipeline.cli import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.Popen([sys.executable, "-c", launcher, "-q", "run", str(config)], cwd=repo, env=env,
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

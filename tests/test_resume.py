@@ -10,14 +10,14 @@ import h5py
 import numpy as np
 import pytest
 
-from pipeline import cli, config, plan, runner
+from jacobeam.pipeline import cli, config, plan, runner
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
 from tests.test_pipeline import folder_state
-from transforms import faults
-from transforms.readers import SourceFile
-from transforms.shards import sha256_file
-from transforms.spec import Rejected
+from jacobeam.transforms.testing import faults
+from jacobeam.transforms.inputs.readers import SourceFile
+from jacobeam.transforms.output.shards import sha256_file
+from jacobeam.transforms.spec import Rejected
 
 
 def _config(data: Path, out: Path, **jacobian):

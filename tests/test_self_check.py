@@ -9,14 +9,14 @@ import keras
 import numpy as np
 import pytest
 
-from pipeline import cli, config, runner
-from pipeline.inspect_output import format_report, inspect
-from transforms import self_check
-from transforms.engine import JacobianEngine
-from transforms.errors import SelfCheckError
-from transforms.models import wrap_model
-from transforms.shards import sha256_file
-from transforms.spec import EngineOptions, Rejected, SelfCheck, ShardRange
+from jacobeam.pipeline import cli, config, runner
+from jacobeam.pipeline.inspect_output import format_report, inspect
+from jacobeam.transforms import self_check
+from jacobeam.transforms.engine import JacobianEngine
+from jacobeam.transforms.errors import SelfCheckError
+from jacobeam.transforms.engine.models import wrap_model
+from jacobeam.transforms.output.shards import sha256_file
+from jacobeam.transforms.spec import EngineOptions, Rejected, SelfCheck, ShardRange
 
 SIZES = {"a": 7, "b": 13, "c": 20}  # 40 samples: shards [0, 16), [16, 32), [32, 40)
 SHARDS = ["shard-000000000000-000000000016.h5", "shard-000000000016-000000000032.h5", "shard-000000000032-000000000040.h5"]

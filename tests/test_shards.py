@@ -10,9 +10,9 @@ import h5py
 import numpy as np
 import pytest
 
-from transforms import faults
-from transforms.errors import OutputError
-from transforms.shards import ShardWriter, sha256_file
+from jacobeam.transforms.testing import faults
+from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.output.shards import ShardWriter, sha256_file
 
 
 def _batches(rng, rows=40, batch=16):
@@ -168,7 +168,7 @@ def test_a_later_commit_that_fails_gives_its_error_through_the_future_and_leaves
     def no_disk(path):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("transforms.shards.durable", no_disk)
+    monkeypatch.setattr("jacobeam.transforms.output.shards.durable", no_disk)
     with ShardWriter(str(tmp_path), 0, 40, {}) as writer:
         for first, arrays in batches:
             writer.write(first, arrays)

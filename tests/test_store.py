@@ -6,10 +6,10 @@ import pytest
 
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
-from transforms.engine import JacobianEngine
-from transforms.errors import ModelError
-from transforms.models import wrap_model
-from transforms.spec import EngineOptions, OutputSelection, Reduction
+from jacobeam.transforms.engine import JacobianEngine
+from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.engine.models import wrap_model
+from jacobeam.transforms.spec import EngineOptions, OutputSelection, Reduction
 
 
 def _engine(model, **options):

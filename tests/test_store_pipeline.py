@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 import pytest
 
-from pipeline import cli, config, runner
+from jacobeam.pipeline import cli, config, runner
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
 

@@ -7,11 +7,11 @@ import h5py
 import numpy as np
 import pytest
 
-from pipeline import cli, config, runner
-from pipeline.verify import FD_RTOL, TAPE_RTOL, _finite_differences, float64_twin, verify
+from jacobeam.pipeline import cli, config, runner
+from jacobeam.pipeline.verify import FD_RTOL, TAPE_RTOL, _finite_differences, float64_twin, verify
 from tests import models as test_models
 from tests.test_pipeline import write_inputs
-from transforms.shards import sha256_file
+from jacobeam.transforms.output.shards import sha256_file
 
 
 def _config(data, out):
@@ -127,7 +127,7 @@ def test_unfinished_folder_fails_verification(copy):
 
 
 def test_float64_twin_matches_the_model_and_computes_in_float64(rng):
-    from transforms.models import LoadedModel, wrap_model
+    from jacobeam.transforms.engine.models import LoadedModel, wrap_model
 
     for build in (test_models.small_mlp, test_models.small_cnn, test_models.grid_model, test_models.scalar_model):
         model = build()

@@ -9,11 +9,11 @@ import h5py
 import numpy as np
 import pytest
 
-from pipeline import config, runner
+from jacobeam.pipeline import config, runner
 from tests.reference import assert_close, tape_loop
 from tests.test_pipeline import write_inputs
 from tests import models as test_models
-from transforms.models import build_cnn
+from jacobeam.transforms.engine.models import build_cnn
 
 REPO = Path(__file__).resolve().parent.parent
 TWO_PROCESSES = ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
@@ -53,9 +53,9 @@ def test_two_worker_processes_give_identical_shards_and_build_the_engine_once_ea
 
 @pytest.mark.slow
 def test_demo_command_from_a_fresh_folder(tmp_path):
-    """``python -m pipeline demo`` as a user runs it, then ``inspect`` on its output."""
+    """``python -m jacobeam demo`` as a user runs it, then ``inspect`` on its output."""
     demo = subprocess.run(
-        [sys.executable, "-m", "pipeline", "demo", "--root", "demo", "--set", "output.samples_per_shard=1024"],
+        [sys.executable, "-m", "jacobeam", "demo", "--root", "demo", "--set", "output.samples_per_shard=1024"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
     assert demo.returncode == 0, demo.stderr[-3000:]
@@ -69,6 +69,6 @@ def test_demo_command_from_a_fresh_folder(tmp_path):
         samples = np.concatenate(parts)[ids]
         assert_close(view["jacobian"][ids], tape_loop(build_cnn(), samples), rtol=1e-5)
     inspect = subprocess.run(
-        [sys.executable, "-m", "pipeline", "inspect", "demo/out"], cwd=tmp_path, capture_output=True, text=True
+        [sys.executable, "-m", "jacobeam", "inspect", "demo/out"], cwd=tmp_path, capture_output=True, text=True
     )
     assert inspect.returncode == 0 and "complete" in inspect.stdout, inspect.stdout + inspect.stderr

@@ -11,13 +11,13 @@ imports PyTorch and SciPy where they are installed, 1.5 s of start-up that the p
 
 from typing import Any
 
-from transforms.aggregates import Aggregate
-from transforms.compute import ComputeJacobians, ComputeJacobiansFn
-from transforms.elements import JacobianBatch, SampleBatch
-from transforms.finalize import Finalize
-from transforms.read import ReadSamples
-from transforms.spec import EngineOptions, JobSpec, ModelSource, OutputSelection, Reduction, ShardRange
-from transforms.write import WriteShards, pipeline_spec
+from jacobeam.transforms.aggregates import Aggregate
+from jacobeam.transforms.compute import ComputeJacobians, ComputeJacobiansFn
+from jacobeam.transforms.elements import JacobianBatch, SampleBatch
+from jacobeam.transforms.finalize import Finalize
+from jacobeam.transforms.read import ReadSamples
+from jacobeam.transforms.spec import EngineOptions, JobSpec, ModelSource, OutputSelection, Reduction, ShardRange
+from jacobeam.transforms.write import WriteShards, pipeline_spec
 
 __all__ = [
     "Aggregate",
@@ -41,7 +41,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "JacobianModelHandler":
-        from transforms.inference import JacobianModelHandler
+        from jacobeam.transforms.inference import JacobianModelHandler
 
         return JacobianModelHandler
     raise AttributeError(f"module 'transforms' has no attribute {name!r}")

@@ -16,10 +16,10 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 
-from transforms import storage
-from transforms.errors import OutputError
-from transforms.shards import read_attrs, shard_path
-from transforms.spec import JobSpec
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.output.shards import read_attrs, shard_path
+from jacobeam.transforms.spec import JobSpec
 
 AGGREGATES = "aggregates.h5"
 PARTIALS = "partial_aggregates"  # the group in each shard that keeps its partial sums

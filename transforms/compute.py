@@ -19,11 +19,12 @@ import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.utils import shared
 
-from transforms import aggregates, faults
-from transforms.elements import JacobianBatch, SampleBatch, stack_samples, take
-from transforms.errors import ModelError
-from transforms.self_check import SelfChecker, chosen_ids
-from transforms.spec import EngineOptions, ModelSource, SelfCheck
+from jacobeam.transforms import aggregates
+from jacobeam.transforms.testing import faults
+from jacobeam.transforms.elements import JacobianBatch, SampleBatch, stack_samples, take
+from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.self_check import SelfChecker, chosen_ids
+from jacobeam.transforms.spec import EngineOptions, ModelSource, SelfCheck
 
 log = logging.getLogger(__name__)
 NAMESPACE = "jacobeam"  # the Beam metrics namespace
@@ -53,7 +54,7 @@ def configure_tf_threads(threads: int | None) -> None:
 def build_engine(model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None = None):
     """Load the model and build, trace and warm up the Jacobian function (once per process)."""
     global _engine_builds
-    from transforms.engine import JacobianEngine
+    from jacobeam.transforms.engine import JacobianEngine
 
     configure_tf_threads(tf_threads)
     engine = JacobianEngine(model.load(), input_shape, options)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from transforms.spec import ShardRange
+from jacobeam.transforms.spec import ShardRange
 
 Inputs = np.ndarray | dict[str, np.ndarray]  # (n, *input_shape), or per input name for several inputs
 

@@ -3,7 +3,7 @@ then write ``jacobians.h5``, ``rejected.jsonl`` and ``manifest.json``.
 
 Each file is written under a temporary name and renamed into place, so a reader (or the next run) sees
 the old file or the new one, never half of one (in a remote folder: written locally, copied to the
-temporary remote name, then renamed; see ``transforms.storage``). The manifest is written last: an
+temporary remote name, then renamed; see ``transforms.output.storage``). The manifest is written last: an
 output folder is complete exactly when it has a manifest, and what it holds is what the manifest lists. Leftover temporary files of a killed run are removed by the
 next run (at its start and here) and never read.
 """
@@ -24,12 +24,14 @@ from typing import Any
 
 import apache_beam as beam
 
-from transforms import faults, self_check, storage
-from transforms.aggregates import PARTIALS
-from transforms.errors import OutputError
-from transforms.readers import shape_record
-from transforms.shards import SHARDS_DIR, ShardRecord, is_temp_file, read_attrs
-from transforms.spec import JobSpec, Rejected, version
+from jacobeam.transforms.testing import faults
+from jacobeam.transforms import self_check
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.aggregates import PARTIALS
+from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.inputs.readers import shape_record
+from jacobeam.transforms.output.shards import SHARDS_DIR, ShardRecord, is_temp_file, read_attrs
+from jacobeam.transforms.spec import JobSpec, Rejected, version
 
 MANIFEST = "manifest.json"
 VIEW = "jacobians.h5"

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
-from transforms.spec import EngineOptions, ModelSource
+from jacobeam.transforms.spec import EngineOptions, ModelSource
 
 
 class JacobianModelHandler(ModelHandler[np.ndarray, dict, Any]):
@@ -47,7 +47,7 @@ class JacobianModelHandler(ModelHandler[np.ndarray, dict, Any]):
 
     def load_model(self):
         """The engine: built, checked and warmed up once per worker process (RunInference shares it)."""
-        from transforms.engine import JacobianEngine
+        from jacobeam.transforms.engine import JacobianEngine
 
         return JacobianEngine(self._model.load(), self._input_shape, self._options)
 

@@ -20,14 +20,15 @@ from collections.abc import Iterator
 import apache_beam as beam
 import numpy as np
 
-from transforms import arrays, storage
-from transforms.elements import SampleBatch
-from transforms.errors import InputError
-from transforms.readers import (
+from jacobeam.transforms.inputs import arrays
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.elements import SampleBatch
+from jacobeam.transforms.errors import InputError
+from jacobeam.transforms.inputs.readers import (
     Samples, SourceFile, as_dtype, file_format, iter_slices, nonfinite_rows, row_bytes, tensor_spec,
 )
-from transforms.shards import proven_checksum, shard_path
-from transforms.spec import JobSpec, ShardRange
+from jacobeam.transforms.output.shards import proven_checksum, shard_path
+from jacobeam.transforms.spec import JobSpec, ShardRange
 
 BATCHES, COMPLETE, REJECTED = "batches", "complete", "rejected"  # ReadSamples' outputs
 

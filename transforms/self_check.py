@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from transforms.spec import SelfCheck, ShardRange
+from jacobeam.transforms.spec import SelfCheck, ShardRange
 
 SEED = 0x5E1FC  # with the shard's first id: which samples a shard checks
 OK, KINK, MISMATCH = "ok", "kink", "mismatch"
@@ -68,7 +68,7 @@ def rounded(value: float) -> float | str:
 
 def _error(name: str, stored: np.ndarray, reference: np.ndarray, jacobian_scale: float = 0.0) -> float:
     """How far ``stored`` is from ``reference`` (one sample's dataset ``name``; see the module docstring)."""
-    from transforms.engine import relative_error
+    from jacobeam.transforms.engine import relative_error
 
     if name == "logabsdet":
         return relative_error(stored, reference, scale=1.0)
@@ -104,7 +104,7 @@ class SelfChecker:
     """
 
     def __init__(self, engine, options: SelfCheck):
-        from transforms.engine import reference
+        from jacobeam.transforms.engine import reference
 
         self.engine, self.options = engine, options
         described = engine.describe()
@@ -129,7 +129,7 @@ class SelfChecker:
     def _reference(self):
         with self._lock:
             if self._function is None:
-                from transforms.engine import reference
+                from jacobeam.transforms.engine import reference
 
                 engine = self.engine
                 self._function = reference.tape_function(

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from importlib import metadata
 from typing import Any, Literal
 
-from transforms.readers import Shape, SourceFile
+from jacobeam.transforms.inputs.readers import Shape, SourceFile
 
 
 def version() -> str:
@@ -30,7 +30,7 @@ class ModelSource:
     builtin: str | None = None
 
     def load(self):
-        from transforms import models
+        from jacobeam.transforms.engine import models
 
         return models.load(path=self.path, factory=self.factory, builtin=self.builtin)
 

@@ -35,15 +35,15 @@ from apache_beam.metrics import Metrics
 from apache_beam.pvalue import TaggedOutput
 from apache_beam.utils.windowed_value import WindowedValue
 
-from transforms import aggregates
-from transforms import self_check
-from transforms.aggregates import Aggregate
-from transforms.elements import JacobianBatch
-from transforms.errors import OutputError, SelfCheckError
-from transforms.finalize import Finalize
-from transforms.readers import SourceFile, shape_from_record, shape_record
-from transforms.shards import SELF_CHECK, ShardRecord, ShardWriter, existing_record, read_attrs, shard_file, shard_path
-from transforms.spec import EngineOptions, JobSpec, ModelSource, SelfCheck, ShardRange, shard_inputs, version
+from jacobeam.transforms import aggregates
+from jacobeam.transforms import self_check
+from jacobeam.transforms.aggregates import Aggregate
+from jacobeam.transforms.elements import JacobianBatch
+from jacobeam.transforms.errors import OutputError, SelfCheckError
+from jacobeam.transforms.finalize import Finalize
+from jacobeam.transforms.inputs.readers import SourceFile, shape_from_record, shape_record
+from jacobeam.transforms.output.shards import SELF_CHECK, ShardRecord, ShardWriter, existing_record, read_attrs, shard_file, shard_path
+from jacobeam.transforms.spec import EngineOptions, JobSpec, ModelSource, SelfCheck, ShardRange, shard_inputs, version
 
 log = logging.getLogger(__name__)
 NAMESPACE = "jacobeam"

@@ -7,14 +7,14 @@ when first asked for; ``relative_error`` is numpy only.
 
 from typing import Any
 
-from transforms.engine.diagnostics import relative_error
+from jacobeam.transforms.engine.diagnostics import relative_error
 
 __all__ = ["JacobianEngine", "relative_error", "store_dtype"]
 
 
 def __getattr__(name: str) -> Any:
     if name in ("JacobianEngine", "store_dtype"):
-        from transforms.engine import facade
+        from jacobeam.transforms.engine import facade
 
         return getattr(facade, name)
-    raise AttributeError(f"module 'transforms.engine' has no attribute {name!r}")
+    raise AttributeError(f"module 'jacobeam.transforms.engine' has no attribute {name!r}")

@@ -32,7 +32,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from transforms.errors import ModelError
+from jacobeam.transforms.errors import ModelError
 
 MODES = ("reverse", "reverse_loop", "forward")
 

@@ -15,9 +15,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import tensorflow as tf
 
-from transforms.engine.blocks import BlockCache, Path
-from transforms.engine.budget import Sizes
-from transforms.engine.operands import Operands
+from jacobeam.transforms.engine.blocks import BlockCache, Path
+from jacobeam.transforms.engine.budget import Sizes
+from jacobeam.transforms.engine.operands import Operands
 
 
 @dataclasses.dataclass(frozen=True)

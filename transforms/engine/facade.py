@@ -22,16 +22,16 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from transforms.engine import budget, model_checks
-from transforms.engine.blocks import BlockCache
-from transforms.engine.diagnostics import activation_size
-from transforms.engine.executor import Plan, execute, join
-from transforms.engine.operands import Operands, build_operands
-from transforms.engine.planner import Planner
-from transforms.errors import ModelError
-from transforms.models import LoadedModel
-from transforms.reductions import FULL, reduce_full
-from transforms.spec import EngineOptions
+from jacobeam.transforms.engine import budget, model_checks
+from jacobeam.transforms.engine.blocks import BlockCache
+from jacobeam.transforms.engine.diagnostics import activation_size
+from jacobeam.transforms.engine.executor import Plan, execute, join
+from jacobeam.transforms.engine.operands import Operands, build_operands
+from jacobeam.transforms.engine.planner import Planner
+from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.engine.models import LoadedModel
+from jacobeam.transforms.engine.reductions import FULL, reduce_full
+from jacobeam.transforms.spec import EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class JacobianEngine:
     """Per-sample Jacobians ``d output_i / d input_i`` for whole batches.
 
     Args:
-        model: the loaded model (``transforms.models.load`` or ``wrap_model``).
+        model: the loaded model (``transforms.engine.models.load`` or ``wrap_model``).
         input_shapes: one sample's shape, or ``{input name: shape}`` for a model with several inputs.
         options: how to compute and what to keep (``EngineOptions``).
         wrap_block: a test seam: applied to every compiled block function the engine builds (to inject

@@ -7,9 +7,9 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
-from transforms.engine.diagnostics import AGREEMENT, relative_error
-from transforms.errors import ModelError
-from transforms.models import LoadedModel
+from jacobeam.transforms.engine.diagnostics import AGREEMENT, relative_error
+from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.engine.models import LoadedModel
 
 
 def resolve_inputs(

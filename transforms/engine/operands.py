@@ -1,7 +1,7 @@
 """What a block differentiates: the output rows chosen per sample and the fixed matrices of products.
 
 Every stored result is ``L J R`` for each sample's Jacobian ``J`` (``m`` outputs by ``d`` input entries,
-both flattened), followed by a numpy reduction (``transforms.reductions``):
+both flattened), followed by a numpy reduction (``transforms.engine.reductions``):
 
 - ``L`` (reverse mode only) is the identity, a per-sample choice of rows (``outputs: indices | argmax |
   top_k | label``, an int array ``index`` of shape ``(n, k)``) or a fixed matrix ``left`` ``(r, m)``
@@ -20,9 +20,9 @@ from typing import Literal
 
 import numpy as np
 
-from transforms.errors import ModelError
-from transforms.reductions import SQUARE, projection_matrix
-from transforms.spec import EngineOptions, OutputSelection
+from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.engine.reductions import SQUARE, projection_matrix
+from jacobeam.transforms.spec import EngineOptions, OutputSelection
 
 Kind = Literal["identity", "index", "matrix"]
 # Reductions that apply to selected rows as well as to all of them.

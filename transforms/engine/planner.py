@@ -17,19 +17,19 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from transforms.engine.blocks import MODES, ForwardModeUnsupported, Path
-from transforms.engine.budget import Sizes
-from transforms.engine.diagnostics import (
+from jacobeam.transforms.engine.blocks import MODES, ForwardModeUnsupported, Path
+from jacobeam.transforms.engine.budget import Sizes
+from jacobeam.transforms.engine.diagnostics import (
     AGREEMENT,
     capture_pfor_fallbacks,
     full_tracebacks,
     raised_by_jacobeam,
     relative_error,
 )
-from transforms.engine.executor import Plan
-from transforms.engine.operands import Operands
-from transforms.errors import ModelError
-from transforms.spec import EngineOptions
+from jacobeam.transforms.engine.executor import Plan
+from jacobeam.transforms.engine.operands import Operands
+from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.spec import EngineOptions
 
 log = logging.getLogger(__name__)
 

@@ -37,9 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from transforms import faults, storage
-from transforms.errors import OutputError
-from transforms.storage import durable
+from jacobeam.transforms.testing import faults
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.output.storage import durable
 
 SHARDS_DIR = "shards"
 _SHARD_NAME = re.compile(r"^shard-(\d{12})-(\d{12})\.h5$")
@@ -358,8 +359,7 @@ class ShardWriter:
                 values = values.astype(np.float32)
             dataset[offset : offset + count] = values
         self.nonfinite += int(mask.sum())
-        faults.reached("shard_write")
-        faults.fail_shard_once(self.start)
+        faults.reached("shard_write", shard=self.start)
 
     def attach(self, group: str, arrays: dict[str, np.ndarray]) -> None:
         """Store per-shard side data (not per-sample datasets) in a group of its own."""

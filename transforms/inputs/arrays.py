@@ -5,12 +5,13 @@ Every array holds samples along its first axis. A file is opened through Beam's 
 ``.npy`` array (a file, or a member of an ``.npz`` archive) by seeking past its header, an HDF5
 dataset through h5py. A model with several inputs reads one array per input from each file:
 ``input.key`` is then ``{input name: array key}``, and the arrays of one file hold one row per sample
-each. The caller (``transforms.readers``) tells the format (``fmt``: ``npy``, ``npz`` or ``h5``).
+each. The caller (``transforms.inputs.readers``) tells the format (``fmt``: ``npy``, ``npz`` or ``h5``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import zipfile
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -18,11 +19,11 @@ from typing import IO, TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from transforms import storage
-from transforms.errors import CorruptInputError, InputError
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.errors import CorruptInputError, InputError
 
 if TYPE_CHECKING:
-    from transforms.readers import Key, Shape
+    from jacobeam.transforms.inputs.readers import Key, Shape
 
 
 class Rows(Protocol):
@@ -32,12 +33,19 @@ class Rows(Protocol):
     def read(self, start: int, stop: int) -> np.ndarray: ...
 
 
+# numpy parses a header with ast.literal_eval, which CPython 3.11 before 3.11.8 cannot run in two
+# threads at once ("SystemError: AST constructor recursion depth mismatch", gh-106905); the input
+# scan reads files on a thread pool.
+_HEADER_LOCK = threading.Lock()
+
+
 def _npy_header(stream: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype]:
     """A ``.npy`` stream's ``(shape, fortran_order, dtype)``, leaving the stream at its first row."""
     fmt = np.lib.format
     version = fmt.read_magic(stream)
     header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-    return header(stream)
+    with _HEADER_LOCK:
+        return header(stream)
 
 
 class _NpyRows:

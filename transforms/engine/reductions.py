@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from transforms.errors import ModelError
+from jacobeam.transforms.errors import ModelError
 
 FULL = ("none", "frobenius", "diagonal", "trace", "slogdet", "max_abs_over_outputs", "sum_abs_over_channels")
 PRODUCTS = ("vjp", "jvp", "project", "basis")

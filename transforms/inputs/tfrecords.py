@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from transforms.errors import CorruptInputError, InputError, first_line
+from jacobeam.transforms.errors import CorruptInputError, InputError, first_line
 
 if TYPE_CHECKING:
-    from transforms.readers import Key, Samples, Shape
+    from jacobeam.transforms.inputs.readers import Key, Samples, Shape
 
 
 def _features(key: Key, shape: Shape | None, path: str) -> dict[str | None, tuple[str, tuple[int, ...]]]:

@@ -6,7 +6,7 @@ remote write stream (GCS, S3) is not seekable, so a remote file is written to a 
 stream-copied to a temporary remote name, and "renamed" into place: ``FileSystems.rename``, which on
 GCS and S3 is a copy and a delete, not an atomic rename. An object store makes each object visible
 only once its upload finished, but what a remote *folder* holds is complete only as far as its
-manifest says (see ``transforms.shards`` for how a remote shard proves itself complete).
+manifest says (see ``transforms.output.shards`` for how a remote shard proves itself complete).
 
 Input files are opened here too (``open_input``), always through ``FileSystems``. The rest of the
 code calls these helpers instead of branching on schemes.
@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from transforms import faults
-from transforms.errors import CorruptInputError
+from jacobeam.transforms.testing import faults
+from jacobeam.transforms.errors import CorruptInputError
 
 _COPY_BYTES = 8 << 20
 

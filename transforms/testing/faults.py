@@ -38,24 +38,26 @@ class TransientFailure(RuntimeError):
     """The injected failure: stands for a preempted worker, a flaky disk, an out-of-memory kill."""
 
 
-def reached(point: str) -> None:
-    """Die here (SIGKILL, no clean-up of any kind) if ``JACOBEAM_TEST_KILL_AT`` names this point."""
+def reached(point: str, shard: int | None = None) -> None:
+    """The one hook production code calls: die here (SIGKILL, no clean-up of any kind) if
+    ``JACOBEAM_TEST_KILL_AT`` names this point; then, while writing the shard whose first id is
+    ``shard``, fail once if ``JACOBEAM_TEST_FAIL_SHARD_ONCE`` names it."""
     wanted = os.environ.get(KILL_AT)
-    if not wanted:
-        return
-    name, _, nth = wanted.partition(":")
-    if name != point:
-        return
-    _reached[point] += 1
-    if _reached[point] == int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if wanted:
+        name, _, nth = wanted.partition(":")
+        if name == point:
+            _reached[point] += 1
+            if _reached[point] == int(nth or 1):
+                os.kill(os.getpid(), signal.SIGKILL)
+    if shard is not None:
+        _fail_shard_once(shard)
 
 
 def marker_path() -> str:
     return os.environ.get(FAIL_MARKER) or os.path.join(tempfile.gettempdir(), "jacobeam-test-fail-shard-once")
 
 
-def fail_shard_once(first_id: int) -> None:
+def _fail_shard_once(first_id: int) -> None:
     """Raise once, across processes and retries, while writing the shard starting at ``first_id``."""
     wanted = os.environ.get(FAIL_SHARD_ONCE)
     if wanted is None or int(wanted) != first_id:

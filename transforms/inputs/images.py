@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from transforms import storage
-from transforms.errors import CorruptInputError, InputError, first_line
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.errors import CorruptInputError, InputError, first_line
 
 if TYPE_CHECKING:
-    from transforms.readers import Key, SourceFile
+    from jacobeam.transforms.inputs.readers import Key, SourceFile
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from transforms.errors import ModelError
+from jacobeam.transforms.errors import ModelError
 
 BUILTIN_SEED = 0
 

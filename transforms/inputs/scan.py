@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from transforms.errors import CorruptInputError
-from transforms.readers import Samples, SourceFile, file_format, open_samples, parts, row_bytes
+from jacobeam.transforms.errors import CorruptInputError
+from jacobeam.transforms.inputs.readers import Samples, SourceFile, file_format, open_samples, parts, row_bytes
 
 SLICE_BYTES = 8 << 20  # rows read per slice: about this many bytes
 

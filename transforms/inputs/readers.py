@@ -1,9 +1,9 @@
 """Reading input samples in slices, whatever the file format; sample ids.
 
 A file's format follows from its name (``FORMATS``), and each format has its module:
-``transforms.arrays`` (``.npy``, ``.npz``, ``.h5``/``.hdf5``: samples along an array's first axis),
-``transforms.tfrecords`` (TFRecord files: one ``tf.train.Example`` per sample) and
-``transforms.images`` (PNG/JPEG: one sample per file). This module dispatches to them and holds what
+``transforms.inputs.arrays`` (``.npy``, ``.npz``, ``.h5``/``.hdf5``: samples along an array's first axis),
+``transforms.inputs.tfrecords`` (TFRecord files: one ``tf.train.Example`` per sample) and
+``transforms.inputs.images`` (PNG/JPEG: one sample per file). This module dispatches to them and holds what
 does not depend on the format: ``SourceFile`` (a file and the sample ids it covers), ``describe``,
 ``open_samples``, the consistency checks, ``iter_slices`` and helpers for samples. Sample ids are
 positions in the concatenation of the input files (see ``pipeline.plan`` for how files are placed:
@@ -23,8 +23,8 @@ from typing import Any, Union
 
 import numpy as np
 
-from transforms import arrays, images, tfrecords
-from transforms.errors import InputError
+from jacobeam.transforms.inputs import arrays, images, tfrecords
+from jacobeam.transforms.errors import InputError
 
 FORMATS = {
     ".npy": "npy", ".npz": "npz", ".h5": "h5", ".hdf5": "h5",

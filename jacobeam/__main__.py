@@ -1,0 +1,7 @@
+"""``python -m jacobeam``: the ``jacobeam`` command."""
+
+import sys
+
+from jacobeam.pipeline.cli import main
+
+sys.exit(main())

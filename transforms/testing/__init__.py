@@ -1,0 +1,1 @@
+"""Test support shipped with jacobeam, as Beam ships ``apache_beam.testing``: fault injection."""
