@@ -27,7 +27,7 @@ import h5py
 import numpy as np
 import pytest
 import yaml
-from hypothesis import HealthCheck, event, example, given, note, settings
+from hypothesis import HealthCheck, Phase, event, example, given, note, settings
 from hypothesis import strategies as st
 
 from pipeline import cli
@@ -39,12 +39,15 @@ from transforms.spec import OutputSelection
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Hypothesis' explain phase traces every line while it shrinks: far too slow through TensorFlow.
+PHASES = [phase for phase in Phase if phase != Phase.explain]
 settings.register_profile(
     "jacobeam-ci",
     max_examples=200,
     derandomize=True,
     deadline=None,
     database=None,
+    phases=PHASES,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 settings.register_profile(
@@ -52,6 +55,7 @@ settings.register_profile(
     max_examples=2500,
     deadline=None,
     database=None,  # nothing written into the repository; print_blob gives @reproduce_failure instead
+    phases=PHASES,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     print_blob=True,
 )
@@ -62,6 +66,8 @@ _chosen = settings.get_profile(f"jacobeam-{PROFILE}")
 _examples = int(os.environ.get("JACOBEAM_HYPOTHESIS_EXAMPLES", 0)) or _chosen.max_examples
 ENGINE_SETTINGS = settings(_chosen, max_examples=_examples)
 RUN_SETTINGS = settings(ENGINE_SETTINGS, max_examples={"ci": 12, "deep": 60}[PROFILE])
+# The deep profile runs for about an hour: no per-test timeout (pyproject.toml sets 900 s).
+pytestmark = [pytest.mark.timeout(0)] if PROFILE == "deep" else []
 
 
 @pytest.fixture(scope="module")
