@@ -143,3 +143,54 @@ def coupling_flow(dtype: str = "float32") -> keras.Model:
     model = keras.Model(x, h)
     seeded_weights(model, seed=8)
     return model
+
+
+def _inference_batch_norm(model: keras.Model, seed: int) -> None:
+    """BatchNormalization statistics a trained network could have. ``seeded_weights`` draws every 1-D
+    weight from N(0, 0.1), which would make moving variances negative (NaN outputs) and scales tiny;
+    here gamma is 1 + that draw and the moving variance is seeded in [0.5, 1.5)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            gamma, beta, mean, _ = layer.get_weights()
+            variance = rng.uniform(0.5, 1.5, gamma.shape)
+            layer.set_weights([w.astype(model.dtype) for w in (1.0 + gamma, beta, mean, variance)])
+
+
+def mobilenet_like(dtype: str = "float32") -> keras.Model:
+    """x[6, 6, 3] -> bilinear resize to 8x8 -> Conv 3x3/2 (6) -> BN -> ReLU6 -> depthwise 3x3 -> BN ->
+    ReLU6 -> Conv 1x1 (8) -> BN -> ReLU6 -> global average pool -> Dense 4: a MobileNet block in
+    miniature, BatchNormalization in inference mode. Forward mode has no rule for the resize."""
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 3), dtype=dtype),
+            keras.layers.Resizing(8, 8, interpolation="bilinear", dtype=dtype),
+            keras.layers.Conv2D(6, 3, strides=2, padding="same", use_bias=False, dtype=dtype),
+            keras.layers.BatchNormalization(dtype=dtype),
+            keras.layers.ReLU(6.0, dtype=dtype),
+            keras.layers.DepthwiseConv2D(3, padding="same", use_bias=False, dtype=dtype),
+            keras.layers.BatchNormalization(dtype=dtype),
+            keras.layers.ReLU(6.0, dtype=dtype),
+            keras.layers.Conv2D(8, 1, use_bias=False, dtype=dtype),
+            keras.layers.BatchNormalization(dtype=dtype),
+            keras.layers.ReLU(6.0, dtype=dtype),
+            keras.layers.GlobalAveragePooling2D(dtype=dtype),
+            keras.layers.Dense(4, dtype=dtype),
+        ]
+    )
+    seeded_weights(model, seed=9)
+    _inference_batch_norm(model, seed=9)
+    return model
+
+
+def square_softplus(dtype: str = "float32") -> keras.Model:
+    """x[6] -> x + Dense 6 (Dense 12 softplus (x)) -> y[6]: a smooth square map (identity plus a
+    small residual, so well conditioned: slogdet, trace and diagonal have something to check)."""
+    x = keras.Input((6,), dtype=dtype)
+    hidden = keras.layers.Dense(12, activation="softplus", dtype=dtype)(x)
+    y = keras.layers.Add(dtype=dtype)([x, keras.layers.Dense(6, dtype=dtype)(hidden)])
+    model = keras.Model(x, y)
+    seeded_weights(model, seed=10)
+    return model

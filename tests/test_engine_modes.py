@@ -391,3 +391,20 @@ def test_thousand_outputs_on_224x224x3_within_a_2gib_budget():
     assert int(report["batch"]) == 1
     assert float(report["max_rel_error"]) < 1e-5
     assert int(report["growth"]) <= 2 * 2**30, report
+
+
+def test_input_side_products_fall_back_to_reverse_mode_and_stay_products():
+    """``reduce: project`` runs in forward mode; through an op without a forward-mode rule (a resize) it
+    falls back to reverse mode, which stored the whole Jacobian as the "projection" (found by the
+    differential harness on the MobileNet-like model): the product with P must follow."""
+    from transforms.reductions import projection_matrix
+    from transforms.spec import Reduction
+
+    model = test_models.upsampler()  # 16 inputs, 36 outputs, a bilinear resize
+    x = _samples(model, 5)
+    engine = _engine(model, batch_size=4, reduce=Reduction(kind="project", project_dim=3))
+    assert engine.describe()["mode"] == "reverse"
+    projection = engine(x)["projection"]
+    expected = tape_loop(model, x).reshape(5, 36, 16) @ projection_matrix(16, 3, "rademacher", 0)
+    assert projection.shape == (5, 36, 3)
+    assert_close(projection, expected, rtol=1e-5)

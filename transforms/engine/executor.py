@@ -72,6 +72,10 @@ def execute(
             piece[k] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=2 if forward else 1)
             if forward and index is not None:  # forward blocks hold every output: keep the selected rows
                 piece[k] = np.take_along_axis(piece[k], index[lo:hi, :, None], axis=1)
+            elif not forward and operands.right is not None:
+                # Input-side products in reverse mode (where forward mode has no rule for an op): the
+                # blocks give L J; the product with R follows here.
+                piece[k] = np.matmul(piece[k], operands.right.T)
         piece["output"] = np.asarray(y)[: hi - lo]
         yield lo, hi, piece
 
