@@ -40,7 +40,7 @@ import tensorflow as tf
 from hypothesis import strategies as st
 
 from tests import models as test_models
-from transforms.spec import EngineOptions, OutputSelection, Reduction
+from jacobeam.transforms.spec import EngineOptions, OutputSelection, Reduction
 
 POOL = 24  # samples per model; a drawn call takes a slice of them
 MODES = ("auto", "reverse", "reverse_loop", "forward", "autotune")

@@ -30,12 +30,12 @@ import yaml
 from hypothesis import HealthCheck, Phase, event, example, given, note, settings
 from hypothesis import strategies as st
 
-from pipeline import cli
+from jacobeam.pipeline import cli
 from tests import differential as diff
-from transforms.engine import JacobianEngine
-from transforms.errors import ModelError
-from transforms.models import wrap_model
-from transforms.spec import OutputSelection
+from jacobeam.transforms.engine import JacobianEngine
+from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.engine.models import wrap_model
+from jacobeam.transforms.spec import OutputSelection
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -332,7 +332,7 @@ def test_jacobeam_run_with_two_worker_processes(tmp_path):
     )
     run = RunCase(case, frozenset(), (8, 6, 7), ".npy", 5, "lzf")
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(run_config(run, tmp_path)))
-    command = [sys.executable, "-m", "pipeline", "-q", "run", str(tmp_path / "config.yaml"),
+    command = [sys.executable, "-m", "jacobeam", "-q", "run", str(tmp_path / "config.yaml"),
                "--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # worker processes import tests.models as the factory
     process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -397,8 +397,8 @@ def test_input_side_products_fall_back_to_reverse_mode_and_stay_products():
     """``reduce: project`` runs in forward mode; through an op without a forward-mode rule (a resize) it
     falls back to reverse mode, which stored the whole Jacobian as the "projection" (found by the
     differential harness on the MobileNet-like model): the product with P must follow."""
-    from transforms.reductions import projection_matrix
-    from transforms.spec import Reduction
+    from jacobeam.transforms.engine.reductions import projection_matrix
+    from jacobeam.transforms.spec import Reduction
 
     model = test_models.upsampler()  # 16 inputs, 36 outputs, a bilinear resize
     x = _samples(model, 5)
