@@ -146,12 +146,11 @@ def check_engine_case(case: diff.Case, folder: Path) -> None:
         warnings.warn(message)
 
 
-# Bugs the harness found, run first in every profile: each failed on an earlier engine, or fails now.
+# Bugs the harness found, run first in every profile: each failed on an earlier engine.
 LABEL_ABOVE_8 = diff.Case("mlp", calls=((0, 11),), batch_size=9, outputs=OutputSelection("label"))
 ROWS_AFTER_OOM = diff.Case("grid", calls=((0, 11), (3, 5)), batch_size=4, memory_budget=3000, oom=("compute", 3))
-# Open: a product that needs forward mode, on a model without forward-mode rules (Resizing), under mode
-# auto or autotune: the engine falls back to reverse mode and stores J itself (wrong shape) as the product.
-OPEN = "engine bug, open: forward-mode products fall back to reverse mode and store J"
+# A product that needs forward mode, on a model without forward-mode rules (Resizing), under mode auto
+# or autotune: the engine fell back to reverse mode and stored J itself (wrong shape) as the product.
 JVP_WITHOUT_FORWARD_RULES = diff.Case("mobilenet", calls=((0, 5),), reduce="jvp", vectors=(2, False))
 PROJECT_WITHOUT_FORWARD_RULES = diff.Case("mobilenet", calls=((0, 5),), reduce="project", mode="autotune")
 BASIS_WITHOUT_FORWARD_RULES = diff.Case("mobilenet", calls=((0, 5),), reduce="basis", basis=(2, 3))
@@ -160,9 +159,9 @@ BASIS_WITHOUT_FORWARD_RULES = diff.Case("mobilenet", calls=((0, 5),), reduce="ba
 @given(case=diff.cases())
 @example(case=LABEL_ABOVE_8)
 @example(case=ROWS_AFTER_OOM)
-@example(case=JVP_WITHOUT_FORWARD_RULES).xfail(reason=OPEN, raises=AssertionError)
-@example(case=PROJECT_WITHOUT_FORWARD_RULES).xfail(reason=OPEN, raises=AssertionError)
-@example(case=BASIS_WITHOUT_FORWARD_RULES).xfail(reason=OPEN, raises=AssertionError)
+@example(case=JVP_WITHOUT_FORWARD_RULES)
+@example(case=PROJECT_WITHOUT_FORWARD_RULES)
+@example(case=BASIS_WITHOUT_FORWARD_RULES)
 @ENGINE_SETTINGS
 def test_engine_matches_the_reference(case, arrays_folder):
     check_engine_case(case, arrays_folder)
