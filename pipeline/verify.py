@@ -49,8 +49,8 @@ import numpy as np
 
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.engine.diagnostics import relative_error
-from jacobeam.transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, missing_sources, write_manifest
-from jacobeam.transforms.output.shards import NONFINITE, SHARDS_DIR, is_shard_file, sha256_file
+from jacobeam.transforms.finalize import missing_sources, write_manifest
+from jacobeam.transforms.output.layout import MANIFEST, NONFINITE, REJECTED_FILE, SAMPLE_ID, SHARDS_DIR, VIEW, is_shard_file, jacobian_dataset
 
 TAPE_RTOL = 1e-4  # per-sample tape (float32) vs stored (float32): transforms.engine.reference.RTOL
 OUTPUT_RTOL = 1e-5  # recomputed model output vs stored output
@@ -113,11 +113,11 @@ def _check_structure(root: str, manifest: dict[str, Any], report: Report) -> lis
         if not storage.exists(path):
             report.problems.append(f"{shard['file']}: listed in the manifest but missing")
             continue
-        if sha256_file(path) != shard["sha256"]:
+        if storage.sha256(path) != shard["sha256"]:
             report.problems.append(f"{shard['file']}: sha256 differs from the manifest's (the file was changed)")
         report.shards_checked += 1
         with storage.open_h5(path) as h5:
-            ids = h5["sample_id"][:]
+            ids = h5[SAMPLE_ID][:]
             mask = h5[NONFINITE][:] if NONFINITE in h5 else np.zeros(len(ids), bool)
         column.append(ids)
         if len(ids) != shard["num_samples"]:
@@ -149,7 +149,7 @@ def _rejected_ids(root: str, manifest: dict[str, Any], report: Report) -> np.nda
     if not storage.exists(path):
         report.problems.append(f"{REJECTED_FILE}: missing")
         return np.zeros(0, np.int64)
-    if info.get("sha256") and sha256_file(path) != info["sha256"]:
+    if info.get("sha256") and storage.sha256(path) != info["sha256"]:
         report.problems.append(f"{REJECTED_FILE}: sha256 differs from the manifest's (the file was changed)")
     ids = [record["id"] for record in map(json.loads, storage.read_text(path).splitlines()) if record["id"] is not None]
     if len(ids) != info.get("count", len(ids)):
@@ -169,7 +169,7 @@ def _check_view(root: str, column: np.ndarray, report: Report) -> None:
             # view would show fill values. Its sources were checked above; the shards themselves were read.
             report.notes.append(f"{VIEW}: remote folder, so its values were not read (its sources exist)")
             return
-        if "sample_id" in view and not report.problems and not np.array_equal(view["sample_id"][:], column):
+        if SAMPLE_ID in view and not report.problems and not np.array_equal(view[SAMPLE_ID][:], column):
             report.problems.append(f"{VIEW}: its sample_id column differs from the shards'")
 
 
@@ -205,8 +205,10 @@ def float64_twin(loaded) -> tuple[Any, str | None]:
 
     try:
         twin = loaded.with_dtype("float64")
-    except ModelError:
-        return None, "the model is not a Keras model (a SavedModel or tf.Module cannot be rebuilt in float64)"
+    except ModelError as err:
+        if loaded.keras_model is None:
+            return None, "the model is not a Keras model (a SavedModel or tf.Module cannot be rebuilt in float64)"
+        return None, f"the model cannot be rebuilt in float64 ({str(err.__cause__ or err)[:200]})"
     except Exception as err:  # custom layers without a config, subclassed models, lambdas under safe_mode, ...
         return None, f"the model cannot be rebuilt in float64 ({type(err).__name__}: {str(err)[:200]})"
     return (lambda xs: np.asarray(twin.call([tf.constant(x, tf.float64) for x in xs]), np.float64)), None
@@ -290,7 +292,7 @@ def _recompute(
     names = list(loaded.input_names)
     shapes = [tuple(manifest["input_shape"][n]) for n in names] if several else [tuple(manifest["input_shape"])]
     # One stored Jacobian per differentiated input: "jacobian", or "jacobian/<input>" for several inputs.
-    datasets = [f"jacobian/{n}" for n in names] if several else ["jacobian"]
+    datasets = [jacobian_dataset(n, several) for n in names]
     outputs = int(np.prod(manifest["output_shape"], dtype=np.int64))
     stored_dtype = manifest.get("dtype", "float32")
     store = store_dtype(stored_dtype)

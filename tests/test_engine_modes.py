@@ -408,3 +408,9 @@ def test_input_side_products_fall_back_to_reverse_mode_and_stay_products():
     expected = tape_loop(model, x).reshape(5, 36, 16) @ projection_matrix(16, 3, "rademacher", 0)
     assert projection.shape == (5, 36, 3)
     assert_close(projection, expected, rtol=1e-5)
+
+
+def test_a_model_that_cannot_be_rebuilt_in_float64_is_a_model_error():
+    """Keras refuses to deserialise Lambda layers (safe mode): a bare ValueError reached the user."""
+    with pytest.raises(ModelError, match=r"^\w+: cannot rebuild the model in float64 \(compute_dtype: float64\): "):
+        _engine(test_models.coupling_flow(), compute_dtype="float64")

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.errors import ModelError, first_line
 
 BUILTIN_SEED = 0
 
@@ -43,7 +43,13 @@ class LoadedModel:
             raise ModelError(f"{self.source}: compute_dtype {dtype} needs a Keras model (this one is not)")
         if self.keras_model.dtype == dtype:
             return self
-        return wrap_model(_keras_in_dtype(self.keras_model, dtype), self.source)
+        try:
+            twin = _keras_in_dtype(self.keras_model, dtype)
+        except (ValueError, TypeError) as err:  # Lambda layers under safe_mode, layers without a config
+            raise ModelError(
+                f"{self.source}: cannot rebuild the model in {dtype} (compute_dtype: {dtype}): {first_line(err)}"
+            ) from err
+        return wrap_model(twin, self.source)
 
     def fingerprint(self) -> str:
         """sha256 over the model's weights (shapes, dtypes and values, in the model's order)."""
