@@ -15,6 +15,7 @@ from pathlib import Path
 from jacobeam.transforms.errors import ModelError, OutputError
 from jacobeam.transforms.inputs.readers import Shape, SourceFile
 from jacobeam.transforms.spec import ModelSource
+from jacobeam.transforms.output.layout import SHARDS_DIR, WRITE_PROBE_PREFIX
 
 
 def configure_tf_threads(tf_threads: int | None) -> None:
@@ -93,7 +94,6 @@ def check_writable(folder: str | Path) -> None:
     if not storage.is_local(folder):
         _check_remote_writable(str(folder))
         return
-    from jacobeam.transforms.output.shards import SHARDS_DIR
 
     root = Path(folder)
     if root.exists() and not root.is_dir():
@@ -105,7 +105,7 @@ def check_writable(folder: str | Path) -> None:
     for place in (root, root / SHARDS_DIR):
         if not place.is_dir():
             continue
-        probe = place / f".jacobeam-write-test-{uuid.uuid4().hex[:12]}"
+        probe = place / (WRITE_PROBE_PREFIX + uuid.uuid4().hex[:12])
         try:
             probe.write_bytes(b"")
         except OSError as err:
@@ -117,7 +117,7 @@ def _check_remote_writable(folder: str) -> None:
     """Create and delete a probe object: the only way to learn that credentials and bucket allow writes."""
     from jacobeam.transforms.output import storage
 
-    probe = storage.join(folder, f".jacobeam-write-test-{uuid.uuid4().hex[:12]}")
+    probe = storage.join(folder, WRITE_PROBE_PREFIX + uuid.uuid4().hex[:12])
     try:
         storage.write_bytes(probe, b"")
         storage.delete(probe)

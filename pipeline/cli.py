@@ -15,6 +15,7 @@ from pathlib import Path
 
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.errors import JacobeamError
+from jacobeam.transforms.output.layout import JACOBIAN, VIEW, is_jacobian_dataset
 
 log = logging.getLogger("jacobeam")
 
@@ -72,7 +73,7 @@ def _count(text: str) -> int:
 def _summary(result) -> str:
     manifest, run = result.manifest, result.manifest["run"]
     out = storage.normalize(manifest["config"]["output"]["path"])
-    view = storage.join(out, "jacobians.h5")
+    view = storage.join(out, VIEW)
     shapes = ", ".join(
         f"{name} ({', '.join(str(d) for d in info['shape'])})" for name, info in manifest["datasets"].items()
     )
@@ -87,7 +88,7 @@ def _summary(result) -> str:
     if nonfinite:
         warnings.append(f"nonfinite: {nonfinite:,} sample(s) with NaN/Inf results (the 'nonfinite' dataset flags them)")
     # "jacobian", or "jacobian/<input>" for a model with several inputs (the first of them here)
-    jacobian = next((name for name in manifest["datasets"] if name.split("/")[0] == "jacobian"), "jacobian")
+    jacobian = next((name for name in manifest["datasets"] if is_jacobian_dataset(name)), JACOBIAN)
     return "\n".join(
         [
             f"done: {manifest['num_samples']:,} samples ({run['samples_computed']:,} computed, "

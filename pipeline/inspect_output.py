@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file, missing_sources, view_datasets
-from jacobeam.transforms.output.shards import SHARDS_DIR, is_shard_file, is_temp_file
+from jacobeam.transforms.finalize import missing_sources, view_datasets
+from jacobeam.transforms.output.layout import MANIFEST, REJECTED_FILE, VIEW, is_folder_temp
+from jacobeam.transforms.output.layout import SHARDS_DIR, is_shard_file, is_shard_temp
 
 
 @dataclass
@@ -63,7 +64,7 @@ def inspect(folder: str) -> Report:
         folder=root,
         manifest=manifest,
         shards_on_disk=[name for name in names if is_shard_file(name)],
-        temp_files=[name for name in names if is_temp_file(name)] + [name for name in top if is_root_temp_file(name)],
+        temp_files=[name for name in names if is_shard_temp(name)] + [name for name in top if is_folder_temp(name)],
     )
     if manifest is None:
         report.problems.append(

@@ -30,8 +30,9 @@ from typing import Any
 from jacobeam.pipeline.config import Config, ConfigError, to_dict
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.errors import CorruptInputError, InputError, OutputError
-from jacobeam.transforms.aggregates import AGGREGATES
-from jacobeam.transforms.finalize import MANIFEST, REJECTED_FILE, VIEW, is_root_temp_file, remove_temp_files
+from jacobeam.transforms.output.layout import AGGREGATES
+from jacobeam.transforms.finalize import remove_temp_files
+from jacobeam.transforms.output.layout import MANIFEST, REJECTED_FILE, VIEW, is_folder_temp
 from jacobeam.transforms.inputs.images import ImageOptions
 from jacobeam.transforms.inputs.readers import (
     IMAGE_SUFFIXES,
@@ -46,14 +47,8 @@ from jacobeam.transforms.inputs.readers import (
     unreadable_file,
 )
 from jacobeam.transforms.inputs.scan import FileScan, scan_files
-from jacobeam.transforms.output.shards import (
-    CHECKSUM_SUFFIX,
-    SHARDS_DIR,
-    is_checksum_file,
-    is_temp_file,
-    read_attrs,
-    shard_name,
-)
+from jacobeam.transforms.output.shards import read_attrs
+from jacobeam.transforms.output.layout import CHECKSUM_SUFFIX, SHARDS_DIR, is_checksum_file, is_shard_temp, shard_name
 from jacobeam.transforms.spec import JobSpec, ModelSource, Rejected, ShardRange, shard_inputs
 
 log = logging.getLogger(__name__)
@@ -313,7 +308,7 @@ def read_folder(output_dir: str) -> Folder:
     folder = Folder(root)
     for name in storage.listdir(root):
         path = storage.join(root, name)
-        if is_root_temp_file(name):
+        if is_folder_temp(name):
             folder.owned.append(path)
             continue
         if name not in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES) or not storage.is_file(path):
@@ -336,7 +331,7 @@ def read_folder(output_dir: str) -> Folder:
     names = storage.listdir(shards)
     for name in names:
         path = storage.join(shards, name)
-        if is_temp_file(name) or is_checksum_file(name):
+        if is_shard_temp(name) or is_checksum_file(name):
             folder.owned.append(path)
         elif _SHARD_FILE.match(name):
             try:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from jacobeam.transforms.finalize import VIEW
+from jacobeam.transforms.output.layout import VIEW, jacobian_dataset
 from jacobeam.transforms.inputs.readers import iter_slices, manifest_sources
 
 _NORM_CHUNK = 256  # samples read at a time for the norms histogram
@@ -51,10 +51,8 @@ def plot(folder: str, manifest: dict[str, Any], path: str, ids: Sequence[int] | 
 
     shapes = manifest["input_shape"]
     # One Jacobian per differentiated input: {dataset: that input's shape}.
-    if isinstance(shapes, dict):
-        inputs = {f"jacobian/{name}": tuple(shape) for name, shape in shapes.items()}
-    else:
-        inputs = {"jacobian": tuple(shapes)}
+    named = shapes if isinstance(shapes, dict) else {None: shapes}
+    inputs = {jacobian_dataset(name, isinstance(shapes, dict)): tuple(shape) for name, shape in named.items()}
     input_shape = next(iter(inputs.values()))
     image_like = len(inputs) == 1 and len(input_shape) == 3
     with h5py.File(Path(folder) / VIEW, "r") as view:

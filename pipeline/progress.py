@@ -13,7 +13,7 @@ import time
 from typing import TextIO
 
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.shards import SHARDS_DIR, shard_name
+from jacobeam.transforms.output.layout import SHARDS_DIR, shard_name
 from jacobeam.transforms.spec import JobSpec
 
 

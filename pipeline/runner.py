@@ -19,7 +19,7 @@ from jacobeam.pipeline.progress import ShardProgress
 from jacobeam.transforms.testing import faults
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.compute import ComputeJacobians
-from jacobeam.transforms.finalize import MANIFEST
+from jacobeam.transforms.output.layout import MANIFEST
 from jacobeam.transforms.read import ReadSamples
 from jacobeam.transforms.spec import JobSpec
 from jacobeam.transforms.write import WriteShards

@@ -23,7 +23,7 @@ import pytest
 from jacobeam.pipeline import cli
 from jacobeam.pipeline.verify import verify
 from jacobeam.transforms.testing import faults
-from jacobeam.transforms.output.shards import sha256_file
+from jacobeam.transforms.output.storage import sha256
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -101,7 +101,7 @@ def assert_same_as(out: Path, clean: Path) -> None:
     names = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     assert names == sorted(str(p.relative_to(clean)) for p in clean.rglob("*"))  # no temporary file left
     for shard in sorted((clean / "shards").iterdir()):
-        assert sha256_file(out / "shards" / shard.name) == sha256_file(shard), shard.name
+        assert sha256(out / "shards" / shard.name) == sha256(shard), shard.name
     ours, theirs = _contents(out), _contents(clean)
     assert ours.keys() == theirs.keys()
     for name in theirs:

@@ -13,7 +13,7 @@ import pytest
 from jacobeam.pipeline import cli, config, runner
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
-from jacobeam.transforms.output.shards import sha256_file
+from jacobeam.transforms.output.storage import sha256
 
 FILE_SIZES = {"b": 13, "a": 7, "c": 20}  # written out of order: ids follow sorted path order
 
@@ -107,7 +107,7 @@ def test_shards_layout_and_manifest(cnn_run):
     on_disk = json.loads((out / "manifest.json").read_text())
     assert on_disk == manifest
     for shard in manifest["shards"]:
-        assert sha256_file(out / shard["file"]) == shard["sha256"]
+        assert sha256(out / shard["file"]) == shard["sha256"]
     assert manifest["config"]["model"] == {"factory": "tests.models:small_cnn", "path": None, "builtin": None}
     assert manifest["num_samples"] == 40 and manifest["run"]["samples_computed"] == 40
     assert set(manifest["versions"]) >= {"tensorflow", "apache_beam", "h5py", "numpy", "python", "jacobeam"}

@@ -17,7 +17,7 @@ from tests.models import small_cnn
 from tests.services import beam_service
 from tests.test_pipeline import job_config, run, write_inputs
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.shards import CHECKSUM_SUFFIX
+from jacobeam.transforms.output.layout import CHECKSUM_SUFFIX
 
 OUT = "fakegcs://bucket/out"
 

@@ -16,7 +16,7 @@ from tests.reference import assert_close, tape_loop
 from tests.test_pipeline import folder_state
 from jacobeam.transforms.testing import faults
 from jacobeam.transforms.inputs.readers import SourceFile
-from jacobeam.transforms.output.shards import sha256_file
+from jacobeam.transforms.output.storage import sha256
 from jacobeam.transforms.spec import Rejected
 
 
@@ -46,7 +46,7 @@ def _run(data, out, beam_args=(), **jacobian):
 
 
 def _shas(out: Path) -> dict[str, str]:
-    return {p.name: sha256_file(p) for p in sorted((out / "shards").iterdir())}
+    return {p.name: sha256(p) for p in sorted((out / "shards").iterdir())}
 
 
 def _view(out: Path) -> dict[str, np.ndarray]:
@@ -129,7 +129,7 @@ def test_incremental_run_computes_only_new_files_and_ids_stay(clean, tmp_path):
     ]
     assert second["run"]["samples_computed"] == 24
     for name, (sha, mtime) in old.items():  # old shards untouched
-        assert (sha256_file(out / "shards" / name), (out / "shards" / name).stat().st_mtime_ns) == (sha, mtime)
+        assert (sha256(out / "shards" / name), (out / "shards" / name).stat().st_mtime_ns) == (sha, mtime)
     samples = np.concatenate([arrays["a"], arrays["b"], arrays["c"], new["0new"], new["d"]])
     view = _view(out)
     np.testing.assert_array_equal(view["sample_id"], np.arange(64))

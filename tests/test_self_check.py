@@ -15,7 +15,7 @@ from jacobeam.transforms import self_check
 from jacobeam.transforms.engine import JacobianEngine
 from jacobeam.transforms.errors import SelfCheckError
 from jacobeam.transforms.engine.models import wrap_model
-from jacobeam.transforms.output.shards import sha256_file
+from jacobeam.transforms.output.storage import sha256
 from jacobeam.transforms.spec import EngineOptions, Rejected, SelfCheck, ShardRange
 
 SIZES = {"a": 7, "b": 13, "c": 20}  # 40 samples: shards [0, 16), [16, 32), [32, 40)
@@ -58,7 +58,7 @@ def _attr(path: Path):
 
 
 def _shas(out: Path) -> dict[str, str]:
-    return {p.name: sha256_file(p) for p in sorted((out / "shards").iterdir())}
+    return {p.name: sha256(p) for p in sorted((out / "shards").iterdir())}
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def test_a_corrupted_result_fails_the_run_in_one_line_naming_shard_and_sample(cl
     # The failing shard was never committed; shards completed before it are intact; nothing half-written.
     names = sorted(p.name for p in (out / "shards").iterdir())
     assert SHARDS[1] not in names and all(not name.startswith(".") for name in names)
-    assert all(sha256_file(out / "shards" / name) == sha256_file(root / "out" / "shards" / name) for name in names)
+    assert all(sha256(out / "shards" / name) == sha256(root / "out" / "shards" / name) for name in names)
     assert not (out / "manifest.json").exists()
 
     monkeypatch.undo()  # the engine is right again: the same command completes the run

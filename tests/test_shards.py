@@ -12,7 +12,8 @@ import pytest
 
 from jacobeam.transforms.testing import faults
 from jacobeam.transforms.errors import OutputError
-from jacobeam.transforms.output.shards import ShardWriter, sha256_file
+from jacobeam.transforms.output.shards import ShardWriter
+from jacobeam.transforms.output.storage import sha256
 
 
 def _batches(rng, rows=40, batch=16):
@@ -40,7 +41,7 @@ def test_a_committed_shard_holds_every_row_in_order_and_its_checksum(tmp_path, r
         checksum = writer.commit()
 
     assert _leftovers(tmp_path) == ["shard-000000000000-000000000040.h5"]
-    assert checksum == sha256_file(writer.final_path)
+    assert checksum == sha256(writer.final_path)
     assert writer.nonfinite == 1
     with h5py.File(writer.final_path) as shard:
         np.testing.assert_array_equal(shard["jacobian"][:], jacobian)
@@ -156,7 +157,7 @@ def test_a_later_commit_returns_at_once_and_its_future_gives_the_checksum(tmp_pa
             writer.attach("late", {"sum": np.ones(3)})
         release.set()
         checksum = future.result(timeout=30)
-    assert checksum == sha256_file(writer.final_path)
+    assert checksum == sha256(writer.final_path)
     assert _leftovers(tmp_path) == ["shard-000000000000-000000000040.h5"]
     with h5py.File(writer.final_path) as shard:
         np.testing.assert_array_equal(shard["jacobian"][:], jacobian)

@@ -11,7 +11,7 @@ from jacobeam.pipeline import cli, config, runner
 from jacobeam.pipeline.verify import FD_RTOL, TAPE_RTOL, _finite_differences, float64_twin, verify
 from tests import models as test_models
 from tests.test_pipeline import write_inputs
-from jacobeam.transforms.output.shards import sha256_file
+from jacobeam.transforms.output.storage import sha256
 
 
 def _config(data, out):
@@ -73,7 +73,7 @@ def test_wrong_values_behind_a_matching_checksum_are_caught_by_recomputation(cop
         h5["jacobian"][5] = jac
     manifest = json.loads((copy / "manifest.json").read_text())
     for entry in manifest["shards"]:
-        entry["sha256"] = sha256_file(copy / entry["file"])
+        entry["sha256"] = sha256(copy / entry["file"])
     (copy / "manifest.json").write_text(json.dumps(manifest))
 
     report = verify(copy, samples=40)
@@ -190,7 +190,7 @@ def test_selected_rows_and_half_precision_storage_are_verified_against_the_same_
         index = h5["output_index"][3]
         h5["output_index"][3] = index[::-1]  # claim the two rows are the other way round
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    manifest["shards"][0]["sha256"] = sha256_file(shard)
+    manifest["shards"][0]["sha256"] = sha256(shard)
     (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
     report = verify(tmp_path / "out", samples=40)
     assert [p.split(" (")[0] for p in report.problems if p.startswith("sample")] == ["sample 3", "sample 3"]

@@ -18,10 +18,10 @@ import numpy as np
 
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.output.layout import AGGREGATES
 from jacobeam.transforms.output.shards import read_attrs, shard_path
 from jacobeam.transforms.spec import JobSpec
 
-AGGREGATES = "aggregates.h5"
 PARTIALS = "partial_aggregates"  # the group in each shard that keeps its partial sums
 Partial = dict[str, np.ndarray]
 

@@ -16,18 +16,17 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import apache_beam as beam
 import numpy as np
-from apache_beam.metrics import Metrics
 from apache_beam.utils import shared
 
 from jacobeam.transforms import aggregates
 from jacobeam.transforms.testing import faults
 from jacobeam.transforms.elements import JacobianBatch, SampleBatch, stack_samples, take
 from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.metrics import ComputeMetrics
 from jacobeam.transforms.self_check import SelfChecker, chosen_ids
 from jacobeam.transforms.spec import EngineOptions, ModelSource, SelfCheck
 
 log = logging.getLogger(__name__)
-NAMESPACE = "jacobeam"  # the Beam metrics namespace
 
 # Engines built in this process: lets tests (and the manifest) show that setup work happens once per
 # worker process, not per bundle or element.
@@ -81,13 +80,7 @@ class ComputeJacobiansFn(beam.DoFn):
         self._self_check = self_check if self_check is not None and self_check.samples > 0 else None
         self._shared = shared.Shared()
         self._shared_checker = shared.Shared()
-        self._samples = Metrics.counter(NAMESPACE, "samples")
-        self._batches = Metrics.counter(NAMESPACE, "batches")
-        self._latency = Metrics.distribution(NAMESPACE, "batch_latency_ms")
-        self._retraces = Metrics.gauge(NAMESPACE, "retraces_after_setup")
-        self._fallbacks = Metrics.gauge(NAMESPACE, "pfor_fallbacks")
-        self._oom_retries = Metrics.gauge(NAMESPACE, "oom_retries")
-        self._peak_rss = Metrics.gauge(NAMESPACE, "peak_rss_mb")
+        self._metrics = ComputeMetrics()
 
     def setup(self) -> None:
         faults.reached("setup")
@@ -111,11 +104,8 @@ class ComputeJacobiansFn(beam.DoFn):
             except ModelError as err:
                 raise ModelError(f"samples {_span(part.ids)}: {err}") from err
             seconds = time.perf_counter() - tick
-            self._latency.update(int(1000 * seconds))
-            self._batches.inc()
-            self._samples.inc(len(part))
             described = engine.describe()
-            self._report(described)
+            self._metrics.batch_done(len(part), seconds, described)
             yield JacobianBatch(
                 ids=part.ids,
                 datasets=datasets,
@@ -147,12 +137,6 @@ class ComputeJacobiansFn(beam.DoFn):
             stored = {name: values[row : row + 1] for name, values in datasets.items()}
             checks.append(self._checker.check(xs, stored, int(part.ids[row])))
         return checks
-
-    def _report(self, engine: dict) -> None:
-        self._retraces.set(engine["retraces_after_setup"])
-        self._fallbacks.set(len(engine["pfor_fallbacks"]))
-        self._oom_retries.set(engine["oom_retries"])
-        self._peak_rss.set(engine["peak_rss_bytes"] // 2**20)
 
 
 def _span(ids) -> str:

@@ -16,7 +16,6 @@ import datetime
 import hashlib
 import json
 import platform
-import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,21 +29,9 @@ from jacobeam.transforms.output import storage
 from jacobeam.transforms.aggregates import PARTIALS
 from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.inputs.readers import shape_record
-from jacobeam.transforms.output.shards import SHARDS_DIR, ShardRecord, is_temp_file, read_attrs
+from jacobeam.transforms.output.shards import ShardRecord, read_attrs
+from jacobeam.transforms.output.layout import MANIFEST, NONFINITE, REJECTED_FILE, SHARDS_DIR, VIEW, is_folder_temp, is_shard_temp
 from jacobeam.transforms.spec import JobSpec, Rejected, version
-
-MANIFEST = "manifest.json"
-VIEW = "jacobians.h5"
-REJECTED_FILE = "rejected.jsonl"
-# Temporary names of the files above (and of the launcher's write test): jacobeam's own, safe to remove.
-_ROOT_TEMP = re.compile(
-    r"^\.(manifest\.json|jacobians\.h5|rejected\.jsonl|aggregates\.h5)\.tmp-\d+$|^\.jacobeam-write-test-[0-9a-f]+$"
-)
-
-
-def is_root_temp_file(name: str) -> bool:
-    return bool(_ROOT_TEMP.match(name))
-
 
 def check_coverage(
     records: Sequence[ShardRecord], num_samples: int, rejected: Sequence[Rejected] = ()
@@ -231,7 +218,7 @@ def build_manifest(
             "unreadable_files": sorted(run.file for run in rejected if run.start is None),
             "policy": spec.config.get("input", {}).get("on_bad_sample", "error"),
         },
-        "nonfinite": {"count": sum(record.nonfinite for record in records), "dataset": "nonfinite"},
+        "nonfinite": {"count": sum(record.nonfinite for record in records), "dataset": NONFINITE},
         "shards": [
             {
                 "file": record.file,
@@ -282,8 +269,8 @@ def _stored(spec: JobSpec) -> dict[str, Any]:
 def remove_temp_files(output_dir: str) -> None:
     """Delete temporary files that killed writers left behind (only jacobeam's own names)."""
     shards = storage.join(output_dir, SHARDS_DIR)
-    storage.delete(*(storage.join(shards, name) for name in storage.listdir(shards) if is_temp_file(name)))
-    storage.delete(*(storage.join(output_dir, name) for name in storage.listdir(output_dir) if is_root_temp_file(name)))
+    storage.delete(*(storage.join(shards, name) for name in storage.listdir(shards) if is_shard_temp(name)))
+    storage.delete(*(storage.join(output_dir, name) for name in storage.listdir(output_dir) if is_folder_temp(name)))
 
 
 def write_manifest(output_dir: str, manifest: dict[str, Any]) -> None:

@@ -69,4 +69,6 @@ class JacobianModelHandler(ModelHandler[np.ndarray, dict, Any]):
         return sum(np.asarray(part).nbytes for part in parts)
 
     def get_metrics_namespace(self) -> str:
-        return "jacobeam"
+        from jacobeam.transforms.metrics import NAMESPACE
+
+        return NAMESPACE

@@ -31,7 +31,6 @@ from typing import Any
 
 import apache_beam as beam
 import numpy as np
-from apache_beam.metrics import Metrics
 from apache_beam.pvalue import TaggedOutput
 from apache_beam.utils.windowed_value import WindowedValue
 
@@ -41,12 +40,13 @@ from jacobeam.transforms.aggregates import Aggregate
 from jacobeam.transforms.elements import JacobianBatch
 from jacobeam.transforms.errors import OutputError, SelfCheckError
 from jacobeam.transforms.finalize import Finalize
+from jacobeam.transforms.metrics import ShardMetrics
 from jacobeam.transforms.inputs.readers import SourceFile, shape_from_record, shape_record
-from jacobeam.transforms.output.shards import SELF_CHECK, ShardRecord, ShardWriter, existing_record, read_attrs, shard_file, shard_path
+from jacobeam.transforms.output.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_path
+from jacobeam.transforms.output.layout import SAMPLE_ID, SELF_CHECK, shard_file
 from jacobeam.transforms.spec import EngineOptions, JobSpec, ModelSource, SelfCheck, ShardRange, shard_inputs, version
 
 log = logging.getLogger(__name__)
-NAMESPACE = "jacobeam"
 AGGREGATES = "aggregates"  # the writer's output of per-shard partial sums
 
 
@@ -80,7 +80,7 @@ class WriteShardFn(beam.DoFn):
 
     def __init__(self, spec: JobSpec):
         self._spec = spec
-        self._written = Metrics.counter(NAMESPACE, "shards_written")
+        self._metrics = ShardMetrics()
 
     def setup(self) -> None:
         self._positions = self._spec.shard_positions()
@@ -97,7 +97,7 @@ class WriteShardFn(beam.DoFn):
         try:
             state = self._open.get(shard.start) or self._begin(batch)
             self._take_checks(state, shard, batch.checks or [])
-            state.writer.write(int(batch.ids[0]), {**batch.datasets, "sample_id": batch.ids})
+            state.writer.write(int(batch.ids[0]), {**batch.datasets, SAMPLE_ID: batch.ids})
             state.sums = aggregates.add(state.sums, batch.partial)
             if state.writer.rows_written == shard.rows:
                 yield from self._committed(wait=True)
@@ -199,7 +199,7 @@ class WriteShardFn(beam.DoFn):
 
     def _records(self, done: _Committing, checksum: str) -> Iterator[WindowedValue | TaggedOutput]:
         shard, state = done.shard, done.state
-        self._written.inc()
+        self._metrics.written.inc()
         seconds = time.perf_counter() - state.began
         log.info("shard %s: %d samples in %.2fs", state.writer.name, shard.rows, seconds)
         record = ShardRecord(
@@ -238,7 +238,7 @@ class KeepShardFn(beam.DoFn):
 
     def __init__(self, spec: JobSpec):
         self._spec = spec
-        self._skipped = Metrics.counter(NAMESPACE, "shards_skipped")
+        self._metrics = ShardMetrics()
 
     def setup(self) -> None:
         self._positions = self._spec.shard_positions()
@@ -257,8 +257,8 @@ class KeepShardFn(beam.DoFn):
                     f"{path}: complete shard from a different run ({name} {attrs.get(name)!r}, this run "
                     f"{value!r}); use a new output.path or remove that folder"
                 )
-        self._skipped.inc()
-        yield existing_record(spec.output_dir, shard.start, shard.stop, str(attrs["model_fingerprint"]), None, checksum)
+        self._metrics.kept.inc()
+        yield existing_record(spec.output_dir, shard.start, shard.stop, str(attrs["model_fingerprint"]), checksum)
         if spec.engine.aggregate:
             yield TaggedOutput(AGGREGATES, (self._positions[shard.start], aggregates.read_partial(path)))
 

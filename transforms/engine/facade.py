@@ -29,6 +29,7 @@ from jacobeam.transforms.engine.executor import Plan, execute, join
 from jacobeam.transforms.engine.operands import Operands, build_operands
 from jacobeam.transforms.engine.planner import Planner
 from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.output.layout import JACOBIAN, jacobian_dataset
 from jacobeam.transforms.engine.models import LoadedModel
 from jacobeam.transforms.engine.reductions import FULL, reduce_full
 from jacobeam.transforms.spec import EngineOptions
@@ -191,8 +192,8 @@ class JacobianEngine:
             for k, product in products.items():
                 full = product.astype(store, copy=False)
                 reduced = reduce_full(kind, product, rows_shape, self.input_shapes[k])
-                if "jacobian" in reduced and len(self.input_names) > 1:
-                    reduced = {f"jacobian/{self.input_names[k]}": reduced.pop("jacobian")}
+                if JACOBIAN in reduced:
+                    reduced = {jacobian_dataset(self.input_names[k], len(self.input_names) > 1): reduced.pop(JACOBIAN)}
                 datasets.update(reduced)
         else:
             datasets.update(self._products(kind, products[0], rows_shape))

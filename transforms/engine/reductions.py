@@ -14,7 +14,6 @@ from jacobeam.transforms.errors import ModelError
 FULL = ("none", "frobenius", "diagonal", "trace", "slogdet", "max_abs_over_outputs", "sum_abs_over_channels")
 PRODUCTS = ("vjp", "jvp", "project", "basis")
 SQUARE = ("diagonal", "trace", "slogdet")
-KINDS = FULL + PRODUCTS
 
 
 def projection_matrix(d: int, dim: int, kind: str, seed: int) -> np.ndarray:

@@ -27,7 +27,6 @@ import dataclasses
 import json
 import os
 import queue
-import re
 import sys
 import threading
 import uuid
@@ -40,15 +39,10 @@ import numpy as np
 from jacobeam.transforms.testing import faults
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.output.layout import CHECKSUM_SUFFIX, NONFINITE, SAMPLE_ID, SELF_CHECK, SHARDS_DIR, shard_file, shard_name, temp_name
 from jacobeam.transforms.output.storage import durable
 
-SHARDS_DIR = "shards"
-_SHARD_NAME = re.compile(r"^shard-(\d{12})-(\d{12})\.h5$")
-_TEMP_NAME = re.compile(r"^\.shard-\d{12}-\d{12}\.h5\.tmp-[0-9a-f]+$|^\.jacobeam-write-test-[0-9a-f]+$")
 _CHUNK_BYTES = 1 << 20
-NONFINITE = "nonfinite"
-SELF_CHECK = "self_check"  # a shard's attribute: its self-check, as JSON (transforms.self_check)
-CHECKSUM_SUFFIX = ".sha256"  # a remote shard's sidecar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,32 +71,9 @@ class ShardRecord:
         return self.stop - self.start if self.rows is None else self.rows
 
 
-def shard_name(start: int, stop: int) -> str:
-    return f"shard-{start:012d}-{stop:012d}.h5"
-
-
 def shard_path(output_dir: str, start: int, stop: int) -> str:
     return storage.join(output_dir, SHARDS_DIR, shard_name(start, stop))
 
-
-def shard_file(start: int, stop: int) -> str:
-    """The shard's path relative to the output folder, as the manifest and the view name it."""
-    return f"{SHARDS_DIR}/{shard_name(start, stop)}"
-
-
-def is_shard_file(name: str) -> bool:
-    return bool(_SHARD_NAME.match(name))
-
-
-def is_temp_file(name: str) -> bool:
-    return bool(_TEMP_NAME.match(name))
-
-
-def is_checksum_file(name: str) -> bool:
-    return name.endswith(CHECKSUM_SUFFIX) and is_shard_file(name[: -len(CHECKSUM_SUFFIX)])
-
-
-sha256_file = storage.sha256
 
 
 def proven_checksum(path: str) -> str | None:
@@ -111,12 +82,12 @@ def proven_checksum(path: str) -> str | None:
     Locally a shard's name is proof (only a rename gives it); remotely, the sidecar must match the bytes.
     """
     if storage.is_local(path):
-        return sha256_file(path) if os.path.exists(path) else None
+        return storage.sha256(path) if os.path.exists(path) else None
     sidecar = path + CHECKSUM_SUFFIX
     if not (storage.exists(sidecar) and storage.exists(path)):
         return None
     recorded = storage.read_text(sidecar).strip()
-    actual = sha256_file(path)
+    actual = storage.sha256(path)
     return actual if recorded == actual else None
 
 
@@ -130,7 +101,6 @@ def existing_record(
     start: int,
     stop: int,
     model_fingerprint: str,
-    engine: dict[str, Any] | None = None,
     checksum: str | None = None,
 ) -> ShardRecord:
     """The record of a complete shard found on disk (kept, not recomputed); ``checksum`` when known."""
@@ -141,12 +111,11 @@ def existing_record(
         file=shard_file(start, stop),
         start=start,
         stop=stop,
-        sha256=checksum or sha256_file(path),
+        sha256=checksum or storage.sha256(path),
         model_fingerprint=model_fingerprint,
         computed=False,
         rows=int(attrs.get("num_rows", stop - start)),
         nonfinite=int(attrs.get("nonfinite_count", 0)),
-        engine=engine,
         self_check=None if checked is None else json.loads(checked.decode() if isinstance(checked, bytes) else str(checked)),
     )
 
@@ -157,7 +126,7 @@ def nonfinite_rows(arrays: dict[str, np.ndarray]) -> np.ndarray:
     for name, values in arrays.items():
         if values.dtype.name == "bfloat16":  # ml_dtypes' type: not a numpy floating subtype
             values = values.astype(np.float32)
-        if name == "sample_id" or not np.issubdtype(values.dtype, np.floating):
+        if name == SAMPLE_ID or not np.issubdtype(values.dtype, np.floating):
             continue
         bad = ~np.isfinite(values.reshape(len(values), -1)).all(axis=1)
         mask = bad if mask is None else mask | bad
@@ -209,11 +178,11 @@ class ShardWriter:
         self.name = shard_name(start, stop)
         self.final_path = shard_path(output_dir, start, stop)
         self._remote = not storage.is_local(output_dir)
-        temp_name = f".{self.name}.tmp-{uuid.uuid4().hex[:12]}"
+        temp = temp_name(self.name, uuid.uuid4().hex[:12])
         # Remote: the same temporary name in the remote folder, while h5py writes a local scratch file.
-        self.remote_temp = storage.join(output_dir, SHARDS_DIR, temp_name) if self._remote else None
+        self.remote_temp = storage.join(output_dir, SHARDS_DIR, temp) if self._remote else None
         self._scratch = None
-        self.temp_path = Path(storage.join(output_dir, SHARDS_DIR, temp_name)) if not self._remote else None
+        self.temp_path = Path(storage.join(output_dir, SHARDS_DIR, temp)) if not self._remote else None
         self.start, self.stop = start, stop
         self.rows = stop - start if rows is None else rows
         self.nonfinite = 0  # rows flagged in the nonfinite mask so far (complete after commit)
@@ -403,7 +372,7 @@ class ShardWriter:
         self._h5.attrs.update(num_rows=self.rows, nonfinite_count=self.nonfinite)
         self._h5.close()
         self._h5 = None
-        checksum = sha256_file(self.temp_path)
+        checksum = storage.sha256(self.temp_path)
         if self._remote:
             storage.copy_from_local(self.temp_path, self.remote_temp)
             faults.reached("shard_commit")

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from jacobeam.transforms.output import layout
 from jacobeam.transforms.testing import faults
 from jacobeam.transforms.errors import CorruptInputError
 
@@ -204,12 +205,6 @@ def delete(*paths: str | os.PathLike) -> None:
             FileSystems.delete([str(path)])
 
 
-def makedirs(folder: str | os.PathLike) -> None:
-    """Create a local folder; object stores have no folders (a name prefix needs no creating)."""
-    if is_local(folder):
-        Path(folder).mkdir(parents=True, exist_ok=True)
-
-
 @contextlib.contextmanager
 def local_scratch() -> Iterator[Path]:
     """A private local folder for files on their way to a remote folder, removed afterwards."""
@@ -226,7 +221,7 @@ def write_via_local_temp(path: str, write: Callable[[Path], None], point: str | 
     copied to a temporary remote name ``.NAME.tmp-PID``, then renamed). ``point`` is a fault-injection
     point reached just before the rename."""
     folder, name = (os.path.dirname(path), os.path.basename(path)) if is_local(path) else path.rsplit("/", 1)
-    temp = join(folder, f".{name}.tmp-{os.getpid()}")
+    temp = join(folder, layout.temp_name(name, str(os.getpid())))
     if is_local(path):
         try:
             write(Path(temp))

@@ -1,0 +1,87 @@
+"""The output folder's layout: every file, dataset and attribute name jacobeam writes, in one place.
+
+Imports nothing else of jacobeam. ::
+
+    OUT/
+      shards/shard-<first id>-<stop id>.h5   one per id range; datasets: jacobian (or jacobian/<input>),
+                                             output, output_index, reductions, sample_id, nonfinite
+      shards/shard-....h5.sha256             a remote shard's checksum sidecar
+      jacobians.h5                           the virtual view over every shard
+      aggregates.h5                          aggregate statistics (jacobian.aggregate)
+      rejected.jsonl                         samples rejected under on_bad_sample: skip
+      manifest.json                          written last: the output exists once it does
+"""
+
+from __future__ import annotations
+
+import re
+
+SHARDS_DIR = "shards"
+MANIFEST = "manifest.json"
+VIEW = "jacobians.h5"
+AGGREGATES = "aggregates.h5"
+REJECTED_FILE = "rejected.jsonl"
+CHECKSUM_SUFFIX = ".sha256"  # a remote shard's sidecar
+
+# Datasets and attributes of a shard.
+JACOBIAN = "jacobian"
+SAMPLE_ID = "sample_id"
+NONFINITE = "nonfinite"
+SELF_CHECK = "self_check"  # the shard's self-check, as JSON
+
+WRITE_PROBE_PREFIX = ".jacobeam-write-test-"  # a writability probe's name: the prefix and a random hex
+
+_SHARD_NAME = re.compile(r"^shard-(\d{12})-(\d{12})\.h5$")
+_SHARD_TEMP = re.compile(r"^\.shard-\d{12}-\d{12}\.h5\.tmp-[0-9a-f]+$")
+_FILE_TEMP = re.compile(
+    r"^\.(" + "|".join(re.escape(name) for name in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES)) + r")\.tmp-[0-9a-f]+$"
+)
+_PROBE = re.compile("^" + re.escape(WRITE_PROBE_PREFIX) + "[0-9a-f]+$")
+
+
+def jacobian_dataset(input_name: str, several_inputs: bool) -> str:
+    """The dataset of the Jacobian by one model input: ``jacobian``, or ``jacobian/<input>`` for a model
+    with several inputs."""
+    return f"{JACOBIAN}/{input_name}" if several_inputs else JACOBIAN
+
+
+def is_jacobian_dataset(name: str) -> bool:
+    return name.split("/")[0] == JACOBIAN
+
+
+def shard_name(start: int, stop: int) -> str:
+    return f"shard-{start:012d}-{stop:012d}.h5"
+
+
+def shard_file(start: int, stop: int) -> str:
+    """The shard's path relative to the output folder, as the manifest and the view name it."""
+    return f"{SHARDS_DIR}/{shard_name(start, stop)}"
+
+
+def temp_name(name: str, tag: str) -> str:
+    """The temporary name under which ``name`` is written before its rename (``tag``: hex)."""
+    return f".{name}.tmp-{tag}"
+
+
+def is_shard_file(name: str) -> bool:
+    return bool(_SHARD_NAME.match(name))
+
+
+def shard_ids(name: str) -> tuple[int, int] | None:
+    """``(start, stop)`` of a shard's file name, or None for any other name."""
+    found = _SHARD_NAME.match(name)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def is_checksum_file(name: str) -> bool:
+    return name.endswith(CHECKSUM_SUFFIX) and is_shard_file(name[: -len(CHECKSUM_SUFFIX)])
+
+
+def is_shard_temp(name: str) -> bool:
+    """A shard's temporary file, or a writability probe, in ``shards/``."""
+    return bool(_SHARD_TEMP.match(name) or _PROBE.match(name))
+
+
+def is_folder_temp(name: str) -> bool:
+    """A temporary file of the folder's own files, or a writability probe, at its top."""
+    return bool(_FILE_TEMP.match(name) or _PROBE.match(name))
