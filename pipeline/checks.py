@@ -18,21 +18,6 @@ from jacobeam.transforms.spec import ModelSource
 from jacobeam.transforms.output.layout import SHARDS_DIR, WRITE_PROBE_PREFIX
 
 
-def configure_tf_threads(tf_threads: int | None) -> None:
-    """Set TensorFlow's threads in this process before its first op: the in-process runner's workers
-    share this process (their own attempt then finds them set). Where TensorFlow already runs (a
-    caller's process), the workers report that; nothing to add here."""
-    if tf_threads is None:
-        return
-    import tensorflow as tf
-
-    try:
-        tf.config.threading.set_intra_op_parallelism_threads(tf_threads)
-        tf.config.threading.set_inter_op_parallelism_threads(tf_threads)
-    except RuntimeError:
-        pass
-
-
 def _input_shapes(loaded, shape: Shape, where: str) -> list[tuple[int, ...]]:
     """One sample shape per model input, in the model's order: the inputs' arrays must be the model's."""
     names = list(loaded.input_names)

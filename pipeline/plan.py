@@ -464,9 +464,9 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
     """
     policy = config.input.on_bad_sample
     if check_model:
-        from jacobeam.pipeline.checks import configure_tf_threads
+        from jacobeam.transforms.engine.threads import configure_tf_threads
 
-        configure_tf_threads(tf_threads)  # before reading inputs, which may run TensorFlow ops
+        configure_tf_threads(tf_threads, warn=False)  # before reading inputs, which may run TensorFlow ops
     files = resolve_inputs(
         config.input.paths, config.input.key, policy, config.input.shape(), config.input.image_options()
     )

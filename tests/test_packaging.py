@@ -1,5 +1,6 @@
 """The distribution installs one import root, ``jacobeam``, from a built wheel as from the editable install."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,8 +13,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_the_wheel_holds_only_jacobeam_and_runs_from_it(tmp_path):
+    # Built from a copy: setuptools leaves a build/ folder in the tree it builds.
+    source = tmp_path / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__"))
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(source)],
         capture_output=True, text=True, timeout=300,
     )
     assert built.returncode == 0, built.stderr[-2000:]

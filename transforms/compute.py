@@ -21,6 +21,7 @@ from apache_beam.utils import shared
 from jacobeam.transforms import aggregates
 from jacobeam.transforms.testing import faults
 from jacobeam.transforms.elements import JacobianBatch, SampleBatch, stack_samples, take
+from jacobeam.transforms.engine.threads import configure_tf_threads
 from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.metrics import ComputeMetrics
 from jacobeam.transforms.self_check import SelfChecker, chosen_ids
@@ -32,22 +33,6 @@ log = logging.getLogger(__name__)
 # worker process, not per bundle or element.
 _engine_builds = 0
 _builds_lock = threading.Lock()
-
-
-def configure_tf_threads(threads: int | None) -> None:
-    """Set TensorFlow's thread pools before its first op; a no-op once TF is running with them."""
-    if threads is None:
-        return
-    import tensorflow as tf
-
-    threading_config = tf.config.threading
-    if threading_config.get_intra_op_parallelism_threads() == threads:
-        return
-    try:
-        threading_config.set_intra_op_parallelism_threads(threads)
-        threading_config.set_inter_op_parallelism_threads(threads)
-    except RuntimeError:  # TF already initialised in this process (e.g. by the caller): keep its pools.
-        log.warning("TensorFlow already initialised; cannot set its threads to %d", threads)
 
 
 def build_engine(model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None = None):
