@@ -49,10 +49,11 @@ import numpy as np
 
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.engine.diagnostics import relative_error
+from jacobeam.transforms.engine.reference import RTOL
 from jacobeam.transforms.finalize import missing_sources, write_manifest
 from jacobeam.transforms.output.layout import MANIFEST, NONFINITE, REJECTED_FILE, SAMPLE_ID, SHARDS_DIR, VIEW, is_shard_file, jacobian_dataset
 
-TAPE_RTOL = 1e-4  # per-sample tape (float32) vs stored (float32): transforms.engine.reference.RTOL
+TAPE_RTOL = RTOL["float32"]  # per-sample tape (float32) vs stored (float32)
 OUTPUT_RTOL = 1e-5  # recomputed model output vs stored output
 FD_RTOL = 1e-3  # float64 central differences vs stored float32 Jacobian
 FD_MAX_ELEMENTS = 4096  # finite differences cost 2 model evaluations per input element

@@ -121,8 +121,6 @@ class SelfChecker:
             if self.forward
             else "tf.GradientTape().jacobian of one sample"
         )
-        wrt = engine.options.wrt
-        self._wrt = list(range(len(engine.input_names))) if wrt is None else [engine.input_names.index(n) for n in wrt]
         self._function = None
         self._lock = threading.Lock()
 
@@ -134,7 +132,7 @@ class SelfChecker:
                 engine = self.engine
                 self._function = reference.tape_function(
                     engine.model.call, list(engine.input_shapes), forward=self.forward,
-                    dtype=engine.options.compute_dtype, wrt=self._wrt, directions=self._directions,
+                    dtype=engine.options.compute_dtype, wrt=engine.wrt, directions=self._directions,
                 )
                 return self._function, True
             return self._function, False
@@ -151,7 +149,7 @@ class SelfChecker:
         y = np.asarray(y, engine.options.compute_dtype).reshape(1, -1)
         m = y.shape[1]
         products, scale = {}, 0.0
-        for k, jacobian in zip(self._wrt, jacobians):
+        for k, jacobian in zip(engine.wrt, jacobians):
             jacobian = np.asarray(jacobian).reshape(1, m, -1)
             if self._directions is not None:  # already J R: only the rows are left to choose
                 products[k] = jacobian if index is None else np.take_along_axis(jacobian, index[:, :, None], axis=1)

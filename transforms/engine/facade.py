@@ -79,7 +79,7 @@ class JacobianEngine:
         self.model = model.with_dtype(options.compute_dtype)
         source = self.model.source
         self.input_names, self.input_shapes = model_checks.resolve_inputs(self.model, input_shapes)
-        self._wrt = model_checks.resolve_wrt(self.input_names, options.wrt, source)
+        self.wrt = model_checks.resolve_wrt(self.input_names, options.wrt, source)  # positions of the differentiated inputs
         self.telemetry: dict[str, Any] = {"pfor_fallbacks": [], "oom_retries": 0}
         dtype = tf.as_dtype(options.compute_dtype)
         self._blocks = BlockCache(self.model.call, self.input_shapes, dtype, wrap_block)
@@ -90,7 +90,7 @@ class JacobianEngine:
         self.operands: Operands = build_operands(options, self.output_shape, self.input_shapes, self.input_names, source)
         self._activations = activation_size(self.model.call, self.input_shapes, dtype)
         self._plan = Planner(
-            options, self.operands, self._wrt, source, self._size, self._run, self._forward, self._probe,
+            options, self.operands, self.wrt, source, self._size, self._run, self._forward, self._probe,
             _PROBE_SAMPLES, self.telemetry,
         ).choose()
         self.telemetry["setup_seconds"] = round(time.perf_counter() - began, 3)
@@ -119,8 +119,8 @@ class JacobianEngine:
             itemsize=np.dtype(self.options.compute_dtype).itemsize,
             outputs=operands.outputs,
             activations=self._activations,
-            sizes={k: operands.sizes[k] for k in self._wrt},
-            extents={k: operands.extent(mode, k) for k in self._wrt},
+            sizes={k: operands.sizes[k] for k in self.wrt},
+            extents={k: operands.extent(mode, k) for k in self.wrt},
             forward=mode == "forward",
             names=self.input_names,
         ))
@@ -173,7 +173,7 @@ class JacobianEngine:
         xs = [np.asarray(part, self.options.compute_dtype) for part in xs]
         index = None if self.options.outputs.rule == "all" else self.operands.select(self._forward(xs), labels)
         self._plan, raw = self._run(self._plan, xs, index)
-        return self.assemble(raw["output"], {k: raw[k] for k in self._wrt}, index)
+        return self.assemble(raw["output"], {k: raw[k] for k in self.wrt}, index)
 
     def assemble(
         self, output: np.ndarray, products: Mapping[int, np.ndarray], index: np.ndarray | None

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from jacobeam.transforms.engine.diagnostics import AGREEMENT
+
 # Largest relative error between two computations of one derivative in the compute dtype that differ
-# only in the order of operations (batched vs per sample); the engine's own agreement checks use the same.
-RTOL = {"float32": 1e-4, "float64": 1e-9}
+# only in the order of operations (batched vs per sample): the engine's own agreement tolerance.
+RTOL = AGREEMENT
 
 
 def store_roundoff(name: str) -> float:
