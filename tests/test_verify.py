@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jacobeam.pipeline import cli, config, runner
-from jacobeam.pipeline.verify import FD_RTOL, TAPE_RTOL, _finite_differences, float64_twin, verify
+from jacobeam.pipeline.recompute import FD_RTOL, TAPE_RTOL, finite_differences, float64_twin
+from jacobeam.pipeline.verify import verify
 from tests import models as test_models
 from tests.test_pipeline import write_inputs
 from jacobeam.transforms.output.storage import sha256
@@ -146,7 +147,7 @@ def test_finite_differences_match_the_analytic_jacobian_and_detect_kinks(rng):
 
     model = test_models.small_mlp("float64")
     x = rng.normal(size=12)
-    central, differentiable = _finite_differences(lambda z: model(z).numpy(), x)
+    central, differentiable = finite_differences(lambda z: model(z).numpy(), x)
     w1, b1 = model.layers[0].get_weights()
     w2, _ = model.layers[1].get_weights()
     analytic = (w2.T * (1 - np.tanh(x @ w1 + b1) ** 2)) @ w1.T  # (5, 12)
@@ -154,8 +155,8 @@ def test_finite_differences_match_the_analytic_jacobian_and_detect_kinks(rng):
     np.testing.assert_allclose(central, analytic, atol=1e-8 * np.abs(analytic).max())
 
     relu = keras.Sequential([keras.Input((3,), dtype="float64"), keras.layers.ReLU(dtype="float64")])
-    assert _finite_differences(lambda z: relu(z).numpy(), np.array([1.0, -2.0, 0.5]))[1]
-    assert not _finite_differences(lambda z: relu(z).numpy(), np.array([1.0, 0.0, 0.5]))[1]  # relu at exactly 0
+    assert finite_differences(lambda z: relu(z).numpy(), np.array([1.0, -2.0, 0.5]))[1]
+    assert not finite_differences(lambda z: relu(z).numpy(), np.array([1.0, 0.0, 0.5]))[1]  # relu at exactly 0
 
 
 def test_samples_at_kinks_are_left_out_of_the_finite_difference_check(tmp_path):

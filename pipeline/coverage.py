@@ -1,0 +1,112 @@
+"""Checks of an output folder's structure: checksums, id coverage, the view, the input files.
+
+Each check appends what it finds to a ``pipeline.verify.Report``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from jacobeam.transforms.finalize import missing_sources
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.output.layout import MANIFEST, NONFINITE, REJECTED_FILE, SAMPLE_ID, VIEW
+
+if TYPE_CHECKING:
+    from jacobeam.pipeline.verify import Report
+
+
+def check_structure(root: str, manifest: dict[str, Any], report: Report) -> list[tuple[str, np.ndarray]]:
+    """Checksums and id coverage; returns each readable shard's file and ``sample_id`` column."""
+    num_samples = int(manifest["num_samples"])
+    inputs_stop = max((entry["stop_id"] for entry in manifest["inputs"]), default=0)
+    if inputs_stop != num_samples:
+        report.problems.append(f"{MANIFEST}: inputs cover ids 0..{inputs_stop}, num_samples is {num_samples}")
+    seen = np.zeros(num_samples, np.int64)
+    where: list[tuple[str, np.ndarray]] = []
+    column = []
+    for shard in manifest["shards"]:
+        path = storage.join(root, shard["file"])
+        if not storage.exists(path):
+            report.problems.append(f"{shard['file']}: listed in the manifest but missing")
+            continue
+        if storage.sha256(path) != shard["sha256"]:
+            report.problems.append(f"{shard['file']}: sha256 differs from the manifest's (the file was changed)")
+        report.shards_checked += 1
+        with storage.open_h5(path) as h5:
+            ids = h5[SAMPLE_ID][:]
+            mask = h5[NONFINITE][:] if NONFINITE in h5 else np.zeros(len(ids), bool)
+        column.append(ids)
+        if len(ids) != shard["num_samples"]:
+            report.problems.append(f"{shard['file']}: {len(ids)} rows, the manifest says {shard['num_samples']}")
+        if len(ids) and (ids.min() < shard["start"] or ids.max() >= shard["stop"] or np.any(np.diff(ids) <= 0)):
+            report.problems.append(f"{shard['file']}: sample ids not increasing within {shard['start']}..{shard['stop']}")
+            continue
+        if int(mask.sum()) != shard.get("nonfinite", 0):
+            report.problems.append(f"{shard['file']}: {int(mask.sum())} rows flagged nonfinite, the manifest says {shard.get('nonfinite', 0)}")
+        valid = ids[(ids >= 0) & (ids < num_samples)]
+        np.add.at(seen, valid, 1)
+        where.append((shard["file"], ids))
+    rejected_ids = _rejected_ids(root, manifest, report)
+    np.add.at(seen, rejected_ids[(rejected_ids >= 0) & (rejected_ids < num_samples)], 1)
+    report.ids_checked = num_samples
+    for count, what in ((0, "missing (neither stored nor rejected)"), (2, "present more than once")):
+        bad = np.flatnonzero(seen == 0) if count == 0 else np.flatnonzero(seen >= 2)
+        if len(bad):
+            report.problems.append(f"ids {what}: {len(bad)}, first {bad[:5].tolist()}")
+    _check_view(root, np.concatenate(column) if column else np.zeros(0, np.int64), report)
+    return where
+
+
+def _rejected_ids(root: str, manifest: dict[str, Any], report: Report) -> np.ndarray:
+    info = manifest.get("rejected")
+    path = storage.join(root, REJECTED_FILE)
+    if info is None:
+        return np.zeros(0, np.int64)
+    if not storage.exists(path):
+        report.problems.append(f"{REJECTED_FILE}: missing")
+        return np.zeros(0, np.int64)
+    if info.get("sha256") and storage.sha256(path) != info["sha256"]:
+        report.problems.append(f"{REJECTED_FILE}: sha256 differs from the manifest's (the file was changed)")
+    ids = [record["id"] for record in map(json.loads, storage.read_text(path).splitlines()) if record["id"] is not None]
+    if len(ids) != info.get("count", len(ids)):
+        report.problems.append(f"{REJECTED_FILE}: {len(ids)} rejected ids, the manifest says {info['count']}")
+    return np.asarray(ids, np.int64)
+
+
+def _check_view(root: str, column: np.ndarray, report: Report) -> None:
+    path = storage.join(root, VIEW)
+    if not storage.exists(path):
+        report.problems.append(f"{VIEW}: missing")
+        return
+    with storage.open_h5(path) as view:
+        report.problems.extend(missing_sources(root, view))
+        if not storage.is_local(root):
+            # HDF5 resolves a virtual dataset's sources only on a local file system: read remotely, the
+            # view would show fill values. Its sources were checked above; the shards themselves were read.
+            report.notes.append(f"{VIEW}: remote folder, so its values were not read (its sources exist)")
+            return
+        if SAMPLE_ID in view and not report.problems and not np.array_equal(view[SAMPLE_ID][:], column):
+            report.problems.append(f"{VIEW}: its sample_id column differs from the shards'")
+
+
+def check_inputs(manifest: dict[str, Any], report: Report) -> bool:
+    from jacobeam.transforms.errors import InputError
+    from jacobeam.transforms.inputs.readers import describe, manifest_sources
+
+    fine = True
+    for source in manifest_sources(manifest):
+        if source.unreadable:
+            continue
+        try:
+            found = describe(source.path, source.key, source.sample_shape, source.image).num_samples
+        except (InputError, OSError) as err:
+            report.problems.append(f"input {source.path}: cannot be read any more ({err}); cannot recompute")
+            fine = False
+            continue
+        if found != source.num_samples:
+            report.problems.append(f"input {source.path}: holds {found} samples, the manifest says {source.num_samples}")
+            fine = False
+    return fine

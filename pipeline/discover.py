@@ -1,0 +1,90 @@
+"""Input discovery: the files the config's globs match, described and scanned once.
+
+A folder named in ``input.paths`` stands for every PNG/JPEG image under it. Every sample is read once
+here (``transforms.inputs.scan``), before any output is touched, so that a bad sample under
+``input.on_bad_sample: error`` stops the run with nothing written.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+
+from jacobeam.transforms.errors import CorruptInputError, InputError
+from jacobeam.transforms.inputs.images import ImageOptions
+from jacobeam.transforms.inputs.readers import (
+    IMAGE_SUFFIXES,
+    Key,
+    Shape,
+    SourceFile,
+    assign_ids,
+    check_consistent,
+    describe,
+    unreadable_file,
+)
+from jacobeam.transforms.inputs.scan import FileScan, scan_files
+from jacobeam.transforms.output import storage
+
+log = logging.getLogger(__name__)
+
+
+def _match(patterns: list[str]) -> list[str]:
+    """Every file the globs match, each once, sorted. A folder (a pattern without wildcards naming one,
+    or ending in ``/``) stands for every PNG/JPEG image under it, at any depth."""
+    from apache_beam.io.filesystems import FileSystems
+
+    paths: set[str] = set()
+    for pattern in patterns:
+        folder = not any(c in pattern for c in "*?[") and (pattern.endswith("/") or storage.is_folder(pattern))
+        (match,) = FileSystems.match([storage.join(pattern, "**") if folder else pattern])
+        found = [m.path for m in match.metadata_list if not folder or m.path.lower().endswith(IMAGE_SUFFIXES)]
+        if not found:
+            raise InputError(f"input.paths: {pattern!r} " + ("holds no PNG or JPEG images" if folder else "matches no files"))
+        paths.update(found)
+    return sorted(paths)
+
+
+def resolve_inputs(
+    patterns: list[str], key: Key, on_bad_sample: str = "error", sample_shape: Shape | None = None,
+    image: ImageOptions | None = None,
+) -> list[SourceFile]:
+    """Every file the globs match (each file once), described, in sorted path order with ids in that
+    order. Under ``skip`` a file that cannot be opened is kept as an unreadable file without samples.
+    Files are described a few at a time (an image is decoded to learn its shape)."""
+
+    def described(path: str) -> SourceFile:
+        try:
+            return describe(path, key, sample_shape, image)
+        except CorruptInputError as err:
+            if on_bad_sample != "skip":
+                raise InputError(f"{err} (input.on_bad_sample is error; 'skip' would leave this file out)") from err
+            log.warning("skipping %s: %s", path, err.reason)
+            return unreadable_file(path, key, err.reason)
+
+    paths = _match(patterns)
+    with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="jacobeam-describe") as pool:
+        files = assign_ids(list(pool.map(described, paths)))
+    check_consistent(files, sample_shape)
+    if not any(f.num_samples for f in files):
+        raise InputError(f"input.paths: the {len(files)} matched file(s) hold no readable samples")
+    return files
+
+
+def scan_inputs(files: list[SourceFile], on_bad_sample: str) -> dict[str, FileScan]:
+    """Read every sample once (see ``transforms.inputs.scan``); under ``error`` the first bad one stops the run."""
+    began = time.monotonic()
+    scans = scan_files(files)
+    log.info("scanned %d input file(s) in %.1f s", len(scans), time.monotonic() - began)
+    if on_bad_sample == "error":
+        bad = [(path, rows) for path, scan in sorted(scans.items()) for rows in scan.bad]
+        if bad:
+            path, rows = bad[0]
+            total = sum(scan.num_bad for scan in scans.values())
+            more = f"; {total} bad sample(s) in all" if total > 1 else ""
+            raise InputError(
+                f"{path}: row {rows.row}: {rows.reason}{more}. Nothing was written "
+                "(input.on_bad_sample is error; set it to skip to leave bad samples out)"
+            )
+    return scans

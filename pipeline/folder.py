@@ -1,0 +1,173 @@
+"""What an output folder already holds, judged by content, and how it differs from a planned run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from typing import Any
+
+from jacobeam.pipeline.identity import identity_differences, run_identity
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.output.layout import (
+    AGGREGATES,
+    CHECKSUM_SUFFIX,
+    MANIFEST,
+    REJECTED_FILE,
+    SHARDS_DIR,
+    VIEW,
+    is_checksum_file,
+    is_folder_temp,
+    is_shard_temp,
+    shard_name,
+)
+from jacobeam.transforms.output.shards import read_attrs
+from jacobeam.transforms.spec import JobSpec, shard_inputs
+
+log = logging.getLogger(__name__)
+
+_SHARD_FILE = re.compile(r"^shard-(\d{12})-(\d{12})\.h5$")
+
+
+@dataclasses.dataclass
+class Folder:
+    """A read-only look at an output folder: what jacobeam wrote there before."""
+
+    root: str  # absolute local path or remote URL
+    manifest: dict[str, Any] | None = None
+    shards: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # file name -> attrs
+    owned: list[str] = dataclasses.field(default_factory=list)  # files jacobeam wrote (shown by content)
+    alien: list[str] = dataclasses.field(default_factory=list)  # jacobeam's names, not jacobeam's content
+    unproven: list[str] = dataclasses.field(default_factory=list)  # remote shards not proven complete
+
+    @property
+    def empty(self) -> bool:
+        return self.manifest is None and not self.shards
+
+
+def _is_jacobeam_view(path: str) -> bool:
+    with storage.open_h5(path) as view:
+        if "jacobeam_version" in view.attrs:
+            return True
+        datasets = list(view.values())
+        return bool(datasets) and all(
+            getattr(d, "is_virtual", False)
+            and all(s.file_name.startswith(f"{SHARDS_DIR}/") for s in d.virtual_sources())
+            for d in datasets
+        )
+
+
+def _is_aggregates(path: str) -> bool:
+    with storage.open_h5(path) as h5:
+        return "count" in h5 and set(h5) <= {"count", "mean", "mean_abs", "jtj"}
+
+
+def _is_rejected_list(path: str) -> bool:
+    for line in storage.read_text(path).splitlines():
+        record = json.loads(line)
+        if not isinstance(record, dict) or set(record) != {"id", "file", "row", "reason"}:
+            return False
+    return True
+
+
+def read_folder(output_dir: str) -> Folder:
+    """What the folder holds, judged by content: a file with one of jacobeam's names counts as jacobeam's
+    only if it looks like what jacobeam writes; otherwise it is listed as alien and never touched.
+
+    In a remote folder a shard counts only when it has jacobeam's attributes and a checksum sidecar (see
+    ``transforms.output.shards``; the worker checks its bytes against the sidecar before keeping it); one that
+    jacobeam wrote (it has a sidecar, or a ``run_key``) but that fails this is listed as owned, not as a
+    shard: ``prepare_output`` removes it and it is computed again."""
+    root = storage.normalize(output_dir)
+    folder = Folder(root)
+    for name in storage.listdir(root):
+        path = storage.join(root, name)
+        if is_folder_temp(name):
+            folder.owned.append(path)
+            continue
+        if name not in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES) or not storage.is_file(path):
+            continue
+        try:
+            if name == MANIFEST:
+                manifest = json.loads(storage.read_text(path))
+                ours = isinstance(manifest, dict) and {"jacobeam_version", "run_key", "inputs"} <= set(manifest)
+                folder.manifest = manifest if ours else None
+            elif name == VIEW:
+                ours = _is_jacobeam_view(path)
+            elif name == AGGREGATES:
+                ours = _is_aggregates(path)
+            else:
+                ours = _is_rejected_list(path)
+        except (OSError, ValueError):
+            ours = False
+        (folder.owned.append(path) if ours else folder.alien.append(path))
+    shards = storage.join(root, SHARDS_DIR)
+    names = storage.listdir(shards)
+    for name in names:
+        path = storage.join(shards, name)
+        if is_shard_temp(name) or is_checksum_file(name):
+            folder.owned.append(path)
+        elif _SHARD_FILE.match(name):
+            try:
+                attrs = read_attrs(path)
+            except (OSError, ValueError):
+                attrs = {}
+            # Remote: a sidecar marks a shard whose copy finished; the worker checks its bytes against
+            # it (and computes the shard again on a mismatch), so the launcher need not read every shard.
+            remote, sidecar = not storage.is_local(root), name + CHECKSUM_SUFFIX in names
+            if "run_key" in attrs and (sidecar or not remote):
+                folder.shards[name] = attrs
+                folder.owned.append(path)
+            elif remote and ("run_key" in attrs or sidecar):
+                log.warning("%s: not proven complete (no readable shard with a checksum sidecar); computing it again", path)
+                folder.owned.append(path)
+                folder.unproven += [path, path + CHECKSUM_SUFFIX]
+            else:
+                folder.alien.append(path)
+    return folder
+
+
+def _attr_str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def folder_differences(folder: Folder, spec: JobSpec, fingerprint: str | None) -> list[str]:
+    """How what the folder holds differs from this run; empty when it can be resumed or extended."""
+    differences = []
+    if folder.manifest is not None:
+        manifest = folder.manifest
+        theirs = manifest.get("run_identity") or run_identity(manifest["config"])
+        differences += [f"{MANIFEST}: written by a different run: {d}" for d in identity_differences(theirs, spec.identity)]
+        if fingerprint and manifest.get("model_fingerprint") not in (None, fingerprint):
+            differences.append(
+                f"{MANIFEST}: model weights differ (fingerprint {manifest['model_fingerprint'][:16]}… there, "
+                f"{fingerprint[:16]}… in this run)"
+            )
+    expected = {shard_name(r.start, r.stop): r for r in spec.ranges() if r.rows}
+    by_shard: dict[str, list[str]] = {}  # the same difference for many shards is listed once
+    for name, attrs in folder.shards.items():
+        where = f"{SHARDS_DIR}/{name}"
+        shard = expected.get(name)
+        if shard is None:
+            by_shard.setdefault("not one of this run's shards (ids grouped differently: another input set or "
+                                "samples_per_shard)", []).append(where)
+            continue
+        if "run_identity" in attrs:
+            found = identity_differences(json.loads(_attr_str(attrs["run_identity"])), spec.identity)
+        else:
+            found = [] if _attr_str(attrs["run_key"]) == spec.run_key else [f"run key {_attr_str(attrs['run_key'])}, this run {spec.run_key}"]
+        found = [f"written by a different run: {d}" for d in found]
+        stored = _attr_str(attrs.get("model_fingerprint", ""))
+        if fingerprint and stored and stored != fingerprint:
+            found.append(f"model weights differ (fingerprint {stored[:16]}… there, {fingerprint[:16]}… in this run)")
+        if "inputs" in attrs and json.loads(_attr_str(attrs["inputs"])) != shard_inputs(spec.files, shard.start, shard.stop):
+            found.append("computed from other input data (its ids now mean other samples)")
+        elif int(attrs.get("num_rows", shard.stop - shard.start)) != shard.rows:
+            found.append(f"holds {int(attrs.get('num_rows', 0))} samples, this run rejects others ({shard.rows} expected)")
+        for difference in found:
+            by_shard.setdefault(difference, []).append(where)
+    for difference, shards in by_shard.items():
+        others = f" (so do {len(shards) - 1} more shards)" if len(shards) > 1 else ""
+        differences.append(f"{shards[0]}: {difference}{others}")
+    return differences
