@@ -13,32 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jacobeam.transforms.errors import ModelError, OutputError
-from jacobeam.transforms.inputs.readers import Shape, SourceFile
+from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.spec import ModelSource
 from jacobeam.transforms.output.layout import SHARDS_DIR, WRITE_PROBE_PREFIX
-
-
-def _input_shapes(loaded, shape: Shape, where: str) -> list[tuple[int, ...]]:
-    """One sample shape per model input, in the model's order: the inputs' arrays must be the model's."""
-    names = list(loaded.input_names)
-    if not isinstance(shape, Mapping):
-        if len(names) != 1:
-            raise ModelError(
-                f"{loaded.source} takes inputs {names}; the inputs hold one array per sample, of shape {shape} "
-                f"{where}: set input.key to a mapping {{input name: array}} that names one array per input"
-            )
-        return [shape]
-    if len(names) == 1:
-        raise ModelError(
-            f"{loaded.source} takes one input; input.key maps inputs {list(shape)} to arrays: give input.key "
-            "as the name of one array"
-        )
-    if set(names) != set(shape):
-        raise ModelError(
-            f"{loaded.source} takes inputs {sorted(names)}; input.key names inputs {sorted(shape)}: "
-            "they must be the same names"
-        )
-    return [tuple(shape[name]) for name in names]
 
 
 def check_model(model: ModelSource, files: list[SourceFile]) -> tuple[str, tuple[int, ...]]:
@@ -49,19 +26,18 @@ def check_model(model: ModelSource, files: list[SourceFile]) -> tuple[str, tuple
     """
     import tensorflow as tf
 
+    from jacobeam.transforms.engine.model_checks import resolve_inputs
+
     readable = [f for f in files if f.unreadable is None and f.num_samples]
     shape, first = readable[0].sample_shape, readable[0].path
-    where = f"({first}{' and the other input files' if len(readable) > 1 else ''})"
+    where = f" ({first}{' and the other input files' if len(readable) > 1 else ''})"
     loaded = model.load()
-    shapes = _input_shapes(loaded, shape, where)
-    several = len(shapes) > 1
-    for name, declared, found in zip(loaded.input_names, loaded.input_shapes or (), shapes):
-        if len(declared) != len(found) or any(d is not None and d != s for d, s in zip(declared, found)):
-            what = f"input {name} of shape" if several else "samples of shape"
-            raise ModelError(
-                f"{loaded.source} expects {what} {tuple(declared)}; the inputs hold samples of shape "
-                f"{found} {where}"
-            )
+    if isinstance(shape, Mapping) and len(loaded.input_names) == 1:
+        raise ModelError(
+            f"{loaded.source} takes one input; input.key maps inputs {list(shape)} to arrays: give input.key "
+            "as the name of one array"
+        )
+    _, shapes = resolve_inputs(loaded, shape, where)
     try:
         output = loaded.call([tf.zeros((1, *s), tf.float32) for s in shapes])
     except Exception as err:  # whatever the model raises for a shape it cannot take

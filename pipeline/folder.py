@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 from typing import Any
 
 from jacobeam.pipeline.identity import identity_differences, run_identity
@@ -19,6 +18,7 @@ from jacobeam.transforms.output.layout import (
     VIEW,
     is_checksum_file,
     is_folder_temp,
+    is_shard_file,
     is_shard_temp,
     shard_name,
 )
@@ -26,9 +26,6 @@ from jacobeam.transforms.output.shards import read_attrs
 from jacobeam.transforms.spec import JobSpec, shard_inputs
 
 log = logging.getLogger(__name__)
-
-_SHARD_FILE = re.compile(r"^shard-(\d{12})-(\d{12})\.h5$")
-
 
 @dataclasses.dataclass
 class Folder:
@@ -108,7 +105,7 @@ def read_folder(output_dir: str) -> Folder:
         path = storage.join(shards, name)
         if is_shard_temp(name) or is_checksum_file(name):
             folder.owned.append(path)
-        elif _SHARD_FILE.match(name):
+        elif is_shard_file(name):
             try:
                 attrs = read_attrs(path)
             except (OSError, ValueError):

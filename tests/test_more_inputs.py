@@ -20,7 +20,7 @@ from tests.reference import assert_close, tape_loop, tape_loop_inputs
 from tests.test_pipeline import folder_state
 from jacobeam.transforms.inputs import images, tfrecords
 from jacobeam.transforms.errors import InputError
-from jacobeam.transforms.inputs.images import ImageOptions
+from jacobeam.transforms.inputs.types import ImageOptions
 from jacobeam.transforms.inputs.readers import assign_ids, describe, iter_slices, open_samples
 
 SIZES = {"b": 13, "a": 7, "c": 20}  # written out of order: ids follow sorted path order

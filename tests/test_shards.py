@@ -169,7 +169,7 @@ def test_a_later_commit_that_fails_gives_its_error_through_the_future_and_leaves
     def no_disk(path):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("jacobeam.transforms.output.shards.durable", no_disk)
+    monkeypatch.setattr("jacobeam.transforms.output.storage.durable", no_disk)
     with ShardWriter(str(tmp_path), 0, 40, {}) as writer:
         for first, arrays in batches:
             writer.write(first, arrays)

@@ -132,7 +132,7 @@ def write_aggregates(sums: Partial | None, spec: JobSpec) -> dict[str, Any]:
             if "jtj" in sums:
                 h5["jtj"] = sums["jtj"]
 
-    storage.write_via_local_temp(storage.join(output_dir, AGGREGATES), write)
+    storage.write_atomically(storage.join(output_dir, AGGREGATES), write)
     return {"file": AGGREGATES, "count": count, "datasets": sorted(k for k in ("mean", "mean_abs", "jtj") if k in _names(sums))}
 
 

@@ -103,7 +103,7 @@ def write_virtual_view(output_dir: str, records: Sequence[ShardRecord]) -> dict[
                 view.create_virtual_dataset(name, layout)
                 faults.reached("view_write")
 
-    storage.write_via_local_temp(storage.join(output_dir, VIEW), write, "view")
+    storage.write_atomically(storage.join(output_dir, VIEW), write, "view")
     return {name: (tuple(int(d) for d in shape), dtype.name) for name, (shape, dtype) in fields.items()}
 
 
@@ -159,7 +159,7 @@ def write_rejected(output_dir: str, rejected: Sequence[Rejected]) -> str:
     order, files without ids first; empty when nothing was rejected. Returns its sha256."""
     ordered = sorted(rejected, key=lambda r: (r.start is not None, r.start or 0, r.file))
     text = "".join(json.dumps(line) + "\n" for run in ordered for line in run.lines())
-    storage.write_via_local_temp(storage.join(output_dir, REJECTED_FILE), lambda temp: temp.write_text(text), "rejected")
+    storage.write_atomically(storage.join(output_dir, REJECTED_FILE), lambda temp: temp.write_text(text), "rejected")
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -275,7 +275,7 @@ def remove_temp_files(output_dir: str) -> None:
 
 def write_manifest(output_dir: str, manifest: dict[str, Any]) -> None:
     text = json.dumps(manifest, indent=2) + "\n"
-    storage.write_via_local_temp(storage.join(output_dir, MANIFEST), lambda temp: temp.write_text(text), "manifest")
+    storage.write_atomically(storage.join(output_dir, MANIFEST), lambda temp: temp.write_text(text), "manifest")
 
 
 def finalize(

@@ -17,15 +17,25 @@ from jacobeam.transforms.spec import EngineOptions, ModelSource
 
 
 class JacobianModelHandler(ModelHandler[np.ndarray, dict, Any]):
-    """Examples are single samples ``(*input_shape)`` (numpy), or for a model with several inputs
-    dicts ``{input name: array}`` with ``input_shape`` a dict of shapes; each
-    ``PredictionResult.inference`` is a dict of that sample's datasets, e.g. ``{"jacobian":
-    (*output_shape, *input_shape), "output": (*output_shape)}``, or ``"jacobian/<input name>"`` per
-    differentiated input (see ``transforms.engine.JacobianEngine``).
+    """A Beam ``ModelHandler`` for ``RunInference`` whose inference is each sample's Jacobian.
 
-    ``model`` is a ``ModelSource``; ``options`` the engine's (mode, XLA, memory budget, what to
-    store). Batching keywords (``min_batch_size``, ``max_batch_size``, ...) go to ``BatchElements``;
-    the largest batch defaults to ``options.batch_size``.
+    Args:
+        model: where the model comes from (``ModelSource(path=...)``, ``factory=`` or ``builtin=``).
+        input_shape: one sample's shape, or ``{input name: shape}`` for a model with several inputs.
+        options: the engine's options (mode, XLA, memory budget, what to store).
+        **batching: Beam's batching keywords (``min_batch_size``, ``max_batch_size``, ...), passed to
+            ``BatchElements``; ``max_batch_size`` defaults to ``options.batch_size``.
+
+    Examples are single samples, numpy arrays of shape ``input_shape`` (dicts ``{input name: array}``
+    for several inputs). Each ``PredictionResult.inference`` is a dict of that sample's datasets:
+    ``"jacobian"`` ``(*output_shape, *input_shape)`` (or ``"jacobian/<input name>"`` per differentiated
+    input), ``"output"`` ``(*output_shape)``, and what ``options`` selects or reduces (see
+    ``transforms.engine.JacobianEngine``). ``inference_args={"labels": ...}`` passes a batch's labels
+    for ``outputs: label``.
+
+    Raises:
+        ModelError: (in ``load_model``, on a worker) the model does not take such samples, or cannot be
+            differentiated as ``options`` ask.
     """
 
     def __init__(

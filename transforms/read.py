@@ -24,9 +24,9 @@ from jacobeam.transforms.inputs import arrays
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.elements import SampleBatch
 from jacobeam.transforms.errors import InputError
-from jacobeam.transforms.inputs.readers import (
-    Samples, SourceFile, as_dtype, file_format, iter_slices, nonfinite_rows, row_bytes, tensor_spec,
-)
+from jacobeam.transforms.inputs.readers import as_dtype, iter_slices, nonfinite_rows, row_bytes, tensor_spec
+from jacobeam.transforms.inputs.registry import file_format
+from jacobeam.transforms.inputs.types import Samples, SourceFile
 from jacobeam.transforms.output.shards import proven_checksum, shard_path
 from jacobeam.transforms.spec import JobSpec, ShardRange
 
@@ -63,10 +63,9 @@ class ReadShardFn(beam.DoFn):
         spec = self._spec
         segments = _npy_segments(spec, shard)
         dataset = _native(spec, segments) if segments is not None else _from_generator(spec, shard)
-        # A fixed two-batch prefetch needs neither autotuning nor graph rewrites: without them a range's
-        # dataset starts in a third of the time (25 against 85 ms per shard on W1). tf.data's own thread
-        # pool competed with the engine's threads for the cores: one private thread for reading took W1
-        # end to end (20,480 samples, 2 cores) from about 2,200 to 2,850 samples/s.
+        # A fixed two-batch prefetch needs neither autotuning nor graph rewrites, which cost each range's
+        # dataset its start-up time; tf.data's own thread pool competed with the engine's threads for
+        # the cores, so reading gets one private thread (benchmarks/README.md).
         options = tf.data.Options()
         options.autotune.enabled = False
         options.experimental_optimization.apply_default_optimizations = False
@@ -187,11 +186,24 @@ def _check_finite(spec: JobSpec, ids: np.ndarray, samples: Samples) -> None:
 
 
 class ReadSamples(beam.PTransform):
-    """``PBegin -> (batches, complete, rejected)`` for a planned job (``pipeline.plan``).
+    """``PBegin -> (batches, complete, rejected)``: the samples of a planned job, read from its files.
 
-    ``batches``: ``PCollection[SampleBatch]`` of at most ``engine.batch_size`` samples, each with its
-    ``shard``; ``complete``: ``(ShardRange, sha256)`` of shards already complete on disk (not read);
-    ``rejected``: the ``Rejected`` runs of samples left out of each range.
+    Args:
+        spec: the planned job (``pipeline.plan.make_job(...).spec``): input files, shard ranges, engine
+            options (``batch_size``), the output folder (to find shards already complete).
+
+    Returns:
+        A tagged output with three ``PCollection``s:
+
+        - ``batches``: ``SampleBatch`` of at most ``spec.engine.batch_size`` samples, each within one
+          shard (``SampleBatch.shard``): ``ids`` ``(n,)`` int64, ``samples`` ``(n, *sample_shape)`` in
+          the compute dtype (``{input name: array}`` for several inputs), ``labels`` ``(n,)`` or None;
+        - ``complete``: ``(ShardRange, sha256)`` of shards already complete on disk (not read again);
+        - ``rejected``: ``Rejected`` runs of samples left out (non-finite or unreadable rows).
+
+    Raises:
+        InputError, CorruptInputError: (in the workers) an input file that changed since the plan, or
+            a bad sample under ``input.on_bad_sample: error``.
     """
 
     def __init__(self, spec: JobSpec):

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from importlib import metadata
 from typing import Any, Literal
 
-from jacobeam.transforms.inputs.readers import Shape, SourceFile
+from jacobeam.transforms.inputs.types import Shape, SourceFile
 
 
 def version() -> str:

@@ -41,7 +41,8 @@ from jacobeam.transforms.elements import JacobianBatch
 from jacobeam.transforms.errors import OutputError, SelfCheckError
 from jacobeam.transforms.finalize import Finalize
 from jacobeam.transforms.metrics import ShardMetrics
-from jacobeam.transforms.inputs.readers import SourceFile, shape_from_record, shape_record
+from jacobeam.transforms.inputs.readers import shape_from_record, shape_record
+from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.output.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_path
 from jacobeam.transforms.output.layout import SAMPLE_ID, SELF_CHECK, shard_file
 from jacobeam.transforms.spec import EngineOptions, JobSpec, ModelSource, SelfCheck, ShardRange, shard_inputs, version
@@ -312,8 +313,24 @@ def pipeline_spec(
     samples_per_shard: int = 4096,
     compression: str = "none",
 ) -> JobSpec:
-    """The ``JobSpec`` for writing a user's pipeline's records: no input files; the number of samples
-    is known when every shard is written (ids ``0..n-1``)."""
+    """The job description for writing a user's pipeline's Jacobians with ``WriteShards``.
+
+    Args:
+        output_dir: the output folder, local or remote (``gs://``, ``s3://``, ...).
+        model: the model the records were computed with (recorded in the manifest).
+        input_shape: one sample's shape, or ``{input name: shape}`` for a model with several inputs.
+        options: the engine options the records were computed with; ``aggregate`` must be empty.
+        samples_per_shard: ids per shard file: shard ``k`` holds ids ``[k * samples_per_shard, ...)``.
+        compression: the shards' HDF5 compression: ``none``, ``gzip`` or ``lzf``.
+
+    Returns:
+        A ``JobSpec`` without input files: the number of samples, ``n``, is known once every shard is
+        written (the records' ids must be ``0..n-1``, each once).
+
+    Raises:
+        ValueError: ``options.aggregate`` is set (aggregates are for planned jobs; combine the records
+            with a ``CombineFn`` instead).
+    """
     if options.aggregate:
         raise ValueError(
             "jacobian.aggregate is for planned jobs (jacobeam run); in a pipeline of your own, combine "
@@ -338,12 +355,27 @@ def pipeline_spec(
 
 
 class WriteShards(beam.PTransform):
-    """``PCollection[JacobianBatch] -> PCollection[manifest dict]``: shards, then ``aggregates.h5``,
-    ``rejected.jsonl``, ``jacobians.h5`` and, last, ``manifest.json`` in ``spec.output_dir``.
+    """``PCollection[JacobianBatch] -> PCollection[manifest dict]``: an output folder.
 
-    ``complete``: ``(ShardRange, sha256)`` of shards already on disk, kept (``ReadSamples``' output);
-    ``rejected``: the ``Rejected`` runs of samples left out. For a user's pipeline, ``spec`` is
-    ``pipeline_spec(...)`` and the batches' ids are the samples' ids ``0..n-1``.
+    Writes the shards (``shards/shard-<start>-<stop>.h5``, each under a temporary name and renamed when
+    complete), then ``aggregates.h5`` (if asked for), ``rejected.jsonl``, ``jacobians.h5`` and, last,
+    ``manifest.json`` in ``spec.output_dir`` (``transforms.output.layout`` names every file).
+
+    Args:
+        spec: a planned job's spec, or ``pipeline_spec(...)`` for a user's pipeline (whose batches' ids
+            are then the samples' ids ``0..n-1``, each once, in any order and batching).
+        complete: ``PCollection[(ShardRange, sha256)]`` of shards already on disk, kept as they are
+            (``ReadSamples``' ``complete`` output); None for none.
+        rejected: ``PCollection[Rejected]`` of samples left out (``ReadSamples``' ``rejected``); None
+            for none.
+
+    Returns:
+        A single-element ``PCollection`` holding the manifest (a dict, as written to
+        ``manifest.json``).
+
+    Raises:
+        OutputError: a shard cannot be written; the ids of a user's pipeline have gaps or repeats, or
+            keys that are not integers; a self-check mismatch under ``on_mismatch: fail``.
     """
 
     def __init__(self, spec: JobSpec, complete=None, rejected=None):

@@ -12,7 +12,7 @@ has the output flattened to ``m`` entries and input ``k`` flattened to ``d`` ent
   ``[start, start + c)`` of ``R``: ``(n, m, c)``. Cost grows with the number of columns. Or
   (``double_reverse``) the same block as the batch Jacobian of ``u^T J R`` with respect to the
   cotangent ``u``: one primal and one backward pass for all columns, where the accumulator makes each
-  JVP the transpose of a VJP of its own (1.25x on W3 and W4 in the plain graph, not under XLA). It is
+  JVP the transpose of a VJP of its own (faster in the plain graph, not under XLA: benchmarks/README.md). It is
   not always right: through image resizing it silently gives zeros where the accumulator reports a
   dropped tangent, so the engine uses it only where it agrees with the accumulator.
 

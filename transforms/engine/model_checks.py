@@ -13,22 +13,40 @@ from jacobeam.transforms.engine.models import LoadedModel
 
 
 def resolve_inputs(
-    model: LoadedModel, shapes: Sequence[int] | Mapping[str, Sequence[int]]
+    model: LoadedModel, shapes: Sequence[int] | Mapping[str, Sequence[int]], where: str = ""
 ) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
-    """The model's input names and the samples' shape for each, checked against what it declares."""
+    """The model's input names and the samples' shape for each, checked against what it declares.
+
+    Args:
+        model: the loaded model.
+        shapes: one sample's shape, or ``{input name: shape}`` for a model with several inputs.
+        where: where the samples come from, for messages (e.g. ``" (data/x.npy)"``).
+
+    Returns:
+        The input names in the model's order, and the samples' shape for each, in that order.
+
+    Raises:
+        ModelError: the samples are not one array per model input, or a shape is not what the model
+            declares.
+    """
     names = model.input_names
     if not isinstance(shapes, Mapping):
         if len(names) != 1:
-            raise ModelError(f"{model.source} takes inputs {list(names)}; give one shape per input")
+            raise ModelError(
+                f"{model.source} takes inputs {list(names)}; the inputs hold one array per sample, of shape "
+                f"{tuple(shapes)}{where}: set input.key to a mapping {{input name: array}} that names one array per input"
+            )
         shapes = {names[0]: tuple(shapes)}
-    missing = [name for name in names if name not in shapes]
-    if missing:
-        raise ModelError(f"{model.source}: no samples for model input(s) {missing}")
+    if set(names) != set(shapes):
+        raise ModelError(
+            f"{model.source} takes inputs {sorted(names)}; input.key names inputs {sorted(shapes)}: "
+            "they must be the same names"
+        )
     found = tuple(tuple(int(d) for d in shapes[name]) for name in names)
     for name, want, got in zip(names, model.input_shapes or (), found):
         if len(want) != len(got) or any(w is not None and w != g for w, g in zip(want, got)):
-            label = f"input {name!r}" if len(names) > 1 else "samples"
-            raise ModelError(f"{model.source} expects {label} of shape {tuple(want)}; the inputs hold samples of shape {got}")
+            label = f"input {name} of shape" if len(names) > 1 else "samples of shape"
+            raise ModelError(f"{model.source} expects {label} {tuple(want)}; the inputs hold samples of shape {got}{where}")
     return names, found
 
 

@@ -11,9 +11,12 @@ import numpy as np
 
 from jacobeam.transforms.errors import ModelError
 
-FULL = ("none", "frobenius", "diagonal", "trace", "slogdet", "max_abs_over_outputs", "sum_abs_over_channels")
-PRODUCTS = ("vjp", "jvp", "project", "basis")
-SQUARE = ("diagonal", "trace", "slogdet")
+# jacobian.reduce: the values, by how the engine computes them.
+FULL = ("none", "frobenius", "diagonal", "trace", "slogdet", "max_abs_over_outputs", "sum_abs_over_channels")  # of J
+PRODUCTS = ("vjp", "jvp", "project", "basis")  # products with J; J itself is never formed
+SQUARE = ("diagonal", "trace", "slogdet")  # need as many outputs as inputs
+# Reductions that need every row of the Jacobian, and so cannot follow a per-sample row selection.
+NEEDS_ALL_ROWS = (*SQUARE, "vjp", "jvp", "basis")
 
 
 def projection_matrix(d: int, dim: int, kind: str, seed: int) -> np.ndarray:

@@ -5,7 +5,7 @@ Every array holds samples along its first axis. A file is opened through Beam's 
 ``.npy`` array (a file, or a member of an ``.npz`` archive) by seeking past its header, an HDF5
 dataset through h5py. A model with several inputs reads one array per input from each file:
 ``input.key`` is then ``{input name: array key}``, and the arrays of one file hold one row per sample
-each. The caller (``transforms.inputs.readers``) tells the format (``fmt``: ``npy``, ``npz`` or ``h5``).
+each. The format follows from the file name (``SUFFIXES``).
 """
 
 from __future__ import annotations
@@ -15,15 +15,22 @@ import threading
 import zipfile
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import IO, TYPE_CHECKING, Protocol
+from typing import IO, Protocol
 
 import numpy as np
 
-from jacobeam.transforms.output import storage
 from jacobeam.transforms.errors import CorruptInputError, InputError
+from jacobeam.transforms.inputs.types import ImageOptions, Key, Shape, SourceFile
+from jacobeam.transforms.output import storage
 
-if TYPE_CHECKING:
-    from jacobeam.transforms.inputs.readers import Key, Shape
+SUFFIXES = {".npy": "npy", ".npz": "npz", ".h5": "h5", ".hdf5": "h5"}
+
+
+def _format(path: str, setting: str = "input.key") -> str:
+    for suffix, fmt in SUFFIXES.items():
+        if path.lower().endswith(suffix):
+            return fmt
+    raise InputError(f"{path}: {setting} names arrays of .npy, .npz and .h5 files; this is not one")
 
 
 class Rows(Protocol):
@@ -167,21 +174,22 @@ def _settings(key: Mapping[str, str]) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def open_rows(path: str, fmt: str, key: str | None, setting: str = "input.key") -> Iterator[Rows]:
+def open_rows(path: str, key: str | None, setting: str = "input.key") -> Iterator[Rows]:
     """Open one array of a file (``key``, named by the config's ``setting``), for reading rows in slices."""
-    with _open_arrays(path, fmt, {setting: key}) as opened:
+    with _open_arrays(path, _format(path, setting), {setting: key}) as opened:
         yield opened[setting]
 
 
 @contextlib.contextmanager
-def open_samples(path: str, fmt: str, key: Key) -> Iterator[Rows | _Inputs]:
+def open_samples(source: SourceFile) -> Iterator[Rows | _Inputs]:
     """Open a file's samples for reading in slices: one array, or ``{input name: rows}`` together when
-    ``key`` maps inputs to arrays."""
+    ``source.key`` maps inputs to arrays."""
+    path, key = source.path, source.key
     if not isinstance(key, Mapping):
-        with open_rows(path, fmt, key) as rows:
+        with open_rows(path, key) as rows:
             yield rows
         return
-    with _open_arrays(path, fmt, _settings(key)) as opened:
+    with _open_arrays(path, _format(path), _settings(key)) as opened:
         yield _Inputs({name: opened[f"input.key.{name}"] for name in key})
 
 
@@ -198,13 +206,15 @@ def _header(where: str, rows: Rows) -> tuple[tuple[int, ...], str]:
     return shape, dtype.name
 
 
-def describe(path: str, fmt: str, key: Key) -> tuple[int, Shape, str | dict[str, str]]:
-    """Read a file's header(s) only: how many samples, their shape(s) and dtype(s)."""
+def describe(path: str, key: Key, sample_shape: Shape | None = None, image: ImageOptions | None = None) -> SourceFile:
+    """Read a file's header(s) only: how many samples, their shape(s) and dtype(s). ``sample_shape`` and
+    ``image`` are not used: an array's header gives the shape (``readers.check_consistent`` compares it
+    with ``input.sample_shape``)."""
     if not isinstance(key, Mapping):
-        with open_rows(path, fmt, key) as rows:
+        with open_rows(path, key) as rows:
             shape, dtype = _header(path, rows)
-        return shape[0], shape[1:], dtype
-    with _open_arrays(path, fmt, _settings(key)) as opened:
+        return SourceFile(path=path, key=key, num_samples=shape[0], sample_shape=shape[1:], dtype=dtype)
+    with _open_arrays(path, _format(path), _settings(key)) as opened:
         found = {
             name: _header(f"{path}: array {array!r} (input.key.{name})", opened[f"input.key.{name}"])
             for name, array in key.items()
@@ -216,10 +226,12 @@ def describe(path: str, fmt: str, key: Key) -> tuple[int, Shape, str | dict[str,
                 f"{path}: array {key[name]!r} (input {name}) has {shape[0]} rows, array {key[first]!r} "
                 f"(input {first}) has {first_shape[0]}; every input needs one row per sample"
             )
-    return (
-        first_shape[0],
-        {name: shape[1:] for name, (shape, _) in found.items()},
-        {name: dtype for name, (_, dtype) in found.items()},
+    return SourceFile(
+        path=path,
+        key=dict(key),
+        num_samples=first_shape[0],
+        sample_shape={name: shape[1:] for name, (shape, _) in found.items()},
+        dtype={name: dtype for name, (_, dtype) in found.items()},
     )
 
 

@@ -9,49 +9,18 @@ images are decoded at once, in threads. TensorFlow is imported only when an imag
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
+import contextlib
 import hashlib
 import os
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 import numpy as np
 
-from jacobeam.transforms.output import storage
 from jacobeam.transforms.errors import CorruptInputError, InputError, first_line
+from jacobeam.transforms.inputs.types import ImageOptions, Key, Shape, SourceFile
+from jacobeam.transforms.output import storage
 
-if TYPE_CHECKING:
-    from jacobeam.transforms.inputs.readers import Key, SourceFile
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageOptions:
-    """How an image file becomes a sample (``input.image``): decoded to 8-bit values ``(H, W, C)``,
-    resized (bilinear) to ``size`` if given, converted to ``channels`` if given, then ``x * scale`` and
-    ``(x - mean) / std`` (numbers, or one per channel)."""
-
-    size: tuple[int, int] | None = None
-    channels: int | None = None
-    scale: float = 1 / 255
-    mean: tuple[float, ...] | None = None
-    std: tuple[float, ...] | None = None
-
-    @classmethod
-    def from_config(cls, image: Mapping[str, Any] | None) -> ImageOptions:
-        """From ``input.image`` as plain data (the config, or a manifest's copy of it)."""
-        image = dict(image or {})
-
-        def numbers(value: Any) -> tuple[float, ...] | None:
-            return None if value is None else tuple(float(v) for v in (value if isinstance(value, list) else [value]))
-
-        size = image.get("size")
-        return cls(
-            size=None if size is None else (int(size[0]), int(size[1])),
-            channels=image.get("channels"),
-            scale=float(image.get("scale", 1 / 255)),
-            mean=numbers(image.get("mean")),
-            std=numbers(image.get("std")),
-        )
+SUFFIXES = {".png": "image", ".jpg": "image", ".jpeg": "image"}
 
 
 def _decode_image(path: str, data: bytes, options: ImageOptions) -> np.ndarray:
@@ -96,13 +65,23 @@ class Image:
         return _decode_image(self._path, _image_bytes(self._path), self._options)[None][start:stop]
 
 
-def describe(path: str, key: Key, options: ImageOptions) -> tuple[tuple[int, ...], str]:
-    """The shape of an image's sample, decoded, and the sha256 of the file's bytes."""
+def open_samples(source: SourceFile) -> contextlib.AbstractContextManager[Image]:
+    """An image file's one sample, decoded when read."""
+    return contextlib.nullcontext(Image(source.path, source.image or ImageOptions()))
+
+
+def describe(path: str, key: Key, sample_shape: Shape | None = None, image: ImageOptions | None = None) -> SourceFile:
+    """An image is decoded (it is its only sample): its shape, and the sha256 of the file's bytes.
+    ``sample_shape`` is not used (``readers.check_consistent`` compares it with the decoded shape)."""
     if key is not None:
         raise InputError(f"{path}: an image is one sample; input.key ({key}) is for .npz, .h5 and TFRecord files")
+    options = image or ImageOptions()
     data = _image_bytes(path)
     sample = _decode_image(path, data, options)
-    return sample.shape, hashlib.sha256(data).hexdigest()
+    return SourceFile(
+        path=path, key=None, num_samples=1, sample_shape=sample.shape, dtype="float32",
+        data_sha256=hashlib.sha256(data).hexdigest(), image=options,
+    )
 
 
 def read_images(sources: Sequence[SourceFile]) -> np.ndarray:

@@ -1,12 +1,12 @@
 """Reading input samples in slices, whatever the file format; sample ids.
 
-A file's format follows from its name (``FORMATS``), and each format has its module:
+A file's format follows from its name (``transforms.inputs.registry``), and each format has its module:
 ``transforms.inputs.arrays`` (``.npy``, ``.npz``, ``.h5``/``.hdf5``: samples along an array's first axis),
 ``transforms.inputs.tfrecords`` (TFRecord files: one ``tf.train.Example`` per sample) and
-``transforms.inputs.images`` (PNG/JPEG: one sample per file). This module dispatches to them and holds what
-does not depend on the format: ``SourceFile`` (a file and the sample ids it covers), ``describe``,
-``open_samples``, the consistency checks, ``iter_slices`` and helpers for samples. Sample ids are
-positions in the concatenation of the input files (see ``pipeline.plan`` for how files are placed:
+``transforms.inputs.images`` (PNG/JPEG: one sample per file), all with the signatures of
+``types.Format``. This module dispatches to them and holds what does not depend on the format:
+``describe``, ``open_samples``, the consistency checks, ``iter_slices`` and helpers for samples. Sample ids are
+positions in the concatenation of the input files (see ``pipeline.ids`` for how files are placed:
 sorted path order, new files of an incremental run after the old ones).
 
 A model with several inputs reads one array per input from each file: ``input.key`` is then a mapping
@@ -19,106 +19,36 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
-from jacobeam.transforms.inputs import arrays, images, tfrecords
 from jacobeam.transforms.errors import InputError
-
-FORMATS = {
-    ".npy": "npy", ".npz": "npz", ".h5": "h5", ".hdf5": "h5",
-    ".tfrecord": "tfrecord", ".tfrecords": "tfrecord", ".tfrecord.gz": "tfrecord", ".tfrecords.gz": "tfrecord",
-    ".png": "image", ".jpg": "image", ".jpeg": "image",
-}
-IMAGE_SUFFIXES = tuple(suffix for suffix, fmt in FORMATS.items() if fmt == "image")
-_ARRAY_FORMATS = ("npy", "npz", "h5")
-
-# input.key: one array (None: the file's only one), or {input name: array key} for several inputs.
-Key = Union[str, Mapping[str, str], None]
-# One sample's shape, or {input name: shape}; rows of samples: one array, or {input name: array}.
-Shape = Union[tuple[int, ...], Mapping[str, tuple[int, ...]]]
-Samples = Union[np.ndarray, Mapping[str, np.ndarray]]
+from jacobeam.transforms.inputs import arrays, images
+from jacobeam.transforms.inputs.registry import file_format, format_of
+from jacobeam.transforms.inputs.types import ImageOptions, Key, SampleReader, Samples, Shape, SourceFile
 
 
-@dataclasses.dataclass(frozen=True)
-class SourceFile:
-    """One input file and the sample ids it covers: ``[first_id, first_id + num_samples)``.
-
-    When ``key`` is a mapping (a model with several inputs), ``sample_shape`` and ``dtype`` are
-    mappings by input name too.
-    """
-
-    path: str
-    key: Key
-    num_samples: int
-    sample_shape: Shape
-    dtype: str | Mapping[str, str]
-    first_id: int = 0
-    data_sha256: str | None = None  # sha256 of the readable rows' bytes, set by the input scan (an image's file bytes)
-    unreadable: str | None = None  # why a file that cannot be opened holds no samples (on_bad_sample: skip)
-    image: images.ImageOptions | None = None  # for an image file: how it is decoded
-
-    @property
-    def stop_id(self) -> int:
-        return self.first_id + self.num_samples
-
-
-def file_format(path: str) -> str:
-    for suffix, fmt in FORMATS.items():
-        if path.lower().endswith(suffix):
-            return fmt
-    raise InputError(f"{path}: unsupported file type; expected one of {', '.join(FORMATS)}")
-
-
-@contextlib.contextmanager
-def open_rows(path: str, key: str | None, setting: str = "input.key") -> Iterator[arrays.Rows]:
+def open_rows(path: str, key: str | None, setting: str = "input.key") -> contextlib.AbstractContextManager[arrays.Rows]:
     """Open one array of a file (``key``, named by the config's ``setting``), for reading rows in slices."""
     fmt = file_format(path)
-    if fmt not in _ARRAY_FORMATS:
+    if format_of(path) is not arrays:
         raise InputError(f"{path}: {setting} names arrays of .npy, .npz and .h5 files; this is a {fmt} file")
-    with arrays.open_rows(path, fmt, key, setting) as rows:
-        yield rows
+    return arrays.open_rows(path, key, setting)
 
 
-@contextlib.contextmanager
-def open_samples(source: SourceFile) -> Iterator[Any]:
+def open_samples(source: SourceFile) -> contextlib.AbstractContextManager[SampleReader]:
     """Open a file's samples for reading in slices: ``read(start, stop)`` returns ``(rows, *shape)``,
     or ``{input name: (rows, *shape)}`` when ``source.key`` maps inputs to arrays."""
-    fmt = file_format(source.path)
-    if fmt == "tfrecord":
-        yield tfrecords.TFRecords(source.path, source.key, source.sample_shape)
-        return
-    if fmt == "image":
-        yield images.Image(source.path, source.image or images.ImageOptions())
-        return
-    with arrays.open_samples(source.path, fmt, source.key) as rows:
-        yield rows
+    return format_of(source.path).open_samples(source)
 
 
-def describe(path: str, key: Key, sample_shape: Shape | None = None, image: images.ImageOptions | None = None) -> SourceFile:
-    """Read a file's header(s) only: how many samples, their shape(s) and dtype(s). A TFRecord file is
-    read through to count its records (it has no header); its ``sample_shape`` comes from the config.
-    An image is decoded (it is its only sample): its shape, and the sha256 of its bytes."""
-    fmt = file_format(path)
-    if fmt == "image":
-        options = image or images.ImageOptions()
-        shape, data_sha256 = images.describe(path, key, options)
-        return SourceFile(
-            path=path, key=None, num_samples=1, sample_shape=shape, dtype="float32",
-            data_sha256=data_sha256, image=options,
-        )
-    if fmt == "tfrecord":
-        num_samples, shape, dtype = tfrecords.describe(path, key, sample_shape)
-    else:
-        num_samples, shape, dtype = arrays.describe(path, fmt, key)
-    return SourceFile(
-        path=path,
-        key=dict(key) if isinstance(key, Mapping) else key,
-        num_samples=num_samples,
-        sample_shape=shape,
-        dtype=dtype,
-    )
+def describe(path: str, key: Key, sample_shape: Shape | None = None, image: ImageOptions | None = None) -> SourceFile:
+    """Read what a file holds: how many samples, their shape(s) and dtype(s); headers only where the
+    format has them. A TFRecord file is read through to count its records (it has no header); its
+    ``sample_shape`` comes from the config. An image is decoded (it is its only sample): its shape, and
+    the sha256 of its bytes."""
+    return format_of(path).describe(path, key, sample_shape, image)
 
 
 def unreadable_file(path: str, key: Key, reason: str) -> SourceFile:
@@ -265,7 +195,7 @@ def tensor_spec(shape: Shape, dtype: str):
 def manifest_sources(manifest: Mapping[str, Any]) -> list[SourceFile]:
     """The input files a manifest lists, as ``SourceFile``s to read samples from again."""
     shape = shape_from_record(manifest["input_shape"])
-    image = images.ImageOptions.from_config(manifest["config"]["input"].get("image"))
+    image = ImageOptions.from_config(manifest["config"]["input"].get("image"))
     return [
         SourceFile(
             path=entry["path"],

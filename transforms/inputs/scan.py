@@ -23,7 +23,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from jacobeam.transforms.errors import CorruptInputError
-from jacobeam.transforms.inputs.readers import Samples, SourceFile, file_format, open_samples, parts, row_bytes
+from jacobeam.transforms.inputs.readers import open_samples, parts, row_bytes
+from jacobeam.transforms.inputs.registry import file_format
+from jacobeam.transforms.inputs.types import Samples, SourceFile
 
 SLICE_BYTES = 8 << 20  # rows read per slice: about this many bytes
 

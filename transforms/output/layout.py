@@ -67,12 +67,6 @@ def is_shard_file(name: str) -> bool:
     return bool(_SHARD_NAME.match(name))
 
 
-def shard_ids(name: str) -> tuple[int, int] | None:
-    """``(start, stop)`` of a shard's file name, or None for any other name."""
-    found = _SHARD_NAME.match(name)
-    return (int(found.group(1)), int(found.group(2))) if found else None
-
-
 def is_checksum_file(name: str) -> bool:
     return name.endswith(CHECKSUM_SUFFIX) and is_shard_file(name[: -len(CHECKSUM_SUFFIX)])
 

@@ -29,9 +29,7 @@ import os
 import queue
 import sys
 import threading
-import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,8 +37,7 @@ import numpy as np
 from jacobeam.transforms.testing import faults
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.errors import OutputError
-from jacobeam.transforms.output.layout import CHECKSUM_SUFFIX, NONFINITE, SAMPLE_ID, SELF_CHECK, SHARDS_DIR, shard_file, shard_name, temp_name
-from jacobeam.transforms.output.storage import durable
+from jacobeam.transforms.output.layout import CHECKSUM_SUFFIX, NONFINITE, SAMPLE_ID, SELF_CHECK, SHARDS_DIR, shard_file, shard_name
 
 _CHUNK_BYTES = 1 << 20
 
@@ -136,13 +133,11 @@ def nonfinite_rows(arrays: dict[str, np.ndarray]) -> np.ndarray:
 def _lower_priority() -> None:
     """Schedule the calling thread as a batch thread (Linux, where a thread is a task of its own).
 
-    Where the engine keeps every core busy, a writer thread at the normal policy made the pipeline ~6%
-    slower than writing in the caller's thread (W1 on 2 busy cores; likely because on waking up it
-    preempts one of TensorFlow's threads mid-operation, and the operation waits for its slowest
-    thread). ``SCHED_BATCH`` keeps the thread's fair share of the CPU but never preempts on waking: it
-    writes when a core is free or its turn comes. A lower priority (nice 10) measured the same, but
-    under heavy load from other processes it starved the writer: the engine waited 2.5 s of 15 for
-    room in the queue.
+    Where the engine keeps every core busy, a writer thread at the normal policy slowed the pipeline
+    down (likely because on waking up it preempts one of TensorFlow's threads mid-operation, and the
+    operation waits for its slowest thread). ``SCHED_BATCH`` keeps the thread's fair share of the CPU
+    but never preempts on waking: it writes when a core is free or its turn comes. A lower priority
+    (nice) starved the writer under load from other processes. Measurements: benchmarks/README.md.
     """
     if sys.platform == "linux":
         with contextlib.suppress(OSError):  # a refusal only costs the overlap
@@ -178,11 +173,8 @@ class ShardWriter:
         self.name = shard_name(start, stop)
         self.final_path = shard_path(output_dir, start, stop)
         self._remote = not storage.is_local(output_dir)
-        temp = temp_name(self.name, uuid.uuid4().hex[:12])
-        # Remote: the same temporary name in the remote folder, while h5py writes a local scratch file.
-        self.remote_temp = storage.join(output_dir, SHARDS_DIR, temp) if self._remote else None
-        self._scratch = None
-        self.temp_path = Path(storage.join(output_dir, SHARDS_DIR, temp)) if not self._remote else None
+        self._output_dir = output_dir
+        self._file: storage.IncompleteFile | None = None  # made by __enter__
         self.start, self.stop = start, stop
         self.rows = stop - start if rows is None else rows
         self.nonfinite = 0  # rows flagged in the nonfinite mask so far (complete after commit)
@@ -201,12 +193,10 @@ class ShardWriter:
     def __enter__(self) -> ShardWriter:
         import h5py
 
-        if self._remote:
-            self._scratch = storage.local_scratch()
-            self.temp_path = self._scratch.__enter__() / self.name
-        else:
-            self.temp_path.parent.mkdir(parents=True, exist_ok=True)
-        self._h5 = h5py.File(self.temp_path, "w")
+        if not self._remote:
+            os.makedirs(os.path.dirname(self.final_path), exist_ok=True)
+        self._file = storage.IncompleteFile(self.final_path, point="shard_commit")
+        self._h5 = h5py.File(self._file.local, "w")
         self._h5.attrs.update(self._attrs)
         self._h5.attrs.update(id_start=self.start, id_stop=self.stop)
         self._thread = threading.Thread(target=self._run, name=f"write {self.name}", daemon=True)
@@ -219,10 +209,7 @@ class ShardWriter:
         if self._h5 is not None:
             self._h5.close()
             self._h5 = None
-        self.temp_path.unlink(missing_ok=True)
-        if self._remote:
-            storage.delete(self.remote_temp)
-            self._scratch.__exit__(None, None, None)
+        self._file.discard()
 
     # -- the writer thread --------------------------------------------------------------------------
 
@@ -372,17 +359,10 @@ class ShardWriter:
         self._h5.attrs.update(num_rows=self.rows, nonfinite_count=self.nonfinite)
         self._h5.close()
         self._h5 = None
-        checksum = storage.sha256(self.temp_path)
+        checksum = storage.sha256(self._file.local)
+        self._file.commit()
         if self._remote:
-            storage.copy_from_local(self.temp_path, self.remote_temp)
-            faults.reached("shard_commit")
-            storage.rename(self.remote_temp, self.final_path)
             faults.reached("shard_renamed")
             storage.write_bytes(self.final_path + CHECKSUM_SUFFIX, checksum.encode())
-        else:
-            durable(self.temp_path)
-            faults.reached("shard_commit")
-            os.replace(self.temp_path, self.final_path)
-            durable(os.path.dirname(self.final_path))
         faults.reached("shard_done")
         self._checksum = checksum

@@ -1,0 +1,96 @@
+"""What every input format shares: sample keys and shapes, a file's description, how rows are read.
+
+This module imports nothing of jacobeam, so that the format modules (``arrays``, ``tfrecords``,
+``images``) and the format-independent ``readers`` can all take their types from it without importing
+each other. A format module provides the ``Format`` functions; ``transforms.inputs.registry`` maps
+file names to formats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, Union
+
+import numpy as np
+
+# input.key: one array (None: the file's only one), or {input name: array key} for several inputs.
+Key = Union[str, Mapping[str, str], None]
+# One sample's shape, or {input name: shape}; rows of samples: one array, or {input name: array}.
+Shape = Union[tuple[int, ...], Mapping[str, tuple[int, ...]]]
+Samples = Union[np.ndarray, Mapping[str, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageOptions:
+    """How an image file becomes a sample (``input.image``): decoded to 8-bit values ``(H, W, C)``,
+    resized (bilinear) to ``size`` if given, converted to ``channels`` if given, then ``x * scale`` and
+    ``(x - mean) / std`` (numbers, or one per channel)."""
+
+    size: tuple[int, int] | None = None
+    channels: int | None = None
+    scale: float = 1 / 255
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+
+    @classmethod
+    def from_config(cls, image: Mapping[str, Any] | None) -> ImageOptions:
+        """From ``input.image`` as plain data (the config, or a manifest's copy of it)."""
+        image = dict(image or {})
+
+        def numbers(value: Any) -> tuple[float, ...] | None:
+            return None if value is None else tuple(float(v) for v in (value if isinstance(value, list) else [value]))
+
+        size = image.get("size")
+        return cls(
+            size=None if size is None else (int(size[0]), int(size[1])),
+            channels=image.get("channels"),
+            scale=float(image.get("scale", 1 / 255)),
+            mean=numbers(image.get("mean")),
+            std=numbers(image.get("std")),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceFile:
+    """One input file and the sample ids it covers: ``[first_id, first_id + num_samples)``.
+
+    When ``key`` is a mapping (a model with several inputs), ``sample_shape`` and ``dtype`` are
+    mappings by input name too.
+    """
+
+    path: str
+    key: Key
+    num_samples: int
+    sample_shape: Shape
+    dtype: str | Mapping[str, str]
+    first_id: int = 0
+    data_sha256: str | None = None  # sha256 of the readable rows' bytes, set by the input scan (an image's file bytes)
+    unreadable: str | None = None  # why a file that cannot be opened holds no samples (on_bad_sample: skip)
+    image: ImageOptions | None = None  # for an image file: how it is decoded
+
+    @property
+    def stop_id(self) -> int:
+        return self.first_id + self.num_samples
+
+
+class SampleReader(Protocol):
+    """A file's samples, open for reading in slices."""
+
+    def read(self, start: int, stop: int) -> Samples:
+        """Rows ``[start, stop)``: ``(rows, *sample_shape)``, or ``{input name: (rows, *shape)}``."""
+
+
+class Format(Protocol):
+    """What a format module provides (``arrays``, ``tfrecords``, ``images``), with these signatures."""
+
+    SUFFIXES: Mapping[str, str]  # file name suffix (lower case) -> format name
+
+    def describe(self, path: str, key: Key, sample_shape: Shape | None, image: ImageOptions | None) -> SourceFile:
+        """Read what a file holds without reading its samples where the format allows: how many samples,
+        their shape(s) and dtype(s). Raises ``InputError`` (unusable as configured) or
+        ``CorruptInputError`` (damaged)."""
+
+    def open_samples(self, source: SourceFile) -> AbstractContextManager[SampleReader]:
+        """Open a described file's samples for reading in slices."""
