@@ -15,7 +15,7 @@ from tests import models as test_models
 from tests.reference import assert_close, tape_loop
 from tests.test_pipeline import folder_state
 from jacobeam.transforms.testing import faults
-from jacobeam.transforms.inputs.readers import SourceFile
+from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.output.storage import sha256
 from jacobeam.transforms.spec import Rejected
 
