@@ -25,8 +25,9 @@ from pydantic import (
     model_validator,
 )
 
+from jacobeam.transforms.engine.reductions import FULL, NEEDS_ALL_ROWS, PRODUCTS
 from jacobeam.transforms.errors import JacobeamError
-from jacobeam.transforms.inputs.images import ImageOptions
+from jacobeam.transforms.inputs.types import ImageOptions
 from jacobeam.transforms.spec import EngineOptions, OutputSelection, Reduction, SelfCheck
 
 
@@ -39,11 +40,35 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """Where the model comes from: exactly one of ``path``, ``factory`` or ``builtin``."""
+    """``model``: the model to differentiate, from exactly one of ``path``, ``factory`` or ``builtin``.
 
-    path: str | None = None
-    factory: str | None = None
-    builtin: Literal["mlp", "cnn"] | None = None
+    A Keras model is called with ``training=False``. Before the pipeline starts, the model is loaded once
+    and called on one sample of the inputs' shape. Python code runs only where ``factory`` names it: model files
+    load with Keras' ``safe_mode`` on, and there is no switch to turn it off.
+    """
+
+    path: str | None = Field(
+        None,
+        description="A Keras model file (`.keras`, or a legacy Keras `.h5` file), loaded with `compile=False` and "
+        "`safe_mode` on, so that a file that would run Python code when loaded (a pickled `Lambda`) is refused; "
+        "or a TensorFlow SavedModel directory, called through its `serve` endpoint, else its `__call__`, else "
+        "its `serving_default` signature (one input, one output). "
+        "Exactly one of `path`, `factory` and `builtin` is given; `null`: not this source.",
+    )
+    factory: str | None = Field(
+        None,
+        description="A Python callable as `package.module:callable` (exactly one `:`), imported and called with "
+        "no arguments; it returns a Keras model, or a callable (a `tf.Module`, say) that takes one batch. "
+        "The module must be importable by the workers too. "
+        "Exactly one of `path`, `factory` and `builtin` is given; `null`: not this source.",
+    )
+    builtin: Literal["mlp", "cnn"] | None = Field(
+        None,
+        description="A built-in model with weights drawn from numpy seed 0: `mlp` maps samples of shape (784,) "
+        "through Dense 512 tanh and Dense 512 tanh to 10 outputs; `cnn` maps (28, 28, 1) through two 3×3 "
+        "convolutions (32 and 64 filters, ReLU), a 2×2 max-pool and Dense 128 ReLU to 10 outputs. "
+        "Exactly one of `path`, `factory` and `builtin` is given; `null`: not this source.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> ModelConfig:
@@ -61,14 +86,41 @@ class ModelConfig(_Section):
 
 
 class ImageConfig(_Section):
-    """How PNG/JPEG images become samples: decoded to 8-bit values, resized, then ``x * scale``, then
-    ``(x - mean) / std`` (per channel when lists)."""
+    """``input.image``: how a PNG or JPEG file becomes one sample.
 
-    size: tuple[PositiveInt, PositiveInt] | None = None  # [height, width]; None: every image keeps its own
-    channels: Literal[1, 3] | None = None  # 1: grayscale, 3: RGB; None: as stored in the files
-    scale: float = 1 / 255
-    mean: float | list[float] | None = None
-    std: float | list[float] | None = None
+    Each image is decoded to 8-bit values ``(H, W, C)`` (16-bit PNGs are scaled down to 8 bits, JPEGs
+    decoded with the accurate integer IDCT) with ``channels`` channels, resized (bilinear) to ``size``,
+    and turned into float32 ``x * scale``, then ``(x - mean) / std`` (per channel when lists). Other
+    input formats ignore these keys.
+    """
+
+    size: tuple[PositiveInt, PositiveInt] | None = Field(
+        None,
+        description="`[height, width]` in pixels: every image is resized (bilinear) to it. "
+        "`null`: every image keeps its own size, and images of different sizes are an error naming the file "
+        "and both shapes.",
+    )
+    channels: Literal[1, 3] | None = Field(
+        None,
+        description="`1`: grayscale, `3`: RGB; an image stored otherwise is converted when it is decoded. "
+        "`null`: as stored in the files.",
+    )
+    scale: float = Field(
+        1 / 255,
+        description="Factor on the 8-bit values: a finite number other than 0, or a fraction such as `1/255` "
+        "(YAML reads it as text). The default, 1/255, maps the values into [0, 1].",
+    )
+    mean: float | list[float] | None = Field(
+        None,
+        description="Subtracted after scaling: one number, or a list of one number per channel (a list of "
+        "more than one must have `channels` numbers when `channels` is given); finite. `null`: nothing is "
+        "subtracted.",
+    )
+    std: float | list[float] | None = Field(
+        None,
+        description="Divides after `mean` is subtracted: one positive number, or one per channel (as for "
+        "`mean`). `null`: no division.",
+    )
 
     @field_validator("scale", mode="before")
     @classmethod
@@ -103,17 +155,48 @@ class ImageConfig(_Section):
 
 
 class InputConfig(_Section):
-    paths: list[str] = Field(min_length=1)
-    # The array of samples (name in .npz, dataset path in .h5), or for a model with several inputs a
-    # mapping {model input name: array} that reads one array per input from each file.
-    key: str | dict[str, str] | None = None
-    # One sample's shape, for TFRecord files (their features are flat lists); a mapping by input name
-    # when key is one. For other files, a check: their samples must have this shape.
-    sample_shape: list[PositiveInt] | dict[str, list[PositiveInt]] | None = None
-    image: ImageConfig | None = None  # PNG/JPEG inputs; None: the defaults of ImageConfig
-    # What a NaN/Inf sample or a truncated, corrupt or unreadable file does: stop the run before any
-    # output is touched ("error"), or leave those samples out and list them in rejected.jsonl ("skip").
-    on_bad_sample: Literal["error", "skip"] = "error"
+    """``input``: the files whose samples are differentiated.
+
+    A sample's id is its position in the concatenation of the matched files in sorted path order. The
+    format follows from each file's name: ``.npy``, ``.npz``, ``.h5``/``.hdf5``, TFRecord
+    (``.tfrecord``, ``.tfrecords``, either with ``.gz``) and PNG/JPEG images. Every sample is read once
+    before the pipeline starts, so that a file of another sample shape or dtype, or a bad sample, stops
+    the run before any output is touched.
+    """
+
+    paths: list[str] = Field(
+        min_length=1,
+        description="One or more globs (a single string is read as a list of one), matched through Beam's "
+        "`FileSystems` (local, `gs://`, `s3://`, ...); each must match at least one file. A path without "
+        "wildcards that names a folder, or ends in `/`, stands for every `.png`, `.jpg` and `.jpeg` image "
+        "under it, at any depth. Required. Not part of the run identity: an incremental run may add files.",
+    )
+    key: str | dict[str, str] | None = Field(
+        None,
+        description="The array of samples: its name in `.npz` files, its dataset path in `.h5`/`.hdf5` files, "
+        "the float feature of TFRecord files (required there). `null`: the file's only array or dataset. "
+        "Not used by `.npy` files; must be `null` for images. For a model with several inputs, a mapping "
+        "`{model input name: array}` that reads one array (or feature) per model input from each file.",
+    )
+    sample_shape: list[PositiveInt] | dict[str, list[PositiveInt]] | None = Field(
+        None,
+        description="One sample's shape, e.g. `[8, 8, 1]`; a mapping `{input name: shape}` with the same names "
+        "when `input.key` is a mapping. Required for TFRecord files, whose features are flat lists of floats "
+        "(a sample's values in C order); for other files a check that their samples have this shape. "
+        "`null`: the samples' shape as found in the files, the same in all of them.",
+    )
+    image: ImageConfig | None = Field(
+        None,
+        description="How PNG/JPEG images become samples (see `input.image`). `null`: the defaults of "
+        "`input.image`.",
+    )
+    on_bad_sample: Literal["error", "skip"] = Field(
+        "error",
+        description="What a bad sample does (one holding NaN or Inf, a row of a truncated or corrupt file, "
+        "a file that cannot be read at all): `error` stops the run before any output is touched, naming the "
+        "file and row; `skip` leaves those samples out of the shards (they keep their ids; a file that "
+        "cannot be opened gets none) and lists them in `rejected.jsonl`. Not part of the run identity.",
+    )
 
     @field_validator("paths", mode="before")
     @classmethod
@@ -154,75 +237,218 @@ class InputConfig(_Section):
 
 
 class TopK(_Section):
-    top_k: PositiveInt
+    """``jacobian.outputs: {top_k: k}``: each sample's ``k`` largest outputs, largest first."""
+
+    top_k: PositiveInt = Field(
+        description="How many of each sample's largest outputs to differentiate, largest first; at most the "
+        "number of outputs.",
+    )
 
 
 class LabelsConfig(_Section):
-    key: str
+    """``jacobian.labels``: where ``jacobian.outputs: label`` finds each sample's label."""
+
+    key: str = Field(
+        description="The array (`.npz`) or dataset path (`.h5`) of the input files that holds their samples' "
+        "labels, one per sample (shape `(n,)` or `(n, 1)`): integer flat output indices `0..m-1`. Required "
+        "when `labels` is given: there is no default key.",
+    )
 
 
 class ProjectConfig(_Section):
-    dim: PositiveInt = 256
-    kind: Literal["rademacher", "gaussian"] = "rademacher"
-    seed: int = 0
+    """``jacobian.project``: the random projection of ``reduce: project``, which stores ``J P`` for a
+    seeded ``P`` of shape ``(d, dim)`` (``d`` input entries), in forward mode, without forming ``J``.
+
+    ``P`` is ``rng = numpy.random.default_rng(seed)``; rademacher: ``rng.choice([-1.0, 1.0], size=(d,
+    dim))``, gaussian: ``rng.standard_normal((d, dim))``; both divided by ``sqrt(dim)``. Other reductions
+    ignore these keys.
+    """
+
+    dim: PositiveInt = Field(
+        256,
+        description="Columns of `P`: each sample's dataset `projection` is `(*rows, dim)`.",
+    )
+    kind: Literal["rademacher", "gaussian"] = Field(
+        "rademacher",
+        description="The entries of `P` before the division by `sqrt(dim)`: `rademacher`, ±1 with equal "
+        "probability; `gaussian`, standard normal.",
+    )
+    seed: int = Field(
+        0,
+        description="Seed of `numpy.random.default_rng`, which draws `P`; the manifest records it "
+        "(`stored.projection`) so that `P` can be rebuilt.",
+    )
 
 
 class BasisConfig(_Section):
-    input: str | None = None
-    output: str | None = None
+    """``jacobian.basis``: the fixed bases of ``reduce: basis``, which stores ``U^T J V`` of shape
+    ``(n, p, q)`` (dataset ``basis_projection``). A side left ``null`` is the identity; ``reduce: basis``
+    needs at least one. Other reductions ignore these keys."""
+
+    input: str | None = Field(
+        None,
+        description="`.npy` file of `V`, shape `(d, q)`: one column per basis vector of the flattened input "
+        "(`d` entries). `null`: the identity.",
+    )
+    output: str | None = Field(
+        None,
+        description="`.npy` file of `U`, shape `(m, p)`: one column per basis vector of the flattened output "
+        "(`m` entries). `null`: the identity.",
+    )
 
 
 class SelfCheckConfig(_Section):
     """``jacobian.self_check``: every shard recomputes a few of its samples one at a time, independently
     of the engine's batched computation, and records the relative error (shard attribute ``self_check``
-    and the manifest). A kink of the model at the sample (ReLU, max-pool: the derivative is not unique
-    there) is recorded as a note, not a mismatch."""
+    and the manifest).
+
+    A kink of the model at the sample (ReLU, max-pool: the derivative is not unique there) is recorded as
+    a note, not a mismatch. Not part of the run identity: it decides how results are checked, not what
+    they are.
+    """
 
     samples: NonNegativeInt = Field(
         1,
-        description="samples recomputed per shard (chosen by a generator seeded with the shard's first id); "
-        "0 turns the self-check off",
+        description="Samples recomputed per shard, drawn from its stored samples by a generator seeded with "
+        "the shard's first id (a resumed run checks what an uninterrupted one does); all of them when the "
+        "shard holds fewer. `0` turns the self-check off.",
     )
     on_mismatch: Literal["fail", "warn"] = Field(
         "fail",
-        description="a relative error above the tolerance of the compute dtype (1e-4 float32, 1e-9 float64, "
-        "at least twice the epsilon of the store dtype): fail stops the run naming shard, sample and dataset; "
-        "warn logs it and records it in the shard and the manifest",
+        description="What a relative error above the tolerance does (the tolerance of the compute dtype, "
+        "1e-4 for float32 and 1e-9 for float64, at least twice the epsilon of the store dtype): `fail` stops "
+        "the run, naming the shard, sample, input file and row, and dataset; `warn` logs it, records it in "
+        "the shard and the manifest, and goes on.",
     )
 
     def spec(self) -> SelfCheck:
         return SelfCheck(samples=self.samples, on_mismatch=self.on_mismatch)
 
 
-# Reductions that need every row of the Jacobian, and so cannot follow a per-sample row selection.
-_NEEDS_ALL_ROWS = ("diagonal", "trace", "slogdet", "vjp", "jvp", "basis")
-_PRODUCTS = ("vjp", "jvp", "project", "basis")
-
-
 class JacobianConfig(_Section):
-    batch_size: PositiveInt = 256
-    mode: Literal["auto", "reverse", "reverse_loop", "forward", "autotune"] = "auto"
-    jit_compile: bool | Literal["auto"] = False
-    memory_budget: ByteSize = ByteSize(2 * 2**30)
-    wrt: Literal["all"] | list[str] = "all"
-    compute_dtype: Literal["float32", "float64"] = "float32"
-    store_dtype: Literal["float16", "bfloat16", "float32", "float64"] = "float32"
-    check_batch_independence: bool = True
-    outputs: Literal["all", "argmax", "label"] | list[NonNegativeInt] | TopK = "all"
-    labels: LabelsConfig | None = None
-    reduce: Literal[
-        "none", "frobenius", "diagonal", "slogdet", "trace", "max_abs_over_outputs",
-        "sum_abs_over_channels", "vjp", "jvp", "project", "basis",
-    ] = "none"
-    vectors: str | None = None
-    project: ProjectConfig = ProjectConfig()
-    basis: BasisConfig = BasisConfig()
-    aggregate: list[Literal["mean", "mean_abs", "jtj"]] = []
-    # TensorFlow intra-op threads per worker process; "auto" shares the machine's cores
-    # between the local worker processes so that they do not oversubscribe the CPU.
-    threads: PositiveInt | Literal["auto"] = "auto"
-    # Each shard recomputes a few samples independently and records the error (see SelfCheckConfig).
-    self_check: SelfCheckConfig = SelfCheckConfig()
+    """``jacobian``: how the Jacobians are computed and what of them is stored.
+
+    Each worker builds the Jacobian function once and checks it before trusting it; what ran and why is
+    written to the manifest under ``engine``. Combinations that make no sense are refused when the config
+    is read. Every key but ``threads`` and ``self_check`` is part of the run identity.
+    """
+
+    batch_size: PositiveInt = Field(
+        256,
+        description="Samples per call of the compiled Jacobian function (and per batch read from the inputs). "
+        "The engine uses fewer when one sample's Jacobian is large for `memory_budget`.",
+    )
+    mode: Literal["auto", "reverse", "reverse_loop", "forward", "autotune"] = Field(
+        "auto",
+        description="How to differentiate: `reverse`, `batch_jacobian` vectorised by pfor (cost grows with the "
+        "output rows); `reverse_loop`, a graph-mode loop of batched gradients, one per output row, without "
+        "pfor; `forward`, forward mode over a batch of basis tangents (cost grows with the input entries); "
+        "`auto`, forward when the input entries are at most as many as the output rows, else reverse; "
+        "`autotune`, times every mode on a full batch and keeps the fastest that agrees with the reference. "
+        "Under `auto` and `autotune` a mode that fails falls back to the reverse ones. `reduce` products "
+        "set the direction themselves: `jvp`, `project` and `basis` with `basis.input` run forward; `vjp` "
+        "and `basis` with only `basis.output` run reverse.",
+    )
+    jit_compile: bool | Literal["auto"] = Field(
+        False,
+        description="XLA: `false`, the plain graph only; `true`, XLA, an error if it cannot compile or "
+        "disagrees with the plain graph on a probe batch; `auto`, XLA where it compiles, agrees with the "
+        "plain graph and ran a full batch faster than it at set-up, else the plain graph. A timed choice "
+        "(`auto`, or `mode: autotune`) can differ between worker processes: use `true` or `false` where "
+        "shards must be reproducible bit for bit.",
+    )
+    memory_budget: ByteSize = Field(
+        ByteSize(2 * 2**30),
+        description="Bytes for one block's working set, results included: a positive number of bytes, or a "
+        "size such as `512MiB` or `2GiB` (binary) or `2GB` (decimal). The engine estimates the working set "
+        "from the traced graph and sizes batches and blocks (output rows in reverse mode, input entries in "
+        "forward mode) to fit; an out-of-memory error re-plans with half the rows per block, then half the "
+        "samples.",
+    )
+    wrt: Literal["all"] | list[str] = Field(
+        "all",
+        description="The model inputs to differentiate by: `all`, or a list of input names (with a mapping "
+        "`input.key`, names of that mapping). A model with several inputs gets one dataset "
+        "`jacobian/<input name>` per input differentiated.",
+    )
+    compute_dtype: Literal["float32", "float64"] = Field(
+        "float32",
+        description="The dtype samples are cast to and the model computes in; `float64` runs a float64 twin "
+        "of a Keras model (same weights; other models cannot) and checks paths against each other to 1e-9 "
+        "instead of 1e-4.",
+    )
+    store_dtype: Literal["float16", "bfloat16", "float32", "float64"] = Field(
+        "float32",
+        description="The dtype of the floating-point datasets the shards store per sample (`output`, "
+        "`jacobian` or what `reduce` stores instead); results are cast to it. `bfloat16` is stored as a "
+        "2-byte HDF5 float that h5py reads as float32.",
+    )
+    check_batch_independence: bool = Field(
+        True,
+        description="Refuse a model whose outputs for a sample depend on the other samples in its batch "
+        "(BatchNorm in training mode, batch statistics), found by comparing one probe batch with its two "
+        "halves: per-sample Jacobians by `batch_jacobian` would be wrong. `false` skips the check.",
+    )
+    outputs: Literal["all", "argmax", "label"] | list[NonNegativeInt] | TopK = Field(
+        "all",
+        description="Which output rows to differentiate (only these are computed): `all`; a non-empty list "
+        "of flat output indices such as `[3, 7]`; `argmax`, each sample's largest output; `label`, each "
+        "sample's label (needs `labels`); `{top_k: k}`, each sample's `k` largest outputs, largest first. "
+        "Other than `all`, the chosen indices are stored as `output_index` `(n, k)` and `jacobian` as "
+        "`(n, k, *input_shape)`, and `reduce` cannot be any of " + ", ".join(f"`{kind}`" for kind in NEEDS_ALL_ROWS)
+        + ".",
+    )
+    labels: LabelsConfig | None = Field(
+        None,
+        description="Where `outputs: label` finds each sample's label: `{key: <array>}`, an array of the same "
+        "input files (see `jacobian.labels`). Required for `outputs: label` and unused otherwise; "
+        "`null`: no labels (there is no default key).",
+    )
+    reduce: Literal[FULL + PRODUCTS] = Field(
+        "none",
+        description="What to keep of each sample's Jacobian `J` (`m` outputs, `d` input entries; the dataset "
+        "in parentheses): `none`, `J` itself (`jacobian`); `frobenius`, its Frobenius norm (`frobenius`); "
+        "`diagonal`, `trace` and `slogdet`, for square Jacobians only (`diagonal`; `trace`; `sign` and "
+        "`logabsdet`); `max_abs_over_outputs`, the maximum of `|J|` over the output rows (`saliency`); "
+        "`sum_abs_over_channels`, `|J|` summed over the last input axis (`saliency`); `vjp` and `jvp`, the "
+        "products `u^T J` and `J v` with the vectors of `vectors` (`vjp`, `jvp`); `project`, `J P` (see "
+        "`jacobian.project`; `projection`); `basis`, `U^T J V` (see `jacobian.basis`; `basis_projection`). "
+        "The products (" + ", ".join(f"`{kind}`" for kind in PRODUCTS) + ") never form `J`. A model with "
+        "several inputs allows only `none`.",
+    )
+    vectors: str | None = Field(
+        None,
+        description="`.npy` file of the fixed vectors of `reduce: vjp`, vectors `u` over the outputs of shape "
+        "`(r, *output_shape)`, or `reduce: jvp`, vectors `v` over the inputs of shape `(r, *input_shape)`; "
+        "one vector may come without the `r` axis. Required for `vjp` and `jvp`, unused otherwise.",
+    )
+    project: ProjectConfig = Field(
+        ProjectConfig(),
+        description="The random projection `P` of `reduce: project` (see `jacobian.project`).",
+    )
+    basis: BasisConfig = Field(
+        BasisConfig(),
+        description="The bases of `reduce: basis` (see `jacobian.basis`): at least one of `basis.input` and "
+        "`basis.output` is required for it.",
+    )
+    aggregate: list[Literal["mean", "mean_abs", "jtj"]] = Field(
+        [],
+        description="Sums over every stored sample, written with `count` to `aggregates.h5`: `mean`, the mean "
+        "Jacobian, and `mean_abs`, the mean `|J|`, both shaped like one sample's stored `jacobian`; `jtj`, "
+        "`sum_i J_i^T J_i` of shape `(d, d)`. Summed in float64 in a fixed order: the same bits however the "
+        "work was split. Not with a `reduce` product, nor for a model with several inputs. `[]`: none.",
+    )
+    threads: PositiveInt | Literal["auto"] = Field(
+        "auto",
+        description="TensorFlow intra-op threads per worker process. `auto`: on a local runner, the machine's "
+        "cores divided by its worker processes (`--direct_num_workers` under `multi_processing`) so that they "
+        "do not oversubscribe the CPU; on other runners, TensorFlow's default. Not part of the run identity.",
+    )
+    self_check: SelfCheckConfig = Field(
+        SelfCheckConfig(),
+        description="Each shard recomputes a few of its samples independently and records the error (see "
+        "`jacobian.self_check`). Not part of the run identity.",
+    )
 
     @model_validator(mode="after")
     def _consistent_products(self) -> JacobianConfig:
@@ -231,13 +457,13 @@ class JacobianConfig(_Section):
             raise ValueError("outputs: an empty list selects nothing; use all or give indices")
         if rule == "label" and self.labels is None:
             raise ValueError("outputs: label needs labels: {key: <array of labels in the input files>}")
-        if rule != "all" and self.reduce in _NEEDS_ALL_ROWS:
+        if rule != "all" and self.reduce in NEEDS_ALL_ROWS:
             raise ValueError(f"reduce: {self.reduce} needs every output row; it cannot follow outputs: {self.outputs}")
         if self.reduce in ("vjp", "jvp") and self.vectors is None:
             raise ValueError(f"reduce: {self.reduce} needs vectors: <.npy file of fixed vectors>")
         if self.reduce == "basis" and self.basis.input is None and self.basis.output is None:
             raise ValueError("reduce: basis needs basis.input and/or basis.output (.npy files)")
-        if self.aggregate and self.reduce in _PRODUCTS:
+        if self.aggregate and self.reduce in PRODUCTS:
             raise ValueError(f"aggregate: needs the Jacobian, which reduce: {self.reduce} never forms")
         return self
 
@@ -280,16 +506,57 @@ class JacobianConfig(_Section):
 
 
 class OutputConfig(_Section):
-    path: str
-    samples_per_shard: PositiveInt = 4096
-    compression: Literal["none", "lzf", "gzip"] = "none"
+    """``output``: where and how the results are written.
+
+    The folder holds ``shards/`` (one HDF5 file per id range), ``jacobians.h5`` (virtual datasets over
+    all shards), ``rejected.jsonl``, ``aggregates.h5`` (with ``jacobian.aggregate``) and, written last,
+    ``manifest.json``: the folder is complete exactly when it exists.
+    """
+
+    path: str = Field(
+        description="The output folder: a local path, or a remote one (`gs://`, `s3://`, `hdfs://`, any Beam "
+        "file system). It must be writable and must not hold another run's result (`--overwrite` replaces "
+        "one); a folder holding this run's shards is resumed or extended. Required.",
+    )
+    samples_per_shard: PositiveInt = Field(
+        4096,
+        description="Sample ids per shard file; one shard is one unit of work, written under a temporary name "
+        "and renamed when complete.",
+    )
+    compression: Literal["none", "lzf", "gzip"] = Field(
+        "none",
+        description="HDF5 compression of the shards' datasets: `none`, `lzf` or `gzip`. Not part of the run "
+        "identity.",
+    )
 
 
 class Config(_Section):
-    model: ModelConfig
-    input: InputConfig
-    jacobian: JacobianConfig = JacobianConfig()
-    output: OutputConfig
+    """The run configuration: one YAML file plus ``--set KEY=VALUE`` overrides, validated once at start-up.
+
+    An unknown or mistyped key, a wrong type or a missing required key is an error naming the key.
+    ``--set a.b=VALUE`` overrides any key (VALUE is parsed as YAML). Relative paths are relative to the
+    directory jacobeam runs in. The run identity (the model source, ``input.key``, ``input.sample_shape``
+    and ``input.image`` where given, ``output.samples_per_shard`` and every ``jacobian`` key but
+    ``threads`` and ``self_check``) decides what is stored for a sample: an output folder written with
+    another identity holds another run's result.
+
+    Note:
+        Build one with ``load`` (a YAML file and overrides) or ``validate`` (plain data), which report
+        every offending key in one ``ConfigError``.
+
+    Raises:
+        pydantic.ValidationError: when built directly (``Config(...)``, ``Config.model_validate``);
+            ``validate`` and ``load`` raise it as a ``ConfigError``.
+    """
+
+    model: ModelConfig = Field(description="Where the model comes from (see `model`). Required.")
+    input: InputConfig = Field(description="The input files and how they are read (see `input`). Required.")
+    jacobian: JacobianConfig = Field(
+        JacobianConfig(),
+        description="How the Jacobians are computed and what of them is stored (see `jacobian`); every key has "
+        "a default.",
+    )
+    output: OutputConfig = Field(description="Where and how the results are written (see `output`). Required.")
 
     @model_validator(mode="after")
     def _several_inputs(self) -> Config:
@@ -308,7 +575,17 @@ class Config(_Section):
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """Split ``a.b=VALUE`` into its key path and its YAML-parsed value."""
+    """Split ``a.b=VALUE`` into its key path and its YAML-parsed value.
+
+    Args:
+        text: one ``--set`` argument, ``KEY=VALUE`` with a dotted key.
+
+    Returns:
+        The key's parts (``["a", "b"]``) and the value as YAML reads it.
+
+    Raises:
+        ConfigError: ``text`` is not ``KEY=VALUE``, or VALUE is not valid YAML.
+    """
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set expects KEY=VALUE (e.g. output.path=out/), got {text!r}")
@@ -320,6 +597,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_override(raw: dict[str, Any], keys: list[str], value: Any) -> None:
+    """Set ``value`` at the key path ``keys`` of the raw config ``raw`` (in place), creating sections.
+
+    Raises:
+        ConfigError: a key on the path holds a value, not a section.
+    """
     node = raw
     for depth, key in enumerate(keys[:-1]):
         child = node.setdefault(key, {})
@@ -351,6 +633,19 @@ def _describe(error: ValidationError) -> str:
 
 
 def validate(raw: dict[str, Any], source: str = "config") -> Config:
+    """Validate a raw config (plain data, as YAML reads it).
+
+    Args:
+        raw: the config as a mapping.
+        source: what the config came from, for the error message (a file name).
+
+    Returns:
+        The validated ``Config``, with every default filled in.
+
+    Raises:
+        ConfigError: ``raw`` is not a mapping, or not a valid config; the message names every offending
+            key.
+    """
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a YAML mapping at the top level, got {type(raw).__name__}")
     try:
@@ -360,7 +655,20 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
 
 
 def load(path: str | Path | None, overrides: list[str] = (), base: dict[str, Any] | None = None) -> Config:
-    """Read a YAML config (or start from ``base``), apply ``--set`` overrides, validate."""
+    """Read a YAML config (or start from ``base``), apply ``--set`` overrides, validate.
+
+    Args:
+        path: the YAML file; None starts from ``base`` alone.
+        overrides: ``--set`` arguments, ``KEY=VALUE``, applied in order after the file is read.
+        base: the raw config to start from (copied) when ``path`` is None; a file replaces it.
+
+    Returns:
+        The validated ``Config``.
+
+    Raises:
+        ConfigError: the file cannot be read or is not a YAML mapping, an override is malformed, or the
+            result is not a valid config.
+    """
     raw: dict[str, Any] = copy.deepcopy(base or {})
     source = "config"
     if path is not None:
