@@ -16,12 +16,12 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 from jacobeam.pipeline import plan
 from jacobeam.pipeline.config import Config
 from jacobeam.pipeline.progress import ShardProgress
-from jacobeam.transforms.testing import faults
+from jacobeam.transforms.compute import ComputeJacobians, EngineFactory
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.compute import ComputeJacobians
 from jacobeam.transforms.output.layout import MANIFEST
 from jacobeam.transforms.read import ReadSamples
 from jacobeam.transforms.spec import JobSpec
+from jacobeam.transforms.testing import faults
 from jacobeam.transforms.write import WriteShards
 
 log = logging.getLogger(__name__)
@@ -59,12 +59,24 @@ def tf_threads(config: Config, options: PipelineOptions) -> int | None:
     return max(1, (os.cpu_count() or 1) // local_worker_processes(options))
 
 
-def build(pipeline: beam.Pipeline, spec: JobSpec):
+def build(pipeline: beam.Pipeline, spec: JobSpec, engine_factory: EngineFactory | None = None):
     """The whole job as a Beam graph, from the transforms a user's pipeline would use: shard ranges ->
-    batches of samples -> batches of Jacobians -> shards (+ aggregates, rejected samples) -> manifest."""
+    batches of samples -> batches of Jacobians -> shards (+ aggregates, rejected samples) -> manifest.
+
+    Args:
+        pipeline: the pipeline to add the job's transforms to (``beam.Pipeline``, or a ``TestPipeline``).
+        spec: the planned job (``plan.make_job``).
+        engine_factory: builds each worker's engine (see ``ComputeJacobians``); None is TensorFlow's
+            ``JacobianEngine``. A test seam: ``transforms.testing.fake_engine.FakeEngineFactory``.
+
+    Returns:
+        ``PCollection[dict]`` of one element, the manifest ``WriteShards`` writes when every shard is
+        done.
+    """
     samples = pipeline | "ReadSamples" >> ReadSamples(spec)
     jacobians = samples.batches | "ComputeJacobians" >> ComputeJacobians(
-        spec.model, spec.sample_shape, spec.engine, spec.tf_threads, self_check=spec.self_check
+        spec.model, spec.sample_shape, spec.engine, spec.tf_threads, self_check=spec.self_check,
+        engine_factory=engine_factory,
     )
     return jacobians | "WriteShards" >> WriteShards(spec, complete=samples.complete, rejected=samples.rejected)
 
@@ -114,15 +126,48 @@ def _metrics(result) -> dict[str, Any]:
 
 
 def run(
-    config: Config, beam_args: list[str], show_progress: bool = True, overwrite: bool = False, verify_samples: int = 0
+    config: Config,
+    beam_args: list[str],
+    show_progress: bool = True,
+    overwrite: bool = False,
+    verify_samples: int = 0,
+    *,
+    pipeline: beam.Pipeline | None = None,
+    engine_factory: EngineFactory | None = None,
 ) -> RunResult:
     """Plan (checking everything first), build and run the job; blocks until the manifest is written.
-    With ``verify_samples``, verify the output afterwards and record the result in the manifest."""
+    With ``verify_samples``, verify the output afterwards and record the result in the manifest.
+
+    Args:
+        config: the validated job configuration.
+        beam_args: Beam's command-line options (``--runner`` and the like): they choose the runner of
+            the pipeline made here, and give file systems their options while the job is planned.
+        show_progress: show the shards' progress (local runners only).
+        overwrite: replace what another run left in the output folder (only files jacobeam wrote).
+        verify_samples: after the run, ``verify`` the folder, recomputing this many samples (0: do not).
+        pipeline: run the job in this pipeline instead of making one from ``beam_args`` (as Beam's
+            examples take ``test_pipeline``): a test passes a ``TestPipeline``. It runs with its own
+            runner and options (``beam_args`` still serve the plan), and this call runs it: it should
+            hold nothing but the job.
+        engine_factory: builds each worker's engine (see ``ComputeJacobians``); None is TensorFlow's
+            ``JacobianEngine``. With a factory the model the config names is neither loaded nor
+            checked while planning (the factory's engine stands in for it), and the shards record the
+            factory engine's fingerprint.
+
+    Returns:
+        The manifest as written, the run's Beam metrics (``jacobeam`` counters, gauges, distributions
+        by name) and, with ``verify_samples``, the ``verify.Report``.
+
+    Raises:
+        JacobeamError: (``ConfigError``, ``InputError``, ``ModelError``, ``OutputError``) the plan
+            found a problem (nothing was written), or the output folder cannot be written.
+        Exception: the pipeline failed (the runner's exception, wrapping the worker's error).
+    """
     options = with_filesystem_plugins(PipelineOptions(beam_args))
     # The plan reads inputs and the output folder before a Pipeline exists (which would do this): file
     # systems that take options (--hdfs_host, --s3_region_name, ...) need them here already.
     FileSystems.set_options(options)
-    job = plan.make_job(config, tf_threads(config, options), overwrite=overwrite)
+    job = plan.make_job(config, tf_threads(config, options), overwrite=overwrite, check_model=engine_factory is None)
     spec, already_done = job.spec, job.already_done
     plan.prepare_output(job)
     faults.reached("plan")
@@ -135,8 +180,9 @@ def run(
     )
     progress = ShardProgress(spec, already_done) if show_progress and is_local(options) else contextlib.nullcontext()
     with progress:
-        pipeline = beam.Pipeline(runner=_runner(options), options=options)
-        build(pipeline, spec)
+        if pipeline is None:
+            pipeline = beam.Pipeline(runner=_runner(options), options=options)
+        build(pipeline, spec, engine_factory)
         result = pipeline.run()
         result.wait_until_finish()
     manifest = json.loads(storage.read_text(storage.join(spec.output_dir, MANIFEST)))

@@ -8,13 +8,14 @@ import h5py
 import numpy as np
 import pytest
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
-from apache_beam.testing.util import assert_that
+from apache_beam.testing import test_pipeline
+from apache_beam.testing.util import assert_that, equal_to
 
 from jacobeam.pipeline import verify
-from tests import models as test_models
-from tests.reference import assert_close, tape_loop, tape_loop_inputs
 from jacobeam.transforms import ComputeJacobians, EngineOptions, JacobianBatch, ModelSource, WriteShards, pipeline_spec
 from jacobeam.transforms.errors import OutputError
+from tests import models as test_models
+from tests.reference import assert_close, tape_loop, tape_loop_inputs
 
 MODEL = ModelSource(factory="tests.models:small_cnn")
 SHAPE = (8, 8, 1)
@@ -30,21 +31,31 @@ def expected(samples) -> np.ndarray:
     return tape_loop(test_models.small_cnn(), samples)
 
 
-def test_keyed_samples_become_records_with_their_keys(samples, expected):
-    def check(records):
-        assert sorted(key for key, _ in records) == [f"s{i}" for i in range(5)]
-        for key, datasets in records:
-            i = int(key[1:])
-            assert_close(datasets["jacobian"][None], expected[i : i + 1])
+def _close(actual: np.ndarray, expected: np.ndarray, rtol: float = 1e-5) -> bool:
+    """``reference.assert_close`` as a predicate: within ``rtol`` of the reference's largest entry."""
+    if actual.shape != expected.shape:
+        return False
+    scale = max(float(np.abs(expected).max()), 1e-12)
+    return float(np.abs(actual.astype(np.float64) - expected).max()) / scale <= rtol
 
-    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+
+def _same_record(expected, actual) -> bool:
+    """``equal_to``'s ``equals_fn`` for ``(key, {dataset: array})``: the same key, and each expected
+    dataset close to the record's."""
+    (key, datasets), (other_key, other) = expected, actual
+    return key == other_key and all(name in other and _close(other[name], value) for name, value in datasets.items())
+
+
+def test_keyed_samples_become_records_with_their_keys(samples, expected):
+    wanted = [(f"s{i}", {"jacobian": expected[i]}) for i in range(5)]  # each key once, its sample's Jacobian
+    with test_pipeline.TestPipeline(runner=FnApiRunner()) as pipeline:
         records = (
             pipeline
             | beam.Create([(f"s{i}", samples[i]) for i in range(5)])
             | ComputeJacobians(MODEL, SHAPE, EngineOptions(batch_size=2))
             | beam.FlatMap(JacobianBatch.records)
         )
-        assert_that(records, check)
+        assert_that(records, equal_to(wanted, equals_fn=_same_record))
 
 
 def test_keyed_samples_of_a_two_input_model():
@@ -52,34 +63,33 @@ def test_keyed_samples_of_a_two_input_model():
     images, metas = rng.normal(size=(5, 4, 4, 1)).astype(np.float32), rng.normal(size=(5, 3)).astype(np.float32)
     expected = tape_loop_inputs(test_models.two_inputs("float64"), {"image": images, "meta": metas})
 
-    def check(records):
-        assert sorted(key for key, _ in records) == list(range(5))
-        for key, datasets in records:
-            for name in ("image", "meta"):
-                assert_close(datasets[f"jacobian/{name}"][None], expected[name][key : key + 1])
-
+    wanted = [(i, {f"jacobian/{name}": expected[name][i] for name in ("image", "meta")}) for i in range(5)]
     shapes = {"image": (4, 4, 1), "meta": (3,)}
     examples = [(i, {"image": images[i], "meta": metas[i]}) for i in range(5)]
-    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+    with test_pipeline.TestPipeline(runner=FnApiRunner()) as pipeline:
         records = (
             pipeline
             | beam.Create(examples)
             | ComputeJacobians(ModelSource(factory="tests.models:two_inputs"), shapes, EngineOptions(batch_size=2))
             | beam.FlatMap(JacobianBatch.records)
         )
-        assert_that(records, check)
+        assert_that(records, equal_to(wanted, equals_fn=_same_record))
 
 
 def test_a_users_pipeline_writes_the_same_folder_as_jacobeam_run(tmp_path, samples, expected):
     out = tmp_path / "out"
     spec = pipeline_spec(str(out), MODEL, SHAPE, EngineOptions(batch_size=4), samples_per_shard=8)
-    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
-        _ = (
+    with test_pipeline.TestPipeline(runner=FnApiRunner()) as pipeline:
+        manifests = (
             pipeline
             | beam.Create(list(enumerate(samples))[::-1])  # any order
             | ComputeJacobians(MODEL, SHAPE, EngineOptions(batch_size=4))
             | WriteShards(spec)
         )
+        summary = manifests | beam.Map(
+            lambda m: (m["num_samples"], m["num_rows"], [(s["start"], s["stop"]) for s in m["shards"]])
+        )
+        assert_that(summary, equal_to([(23, 23, [(0, 8), (8, 16), (16, 23)])]))  # WriteShards' one output
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["num_samples"] == manifest["num_rows"] == 23
     assert [(s["start"], s["stop"]) for s in manifest["shards"]] == [(0, 8), (8, 16), (16, 23)]

@@ -4,6 +4,10 @@ Each worker process loads the model and builds the compiled Jacobian function on
 between DoFn instances of the process through ``apache_beam.utils.shared``). ``ComputeJacobians`` takes
 ``SampleBatch`` elements (as ``ReadSamples`` makes them) or single samples of a user's pipeline, which it
 batches first.
+
+The engine comes from an ``EngineFactory``: ``build_engine`` (TensorFlow's ``JacobianEngine``) unless a
+test passes another (``transforms.testing.fake_engine``: a closed-form engine in numpy, as Beam's own
+tests run ``RunInference`` with a ``FakeModelHandler``).
 """
 
 from __future__ import annotations
@@ -12,20 +16,21 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
 from apache_beam.utils import shared
 
 from jacobeam.transforms import aggregates
-from jacobeam.transforms.testing import faults
 from jacobeam.transforms.elements import JacobianBatch, SampleBatch, stack_samples, take
 from jacobeam.transforms.engine.threads import configure_tf_threads
 from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.metrics import ComputeMetrics
 from jacobeam.transforms.self_check import SelfChecker, chosen_ids
 from jacobeam.transforms.spec import EngineOptions, ModelSource, SelfCheck
+from jacobeam.transforms.testing import faults
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +39,25 @@ log = logging.getLogger(__name__)
 _engine_builds = 0
 _builds_lock = threading.Lock()
 
+# ``(model, input_shape, options, tf_threads) -> engine``: what ``ComputeJacobiansFn`` builds its engine
+# with. Beam pickles it with the DoFn: a module-level function or an instance of a module-level class.
+# The engine needs what ``ComputeJacobiansFn`` uses of ``JacobianEngine``: ``compute``, ``batch_size``,
+# ``describe()``, ``fingerprint`` (and, for the self-check, what ``transforms.self_check`` uses).
+EngineFactory = Callable[[ModelSource, Any, EngineOptions, "int | None"], Any]
+
 
 def build_engine(model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None = None):
     """Load the model and build, trace and warm up the Jacobian function (once per process)."""
-    global _engine_builds
     from jacobeam.transforms.engine import JacobianEngine
 
     configure_tf_threads(tf_threads)
-    engine = JacobianEngine(model.load(), input_shape, options)
+    return JacobianEngine(model.load(), input_shape, options)
+
+
+def _built(factory: EngineFactory, model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None):
+    """``factory``'s engine, counted in ``_engine_builds``."""
+    global _engine_builds
+    engine = factory(model, input_shape, options, tf_threads)
     with _builds_lock:
         _engine_builds += 1
     return engine
@@ -55,14 +71,18 @@ class ComputeJacobiansFn(beam.DoFn):
     recomputed one at a time when their batch is computed (``transforms.self_check``); the records go
     with the batch (``JacobianBatch.checks``) to the shard writer, which stores them and acts on a
     mismatch. Batches without a shard (a user's pipeline) are not checked.
+
+    ``engine_factory`` builds the engine (default ``build_engine``; see ``EngineFactory``). Whatever it
+    builds is shared by the DoFn instances of a process with the same model, shapes, options and factory.
     """
 
     def __init__(
         self, model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None = None,
-        self_check: SelfCheck | None = None,
+        self_check: SelfCheck | None = None, engine_factory: EngineFactory | None = None,
     ):
         self._model, self._input_shape, self._options, self._tf_threads = model, input_shape, options, tf_threads
         self._self_check = self_check if self_check is not None and self_check.samples > 0 else None
+        self._engine_factory = build_engine if engine_factory is None else engine_factory
         self._shared = shared.Shared()
         self._shared_checker = shared.Shared()
         self._metrics = ComputeMetrics()
@@ -70,8 +90,11 @@ class ComputeJacobiansFn(beam.DoFn):
     def setup(self) -> None:
         faults.reached("setup")
         key = repr((self._model, self._input_shape, self._options))
+        if self._engine_factory is not build_engine:  # never shared with the real engine of the same model
+            key = f"{key} {self._engine_factory!r}"
+        factory = self._engine_factory
         self._engine = self._shared.acquire(
-            lambda: build_engine(self._model, self._input_shape, self._options, self._tf_threads), tag=key
+            lambda: _built(factory, self._model, self._input_shape, self._options, self._tf_threads), tag=key
         )
         self._checker, self._chosen = None, {}
         if self._self_check is not None:  # its reference function is traced at the first check
@@ -135,10 +158,42 @@ class ComputeJacobians(beam.PTransform):
     inputs (``input_shape`` is then a dict of shapes), optionally keyed ``(key, sample)``: single
     samples are batched first (``beam.BatchElements``, at most ``options.batch_size``). A PCollection of
     ``SampleBatch`` elements (``batched=True``, the default where its element type says so, as
-    ``ReadSamples``' does) is used as it comes, fused with its producer and consumer. Each ``JacobianBatch`` holds the datasets the engine makes (see
-    ``transforms.engine.JacobianEngine``) and the samples' keys as ``ids``; ``| beam.FlatMap(
-    JacobianBatch.records)`` gives one ``(key, {dataset: array})`` per sample. ``self_check``
-    (``jacobian.self_check``) recomputes chosen samples of each planned shard (see ``ComputeJacobiansFn``).
+    ``ReadSamples``' does) is used as it comes, fused with its producer and consumer. Each
+    ``JacobianBatch`` holds the datasets the engine makes (see ``transforms.engine.JacobianEngine``) and
+    the samples' keys as ``ids``; ``| beam.FlatMap(JacobianBatch.records)`` gives one ``(key, {dataset:
+    array})`` per sample. ``self_check`` (``jacobian.self_check``) recomputes chosen samples of each
+    planned shard (see ``ComputeJacobiansFn``).
+
+    Args:
+        model: where the model comes from; each worker process loads it once (``engine_factory``).
+        input_shape: one sample's shape ``(*input_shape)``, or ``{input name: shape}`` for a model with
+            several inputs.
+        options: how to compute and what to keep (``EngineOptions``); ``options.batch_size`` also caps
+            the batches made of single samples.
+        tf_threads: TensorFlow's intra- and inter-op threads per worker process; None keeps its default.
+        batched: whether the elements are ``SampleBatch`` (``ids`` ``(n,)``, ``inputs`` ``(n,
+            *input_shape)``); None decides by the input PCollection's element type.
+        self_check: recompute ``self_check.samples`` chosen samples of each planned shard one at a time
+            and attach the records to their batch (``JacobianBatch.checks``); None or 0 samples: off.
+            Needs TensorFlow and the real engine.
+        engine_factory: ``(model, input_shape, options, tf_threads) -> engine``, picklable (see
+            ``EngineFactory``); None is ``build_engine`` (TensorFlow's ``JacobianEngine``, shared by
+            the process through ``apache_beam.utils.shared``). A test seam: ``transforms.testing.
+            fake_engine.FakeEngineFactory`` computes a closed form without TensorFlow.
+
+    Returns:
+        (from ``expand``) ``PCollection[JacobianBatch]``, one element per engine call: ``ids`` ``(n,)``
+        the samples' keys (``SampleBatch.ids``, or ``None`` for unkeyed samples), ``datasets`` with
+        ``"output"`` ``(n, *output_shape)`` and ``"jacobian"`` ``(n, *output_shape, *input_shape)`` (or
+        ``"jacobian/<input name>"`` per differentiated input; ``"output_index"`` ``(n, k)`` and a
+        reduction's datasets as ``options`` ask), in ``options.store_dtype``; ``partial`` the batch's
+        float64 sums for ``options.aggregate``; ``shard`` the batch's ``ShardRange``, if it had one.
+
+    Raises:
+        ModelError: in the worker, when the engine is built (the model does not take samples of
+            ``input_shape``, its samples interact inside a batch, the options do not fit it) or a batch
+            fails (the message names the batch's ids ``first..last``); the runner re-raises it wrapped
+            in its own exception when the pipeline runs.
     """
 
     def __init__(
@@ -149,10 +204,11 @@ class ComputeJacobians(beam.PTransform):
         tf_threads: int | None = None,
         batched: bool | None = None,
         self_check: SelfCheck | None = None,
+        engine_factory: EngineFactory | None = None,
     ):
         super().__init__()
         self._model, self._options, self._tf_threads, self._batched = model, options, tf_threads, batched
-        self._self_check = self_check
+        self._self_check, self._engine_factory = self_check, engine_factory
         self._input_shape = (
             {name: tuple(shape) for name, shape in input_shape.items()}
             if isinstance(input_shape, Mapping)
@@ -169,5 +225,7 @@ class ComputeJacobians(beam.PTransform):
                 | "Batch" >> beam.BatchElements(max_batch_size=self._options.batch_size)
                 | "Stack" >> beam.Map(stack_samples)
             )
-        fn = ComputeJacobiansFn(self._model, self._input_shape, self._options, self._tf_threads, self._self_check)
+        fn = ComputeJacobiansFn(
+            self._model, self._input_shape, self._options, self._tf_threads, self._self_check, self._engine_factory
+        )
         return samples | "Compute" >> beam.ParDo(fn).with_output_types(JacobianBatch)
