@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test install clean
+.PHONY: demo test lint install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) jacobeam-demo

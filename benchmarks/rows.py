@@ -167,8 +167,8 @@ def _torch(workload: Workload, transform: str) -> Built:
 def _engine(workload: Workload, jit_compile: bool, mode: str | None, batch_size: int = 256) -> Built:
     """jacobeam's engine in memory, on the model the pipeline loads for ``workload.factory``."""
     from jacobeam.transforms.engine import JacobianEngine
-    from jacobeam.transforms.spec import EngineOptions
     from jacobeam.transforms.engine.models import load
+    from jacobeam.transforms.spec import EngineOptions
 
     options: dict[str, Any] = {"batch_size": batch_size, "jit_compile": jit_compile}
     if mode is not None:

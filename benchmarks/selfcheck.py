@@ -53,8 +53,20 @@ def measure(workload: Workload, samples: int, samples_per_shard: int, repeats: i
     on = [m["run"]["wall_seconds"] for m in found[1]]
     off = [m["run"]["wall_seconds"] for m in found[0]]
     checking = [m["self_check"]["seconds"] for m in found[1]]
-    first = [c["timing"]["seconds"] for m in found[1] for s in m["shards"] for c in s.get("self_check", []) if c["timing"]["traced"]]
-    later = [c["timing"]["seconds"] for m in found[1] for s in m["shards"] for c in s.get("self_check", []) if not c["timing"]["traced"]]
+    first = [
+        c["timing"]["seconds"]
+        for m in found[1]
+        for s in m["shards"]
+        for c in s.get("self_check", [])
+        if c["timing"]["traced"]
+    ]
+    later = [
+        c["timing"]["seconds"]
+        for m in found[1]
+        for s in m["shards"]
+        for c in s.get("self_check", [])
+        if not c["timing"]["traced"]
+    ]
     summary = found[1][-1]["self_check"]
     return {
         "workload": workload.key,
@@ -84,13 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     workload = WORKLOADS[args.workload]
     found = measure(workload, args.samples, args.samples_per_shard, args.repeats)
     later = "n/a" if found["later_check"] is None else f"{1000 * found['later_check']:.1f} ms"
-    print(f"{workload.key} {workload.name}: {args.samples:,} samples, {found['shards']} shards of {args.samples_per_shard:,}, median of {args.repeats}")
+    print(
+        f"{workload.key} {workload.name}: {args.samples:,} samples, {found['shards']} shards of "
+        f"{args.samples_per_shard:,}, median of {args.repeats}"
+    )
     each = lambda walls: ", ".join(f"{w:.2f}" for w in walls)  # noqa: E731
     print(f"  self_check.samples 1   {found['wall_on']:7.2f} s  ({each(found['walls_on'])})")
     print(f"  self_check.samples 0   {found['wall_off']:7.2f} s  ({each(found['walls_off'])})")
     print(f"  ratio on/off           {found['ratio']:7.3f}  (wall times: as noisy as any two runs)")
-    print(f"  checking inside a run  {found['checking']:7.3f} s = {100 * found['share']:.1f}% of its wall time "
-          f"(first check, tracing the reference: {1000 * (found['first_check'] or 0):.0f} ms; each later one: {later})")
+    print(
+        f"  checking inside a run  {found['checking']:7.3f} s = {100 * found['share']:.1f}% of its wall time "
+        f"(first check, tracing the reference: {1000 * (found['first_check'] or 0):.0f} ms; each later one: {later})"
+    )
     print(f"  max relative error     {found['max_rel_error']} (tolerance {found['tolerance']:g})")
     return 0
 

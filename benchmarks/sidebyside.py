@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.rows import RowSpec, build, engine_modes, row_specs
+from benchmarks.rows import build, engine_modes, row_specs
 from benchmarks.suite import write_inputs
-from jacobeam.transforms.engine.diagnostics import relative_error
 from benchmarks.workloads import WORKLOADS, Workload, inputs
+from jacobeam.transforms.engine.diagnostics import relative_error
 
 BATCH = 256
 
@@ -97,7 +97,9 @@ def end_to_end(workload: Workload, samples: int, repeats: int) -> list[dict]:
 
         def memory() -> float:
             if not engines:
-                engines.append(JacobianEngine(load(factory=workload.factory), workload.input_shape, cfg.jacobian.engine_options()))
+                engines.append(
+                    JacobianEngine(load(factory=workload.factory), workload.input_shape, cfg.jacobian.engine_options())
+                )
             engine = engines[0]
             began = time.perf_counter()
             for lo in range(0, samples, engine.batch_size):

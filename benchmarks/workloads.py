@@ -141,7 +141,7 @@ def weights(workload: Workload, seed: int = WEIGHT_SEED) -> list[list[np.ndarray
     """
     rng = np.random.default_rng(seed)
     layers = []
-    for layer, shapes in zip(workload.layers, _param_shapes(workload)):
+    for shapes in _param_shapes(workload):
         drawn = []
         for shape in shapes:
             scale = 0.1 if len(shape) == 1 else 1.0 / np.sqrt(np.prod(shape[:-1]))

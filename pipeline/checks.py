@@ -14,8 +14,8 @@ from pathlib import Path
 
 from jacobeam.transforms.errors import ModelError, OutputError
 from jacobeam.transforms.inputs.types import SourceFile
-from jacobeam.transforms.spec import ModelSource
 from jacobeam.transforms.output.layout import SHARDS_DIR, WRITE_PROBE_PREFIX
+from jacobeam.transforms.spec import ModelSource
 
 
 def check_model(model: ModelSource, files: list[SourceFile]) -> tuple[str, tuple[int, ...]]:

@@ -13,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from jacobeam.transforms.output import storage
 from jacobeam.transforms.errors import JacobeamError
+from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import JACOBIAN, VIEW, is_jacobian_dataset
 
 log = logging.getLogger("jacobeam")

@@ -45,7 +45,9 @@ def check_structure(root: str, manifest: dict[str, Any], report: Report) -> list
             report.problems.append(f"{shard['file']}: sample ids not increasing within {shard['start']}..{shard['stop']}")
             continue
         if int(mask.sum()) != shard.get("nonfinite", 0):
-            report.problems.append(f"{shard['file']}: {int(mask.sum())} rows flagged nonfinite, the manifest says {shard.get('nonfinite', 0)}")
+            report.problems.append(
+                f"{shard['file']}: {int(mask.sum())} rows flagged nonfinite, the manifest says {shard.get('nonfinite', 0)}"
+            )
         valid = ids[(ids >= 0) & (ids < num_samples)]
         np.add.at(seen, valid, 1)
         where.append((shard["file"], ids))
@@ -107,6 +109,8 @@ def check_inputs(manifest: dict[str, Any], report: Report) -> bool:
             fine = False
             continue
         if found != source.num_samples:
-            report.problems.append(f"input {source.path}: holds {found} samples, the manifest says {source.num_samples}")
+            report.problems.append(
+                f"input {source.path}: holds {found} samples, the manifest says {source.num_samples}"
+            )
             fine = False
     return fine

@@ -15,8 +15,8 @@ import time
 from jacobeam.transforms.errors import CorruptInputError, InputError
 from jacobeam.transforms.inputs.readers import assign_ids, check_consistent, describe, unreadable_file
 from jacobeam.transforms.inputs.registry import IMAGE_SUFFIXES
-from jacobeam.transforms.inputs.types import ImageOptions, Key, Shape, SourceFile
 from jacobeam.transforms.inputs.scan import FileScan, scan_files
+from jacobeam.transforms.inputs.types import ImageOptions, Key, Shape, SourceFile
 from jacobeam.transforms.output import storage
 
 log = logging.getLogger(__name__)

@@ -153,15 +153,20 @@ def folder_differences(folder: Folder, spec: JobSpec, fingerprint: str | None) -
         if "run_identity" in attrs:
             found = identity_differences(json.loads(_attr_str(attrs["run_identity"])), spec.identity)
         else:
-            found = [] if _attr_str(attrs["run_key"]) == spec.run_key else [f"run key {_attr_str(attrs['run_key'])}, this run {spec.run_key}"]
+            theirs = _attr_str(attrs["run_key"])
+            found = [] if theirs == spec.run_key else [f"run key {theirs}, this run {spec.run_key}"]
         found = [f"written by a different run: {d}" for d in found]
         stored = _attr_str(attrs.get("model_fingerprint", ""))
         if fingerprint and stored and stored != fingerprint:
             found.append(f"model weights differ (fingerprint {stored[:16]}… there, {fingerprint[:16]}… in this run)")
-        if "inputs" in attrs and json.loads(_attr_str(attrs["inputs"])) != shard_inputs(spec.files, shard.start, shard.stop):
+        if "inputs" in attrs and json.loads(_attr_str(attrs["inputs"])) != shard_inputs(
+            spec.files, shard.start, shard.stop
+        ):
             found.append("computed from other input data (its ids now mean other samples)")
         elif int(attrs.get("num_rows", shard.stop - shard.start)) != shard.rows:
-            found.append(f"holds {int(attrs.get('num_rows', 0))} samples, this run rejects others ({shard.rows} expected)")
+            found.append(
+                f"holds {int(attrs.get('num_rows', 0))} samples, this run rejects others ({shard.rows} expected)"
+            )
         for difference in found:
             by_shard.setdefault(difference, []).append(where)
     for difference, shards in by_shard.items():

@@ -14,8 +14,8 @@ import json
 from typing import Any
 
 from jacobeam.transforms.inputs.readers import assign_ids, shape_record
-from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.inputs.scan import FileScan
+from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.spec import Rejected, ShardRange
 
 

@@ -10,10 +10,17 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from jacobeam.transforms.output import storage
 from jacobeam.transforms.finalize import missing_sources, view_datasets
-from jacobeam.transforms.output.layout import MANIFEST, REJECTED_FILE, VIEW, is_folder_temp
-from jacobeam.transforms.output.layout import SHARDS_DIR, is_shard_file, is_shard_temp
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.output.layout import (
+    MANIFEST,
+    REJECTED_FILE,
+    SHARDS_DIR,
+    VIEW,
+    is_folder_temp,
+    is_shard_file,
+    is_shard_temp,
+)
 
 
 @dataclass
@@ -128,7 +135,8 @@ def format_report(report: Report) -> str:
     if manifest is not None:
         run = manifest["run"]
         lines += [
-            f"  samples     {manifest['num_samples']:,} ({manifest.get('num_rows', manifest['num_samples']):,} stored), {_inputs(manifest['input_shape'])} "
+            f"  samples     {manifest['num_samples']:,} ({manifest.get('num_rows', manifest['num_samples']):,} stored), "
+            f"{_inputs(manifest['input_shape'])} "
             f"-> output {tuple(manifest['output_shape'])}, {manifest['dtype']}",
             f"  model       {_model_source(manifest['config']['model'])}, "
             f"weights sha256 {manifest['model_fingerprint'][:16]}…",
@@ -136,18 +144,26 @@ def format_report(report: Report) -> str:
             f"  engine      {_engine(manifest.get('engine'))}",
             f"  shards      {len(manifest['shards'])} in manifest, {len(report.shards_on_disk)} on disk",
             *(
-                [f"  rejected    {manifest['rejected']['count']:,} sample(s), "
-                 f"{len(manifest['rejected']['unreadable_files'])} unreadable file(s): see {REJECTED_FILE}"]
+                [
+                    f"  rejected    {manifest['rejected']['count']:,} sample(s), "
+                    f"{len(manifest['rejected']['unreadable_files'])} unreadable file(s): see {REJECTED_FILE}"
+                ]
                 if manifest.get("rejected", {}).get("count") or manifest.get("rejected", {}).get("unreadable_files")
                 else []
             ),
             *(
                 [f"  nonfinite   {manifest['nonfinite']['count']:,} sample(s) with NaN/Inf results"]
-                if manifest.get("nonfinite", {}).get("count") else []
+                if manifest.get("nonfinite", {}).get("count")
+                else []
             ),
             *([f"  self-check  {_self_check(manifest['self_check'])}"] if "self_check" in manifest else []),
-            *([f"  verified    {'ok' if manifest['verify']['ok'] else 'FAILED'} at {manifest['verify']['checked_at']}"]
-              if "verify" in manifest else []),
+            *(
+                [
+                    f"  verified    {'ok' if manifest['verify']['ok'] else 'FAILED'} at {manifest['verify']['checked_at']}"
+                ]
+                if "verify" in manifest
+                else []
+            ),
             f"  last run    {run['wall_seconds']:.1f} s, {run['samples_computed']:,} computed, "
             f"{run['samples_kept']:,} kept, {run['samples_per_second'] or 0:,.0f} samples/s",
             f"  written     {manifest['created_at']} by jacobeam {manifest['jacobeam_version']}",

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from jacobeam.transforms.output.layout import VIEW, jacobian_dataset
 from jacobeam.transforms.inputs.readers import iter_slices, manifest_sources
+from jacobeam.transforms.output.layout import VIEW, jacobian_dataset
 
 _NORM_CHUNK = 256  # samples read at a time for the norms histogram
 

@@ -134,7 +134,11 @@ def recompute(
                   (("output", OUTPUT_RTOL), ("tape", TAPE_RTOL), ("finite_differences", FD_RTOL))}
     one = reference.tape_function(loaded.call, shapes, forward=(manifest.get("engine") or {}).get("mode") == "forward")
     size = sum(int(np.prod(shape)) for shape in shapes)
-    twin, why_not = (None, f"inputs have {size} elements, more than {FD_MAX_ELEMENTS}") if size > FD_MAX_ELEMENTS else float64_twin(loaded)
+    twin, why_not = (
+        (None, f"inputs have {size} elements, more than {FD_MAX_ELEMENTS}")
+        if size > FD_MAX_ELEMENTS
+        else float64_twin(loaded)
+    )
     errors: dict[str, list[float]] = {"output": [], "tape": [], "finite_differences": []}
     kinked, differenced = [], []  # samples at which the model is not differentiable; samples checked
     sources = manifest_sources(manifest)
@@ -151,21 +155,25 @@ def recompute(
             # outputs: indices/argmax/top_k/label store the selected rows of the Jacobian, and which they are.
             selected = np.asarray(h5["output_index"][row]).reshape(-1) if "output_index" in h5 else None
 
-        def stored_rows(full: np.ndarray, k: int) -> np.ndarray:
+        def stored_rows(full: np.ndarray, k: int, selected=selected, stored=stored) -> np.ndarray:
             full = full.reshape(outputs, *shapes[k])
             return _as_stored(full if selected is None else full[selected], store).reshape(stored[k].shape)
 
-        def check(name: str, k: int | None, value: np.ndarray, reference: np.ndarray) -> None:
+        at = f"sample {sample_id} ({file} row {row})"
+
+        def check(name: str, k: int | None, value: np.ndarray, reference: np.ndarray, at: str = at) -> None:
             error = relative_error(value, reference, floor=1e-12)
             errors[name].append(error)
             if not error <= tolerances[name]:
                 label = name.replace("_", " ") + ("" if k is None or not several else f" ({datasets[k]})")
-                report.problems.append(f"sample {sample_id} ({file} row {row}): {label} max relative error {error:.3g} > {tolerances[name]:g}")
+                report.problems.append(f"{at}: {label} max relative error {error:.3g} > {tolerances[name]:g}")
 
         y, jacobians = one(*[tf.constant(x) for x in xs])
         nonfinite = not (all(np.isfinite(value).all() for value in stored.values()) and np.isfinite(stored_out).all())
         if flagged != nonfinite:
-            report.problems.append(f"sample {sample_id}: nonfinite flag {flagged}, but its stored values are {'not ' if nonfinite else ''}all finite")
+            report.problems.append(
+                f"sample {sample_id}: nonfinite flag {flagged}, but its stored values are {'not ' if nonfinite else ''}all finite"
+            )
         check("output", None, stored_out, _as_stored(y.numpy(), store).reshape(stored_out.shape))
         for k, value in stored.items():
             check("tape", k, value, stored_rows(jacobians[k].numpy(), k))
@@ -185,7 +193,9 @@ def recompute(
     report.tolerances = tolerances
     left_out = (
         f"; {len(kinked)} sample(s) left out: the model is not differentiable there (ReLU/max-pool kinks), "
-        f"e.g. id {kinked[0]}" if kinked else ""
+        f"e.g. id {kinked[0]}"
+        if kinked
+        else ""
     )
     if differenced:
         report.finite_differences = (

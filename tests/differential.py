@@ -18,7 +18,7 @@ The float64 twin of the MobileNet-like model is float32-accurate only: TensorFlo
 float32 whatever the input dtype (``ModelSpec.float64_exact``).
 
 Selection (``outputs``), reductions and products (``reduce``) are applied to the reference in numpy,
-written from the documentation (README "What to store", ``transforms/reductions.py`` and
+written from the documentation (README "What to store", ``transforms/engine/reductions.py`` and
 ``transforms/engine/blocks.py`` docstrings), never by calling the engine's helpers. A drawn ``Case``
 says what to ask the engine; ``expected`` says what it must store; ``compare`` decides, per sample,
 relative to the reference's magnitude for that sample.
@@ -39,8 +39,8 @@ import numpy as np
 import tensorflow as tf
 from hypothesis import strategies as st
 
-from tests import models as test_models
 from jacobeam.transforms.spec import EngineOptions, OutputSelection, Reduction
+from tests import models as test_models
 
 POOL = 24  # samples per model; a drawn call takes a slice of them
 MODES = ("auto", "reverse", "reverse_loop", "forward", "autotune")
@@ -607,7 +607,7 @@ def compare(
     """Every dataset against its reference, per sample (see ``Expected``).
 
     Float datasets come in the store dtype; read back from HDF5 (``from_hdf5``), bfloat16 comes as
-    float32 (README: "a 2-byte HDF5 float that h5py reads as float32") holding bfloat16 values.
+    float32 (docs/configuration.md: "a 2-byte HDF5 float that h5py reads as float32") holding bfloat16 values.
 
     Non-finite entries must be where the reference, rounded to the store dtype, has them, and equal
     to them. A sample on a kink (ReLU-family models) may exceed the tolerance of its Jacobian-derived

@@ -74,9 +74,30 @@ def test_no_import_cycle():
 @pytest.mark.parametrize(
     "package, forbidden",
     [
-        ("jacobeam.transforms.engine", ("apache_beam", "jacobeam.pipeline", "jacobeam.transforms.inputs", "jacobeam.transforms.output")),
-        ("jacobeam.transforms.inputs", ("apache_beam.pipeline", "apache_beam.transforms", "jacobeam.pipeline", "jacobeam.transforms.engine", "tensorflow")),
-        ("jacobeam.transforms.output", ("apache_beam.pipeline", "apache_beam.transforms", "jacobeam.pipeline", "jacobeam.transforms.engine", "tensorflow")),
+        (
+            "jacobeam.transforms.engine",
+            ("apache_beam", "jacobeam.pipeline", "jacobeam.transforms.inputs", "jacobeam.transforms.output"),
+        ),
+        (
+            "jacobeam.transforms.inputs",
+            (
+                "apache_beam.pipeline",
+                "apache_beam.transforms",
+                "jacobeam.pipeline",
+                "jacobeam.transforms.engine",
+                "tensorflow",
+            ),
+        ),
+        (
+            "jacobeam.transforms.output",
+            (
+                "apache_beam.pipeline",
+                "apache_beam.transforms",
+                "jacobeam.pipeline",
+                "jacobeam.transforms.engine",
+                "tensorflow",
+            ),
+        ),
         ("jacobeam.transforms", ("jacobeam.pipeline",)),
     ],
 )

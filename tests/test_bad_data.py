@@ -271,8 +271,8 @@ def test_keras_file_with_code_is_refused_and_imports_nothing(tmp_path, monkeypat
     """safe_mode stays on: neither a pickled lambda nor a module named in the file's config runs."""
     import keras
 
-    from jacobeam.transforms.errors import ModelError
     from jacobeam.transforms.engine.models import load
+    from jacobeam.transforms.errors import ModelError
 
     lam = keras.Sequential([keras.Input((3,)), keras.layers.Lambda(lambda x: x * 2)])
     lam.save(tmp_path / "lambda.keras")

@@ -80,11 +80,5 @@ def test_importing_the_generator_does_not_import_tensorflow(imported_by_the_gene
     assert not {"tensorflow", "keras"} & imported_by_the_generator
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pipeline/config.py takes JacobeamError and the reduce names from jacobeam.transforms, whose "
-    "__init__.py imports the Beam transforms (and so apache_beam) eagerly; passes once those exports load "
-    "lazily (PEP 562 __getattr__): then remove this mark",
-)
 def test_importing_the_generator_does_not_import_apache_beam(imported_by_the_generator):
     assert "apache_beam" not in imported_by_the_generator

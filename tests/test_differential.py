@@ -31,11 +31,11 @@ from hypothesis import HealthCheck, Phase, event, example, given, note, settings
 from hypothesis import strategies as st
 
 from jacobeam.pipeline import cli
-from tests import differential as diff
 from jacobeam.transforms.engine import JacobianEngine
-from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.engine.models import wrap_model
+from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.spec import OutputSelection
+from tests import differential as diff
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -143,7 +143,7 @@ def check_engine_case(case: diff.Case, folder: Path) -> None:
     if kink_samples:
         message = f"{case.model}: samples on a kink differ from the reference within the bound: {sorted(kink_samples)}"
         event(f"{case.model}: kink samples differed")
-        warnings.warn(message)
+        warnings.warn(message, stacklevel=2)
 
 
 # Bugs the harness found, run first in every profile: each failed on an earlier engine.

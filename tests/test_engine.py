@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
+from jacobeam.transforms.engine import JacobianEngine
+from jacobeam.transforms.engine.models import build_cnn, build_mlp, load, wrap_model
+from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.spec import EngineOptions
 from tests import models as test_models
 from tests.reference import assert_close, central_differences, tape_loop
-from jacobeam.transforms.engine import JacobianEngine
-from jacobeam.transforms.spec import EngineOptions
-from jacobeam.transforms.errors import ModelError
-from jacobeam.transforms.engine.models import build_cnn, build_mlp, load, wrap_model
 
 
 def _engine(model, batch_size=8, **options):

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from jacobeam.transforms.engine import JacobianEngine
+from jacobeam.transforms.engine import blocks as strategies
+from jacobeam.transforms.engine.models import wrap_model
+from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.spec import EngineOptions, OutputSelection
 from tests import models as test_models
 from tests.reference import assert_close, central_differences, tape_loop
-from jacobeam.transforms.engine import blocks as strategies
-from jacobeam.transforms.engine import JacobianEngine
-from jacobeam.transforms.errors import ModelError
-from jacobeam.transforms.engine.models import wrap_model
-from jacobeam.transforms.spec import EngineOptions, OutputSelection
 
 REPO = Path(__file__).resolve().parent.parent
 

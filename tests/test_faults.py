@@ -22,8 +22,8 @@ import pytest
 
 from jacobeam.pipeline import cli
 from jacobeam.pipeline.verify import verify
-from jacobeam.transforms.testing import faults
 from jacobeam.transforms.output.storage import sha256
+from jacobeam.transforms.testing import faults
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

@@ -6,10 +6,10 @@ from apache_beam.ml.inference.base import RunInference
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.util import assert_that
 
-from tests import models as test_models
-from tests.reference import assert_close, tape_loop
 from jacobeam.transforms.inference import JacobianModelHandler
 from jacobeam.transforms.spec import EngineOptions, ModelSource, Reduction
+from tests import models as test_models
+from tests.reference import assert_close, tape_loop
 
 
 def test_run_inference_yields_each_samples_jacobian():

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests import models as test_models
-from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.engine.models import load
+from jacobeam.transforms.errors import ModelError
+from tests import models as test_models
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,13 @@ from PIL import Image
 
 from jacobeam.pipeline import cli, config, runner
 from jacobeam.pipeline.verify import verify
+from jacobeam.transforms.errors import InputError
+from jacobeam.transforms.inputs import images, tfrecords
+from jacobeam.transforms.inputs.readers import assign_ids, describe, iter_slices, open_samples
+from jacobeam.transforms.inputs.types import ImageOptions
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop, tape_loop_inputs
 from tests.test_pipeline import folder_state
-from jacobeam.transforms.inputs import images, tfrecords
-from jacobeam.transforms.errors import InputError
-from jacobeam.transforms.inputs.types import ImageOptions
-from jacobeam.transforms.inputs.readers import assign_ids, describe, iter_slices, open_samples
 
 SIZES = {"b": 13, "a": 7, "c": 20}  # written out of order: ids follow sorted path order
 
@@ -170,14 +170,21 @@ def test_bad_records_under_error_stop_the_run_naming_file_and_record(tmp_path, c
     before = folder_state(out)
     raw = job([str(tmp_path / "data" / "*.tfrecord")], out, "tests.models:small_mlp", key="v", sample_shape=[12])
     err = cli_error(raw, tmp_path, capsys)
-    assert re.search(r"^jacobeam: error: .*/data/b.tfrecord: row 1: feature 'v' is missing; 5 bad sample\(s\) in all", err, re.M), err
+    expected = r"^jacobeam: error: .*/data/b.tfrecord: row 1: feature 'v' is missing; 5 bad sample\(s\) in all"
+    assert re.search(expected, err, re.M), err
     assert folder_state(out) == before
 
 
 def test_bad_records_under_skip_are_left_out_and_listed(tmp_path):
     x, bad = _bad_records(tmp_path / "data")
-    raw = job([str(tmp_path / "data" / "*.tfrecord")], tmp_path / "out", "tests.models:small_mlp", key="v",
-              sample_shape=[12], on_bad_sample="skip")
+    raw = job(
+        [str(tmp_path / "data" / "*.tfrecord")],
+        tmp_path / "out",
+        "tests.models:small_mlp",
+        key="v",
+        sample_shape=[12],
+        on_bad_sample="skip",
+    )
 
     manifest = run(raw)
 
@@ -198,17 +205,35 @@ def test_tfrecord_needs_a_key_and_a_sample_shape_that_fit(tmp_path, capsys):
     paths = [str(tmp_path / "data" / "*.tfrecord")]
     out = tmp_path / "out"
     cases = [
-        (job(paths, out, "tests.models:small_mlp", key="pixels"), r"a.tfrecord: a TFRecord file needs input.sample_shape"),
+        (
+            job(paths, out, "tests.models:small_mlp", key="pixels"),
+            r"a.tfrecord: a TFRecord file needs input.sample_shape",
+        ),
         (job(paths, out, "tests.models:small_mlp", sample_shape=[12]), r"a.tfrecord: a TFRecord file needs input.key"),
-        (job(paths, out, "tests.models:small_mlp", key="pixels", sample_shape=[3, 4]),
-         r"small_mlp expects samples of shape \(12,\); the inputs hold samples of shape \(3, 4\)"),
-        (job(paths, out, "tests.models:small_mlp", key="pixels", sample_shape=[13]),
-         r"a.tfrecord: row 0: feature 'pixels' holds 12 values; expected 13 \(input.sample_shape \[13\]\); 40 bad"),
-        (job(paths, out, "tests.models:small_mlp", key="pixels", sample_shape={"x": [12]}),
-         r"input.sample_shape: a mapping by input name needs input.key to map the same inputs"),
-        (job(paths, out, "tests.models:small_mlp", key="pixels", sample_shape=[12], on_bad_sample="error",
-             ) | {"jacobian": {"outputs": "label", "labels": {"key": "y"}}},
-         r"a.tfrecord: jacobian.labels.key names arrays of .npy, .npz and .h5 files; this is a tfrecord file"),
+        (
+            job(paths, out, "tests.models:small_mlp", key="pixels", sample_shape=[3, 4]),
+            r"small_mlp expects samples of shape \(12,\); the inputs hold samples of shape \(3, 4\)",
+        ),
+        (
+            job(paths, out, "tests.models:small_mlp", key="pixels", sample_shape=[13]),
+            r"a.tfrecord: row 0: feature 'pixels' holds 12 values; expected 13 \(input.sample_shape \[13\]\); 40 bad",
+        ),
+        (
+            job(paths, out, "tests.models:small_mlp", key="pixels", sample_shape={"x": [12]}),
+            r"input.sample_shape: a mapping by input name needs input.key to map the same inputs",
+        ),
+        (
+            job(
+                paths,
+                out,
+                "tests.models:small_mlp",
+                key="pixels",
+                sample_shape=[12],
+                on_bad_sample="error",
+            )
+            | {"jacobian": {"outputs": "label", "labels": {"key": "y"}}},
+            r"a.tfrecord: jacobian.labels.key names arrays of .npy, .npz and .h5 files; this is a tfrecord file",
+        ),
     ]
     for raw, message in cases:
         assert re.search(message, cli_error(raw, tmp_path, capsys)), message
@@ -219,8 +244,9 @@ def test_sample_shape_checks_array_files_too(tmp_path, capsys):
     (tmp_path / "data").mkdir()
     np.save(tmp_path / "data" / "a.npy", np.zeros((3, 12), np.float32))
     raw = job([str(tmp_path / "data" / "*.npy")], tmp_path / "out", "tests.models:small_mlp", sample_shape=[4, 3])
-    assert re.search(r"a.npy: samples of shape \(12,\); expected \(4, 3\) \(input.sample_shape\)",
-                     cli_error(raw, tmp_path, capsys))
+    assert re.search(
+        r"a.npy: samples of shape \(12,\); expected \(4, 3\) \(input.sample_shape\)", cli_error(raw, tmp_path, capsys)
+    )
 
 
 # --- images --------------------------------------------------------------------------------------------
@@ -268,7 +294,11 @@ def test_a_folder_of_png_images_end_to_end(image_run):
     assert_close(stored["output"], test_models.small_cnn()(samples).numpy(), rtol=1e-5)
     # ids: sorted path order over the folder and its sub-folders; every image is one sample
     assert [(Path(f["path"]).relative_to(root / "images").as_posix(), f["first_id"]) for f in manifest["inputs"]] == [
-        ("a.png", 0), ("b.png", 1), ("sub/c.png", 2), ("sub/deeper/d.png", 3), ("z.png", 4)
+        ("a.png", 0),
+        ("b.png", 1),
+        ("sub/c.png", 2),
+        ("sub/deeper/d.png", 3),
+        ("z.png", 4),
     ]
     assert manifest["input_shape"] == [8, 8, 1]
     assert manifest["run_identity"]["input.image"]["std"] == [0.25]
@@ -289,7 +319,10 @@ def test_more_images_are_an_incremental_run(image_run, tmp_path):
 
     manifest = run(raw)
 
-    assert [(s["start"], s["stop"], s["computed_in_this_run"]) for s in manifest["shards"]] == [(0, 5, False), (5, 7, True)]
+    assert [(s["start"], s["stop"], s["computed_in_this_run"]) for s in manifest["shards"]] == [
+        (0, 5, False),
+        (5, 7, True),
+    ]
     samples = np.concatenate([as_samples(first, mean=0.5, std=0.25), as_samples(added, mean=0.5, std=0.25)])
     assert_close(view(out)["jacobian"], tape_loop(test_models.small_cnn(), samples), rtol=1e-5)
 
@@ -340,7 +373,9 @@ def test_images_of_different_sizes_need_a_size(tmp_path, capsys):
     write_images(tmp_path / "images", ["c.png"], size=(8, 9))
     raw = job([str(tmp_path / "images" / "*.png")], tmp_path / "out")
     err = cli_error(raw, tmp_path, capsys)
-    assert re.search(r"c.png: samples of shape \(8, 9, 1\); expected \(8, 8, 1\) \(the sample shape of .*a.png\)", err), err
+    assert re.search(
+        r"c.png: samples of shape \(8, 9, 1\); expected \(8, 8, 1\) \(the sample shape of .*a.png\)", err
+    ), err
     raw["input"]["image"] = {"size": [8, 8]}
     assert run(raw)["num_samples"] == 3
 
@@ -388,5 +423,7 @@ def test_image_settings_are_validated(image, message):
 def test_image_scale_may_be_written_as_a_fraction():
     cfg = config.validate(job(["x"], Path("out"), image={"scale": "1/255", "size": [4, 5], "mean": [0.1, 0.2, 0.3]}))
     assert cfg.input.image_options() == ImageOptions(size=(4, 5), channels=None, scale=1 / 255, mean=(0.1, 0.2, 0.3))
-    with pytest.raises(InputError, match=r"a.png: an image is one sample; input.key \(x\) is for .npz, .h5 and TFRecord"):
+    with pytest.raises(
+        InputError, match=r"a.png: an image is one sample; input.key \(x\) is for .npz, .h5 and TFRecord"
+    ):
         describe("/nowhere/a.png", "x")

@@ -13,12 +13,12 @@ import yaml
 
 from jacobeam.pipeline import cli, config, runner
 from jacobeam.pipeline.verify import TAPE_RTOL, verify
-from tests import models as test_models
-from tests.reference import assert_close, tape_loop_inputs
-from tests.test_pipeline import folder_state
 from jacobeam.transforms.errors import InputError
 from jacobeam.transforms.inputs.readers import assign_ids, describe, iter_slices, manifest_sources, open_samples
 from jacobeam.transforms.inputs.scan import scan_file
+from tests import models as test_models
+from tests.reference import assert_close, tape_loop_inputs
+from tests.test_pipeline import folder_state
 
 SIZES = {"b": 13, "a": 7, "c": 20}  # written out of order: ids follow sorted path order
 KEY = {"image": "pixels", "meta": "side/info"}  # input name -> array (an .h5 dataset path may nest)
@@ -314,7 +314,8 @@ def test_a_users_pipeline_writes_several_inputs_jacobians(tmp_path):
 
     rng = np.random.default_rng(9)
     samples = {"image": rng.normal(size=(10, 4, 4, 1)).astype(np.float32), "meta": rng.normal(size=(10, 3)).astype(np.float32)}
-    model, shapes, options = ModelSource(factory="tests.models:two_inputs"), {"image": (4, 4, 1), "meta": (3,)}, EngineOptions(batch_size=4)
+    model, options = ModelSource(factory="tests.models:two_inputs"), EngineOptions(batch_size=4)
+    shapes = {"image": (4, 4, 1), "meta": (3,)}
     out = tmp_path / "out"
     with beam.Pipeline(runner=FnApiRunner()) as pipeline:
         _ = (

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from jacobeam.pipeline import cli, config, runner
+from jacobeam.transforms.output.storage import sha256
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
-from jacobeam.transforms.output.storage import sha256
 
 FILE_SIZES = {"b": 13, "a": 7, "c": 20}  # written out of order: ids follow sorted path order
 
@@ -235,7 +235,8 @@ def test_inspect_reports_complete_and_missing_sources(cnn_run, tmp_path, capsys)
 
 def test_rows_with_a_sample_shape_the_model_rejects(tmp_path):
     write_inputs(tmp_path / "data", (7,))
-    with pytest.raises(Exception, match=r"factory:tests.models:small_cnn expects samples of shape \(8, 8, 1\); the inputs hold samples of shape \(7,\)"):
+    expected = r"factory:tests.models:small_cnn expects samples of shape \(8, 8, 1\); the inputs hold samples of shape \(7,\)"
+    with pytest.raises(Exception, match=expected):
         run(job_config(str(tmp_path / "data" / "*.npy"), tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 

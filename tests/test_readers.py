@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from apache_beam.pvalue import TaggedOutput
 
-from jacobeam.transforms.output import storage
 from jacobeam.transforms.errors import InputError
 from jacobeam.transforms.inputs.readers import assign_ids, check_consistent, describe, iter_slices, open_rows
+from jacobeam.transforms.output import storage
 
 
 def _write(path, array, key="x"):

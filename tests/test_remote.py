@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from jacobeam.pipeline import cli, runner
-from tests import remote_fs
-from tests.reference import assert_close, tape_loop
-from tests.models import small_cnn
-from tests.services import beam_service
-from tests.test_pipeline import job_config, run, write_inputs
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import CHECKSUM_SUFFIX
+from tests import remote_fs
+from tests.models import small_cnn
+from tests.reference import assert_close, tape_loop
+from tests.services import beam_service
+from tests.test_pipeline import job_config, run, write_inputs
 
 OUT = "fakegcs://bucket/out"
 
@@ -63,7 +63,7 @@ def test_the_test_file_system_refuses_what_gcs_refuses(store):
     assert not FileSystems.exists("fakegcs://bucket/x.bin")  # visible only once the upload is closed
     stream.close()
     assert _remote_bytes("fakegcs://bucket/x.bin") == b"abc"
-    with pytest.raises(Exception):  # h5py cannot write to a non-seekable stream: why shards go via local files
+    with pytest.raises(Exception):  # noqa: B017  h5py cannot write to a non-seekable stream: why shards go via local files
         with FileSystems.create("fakegcs://bucket/y.h5") as upload, h5py.File(upload, "w") as h5:
             h5["a"] = np.zeros(10)
 

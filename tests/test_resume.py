@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from jacobeam.pipeline import cli, config, ids, runner
-from tests import models as test_models
-from tests.reference import assert_close, tape_loop
-from tests.test_pipeline import folder_state
-from jacobeam.transforms.testing import faults
 from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.output.storage import sha256
 from jacobeam.transforms.spec import Rejected
+from jacobeam.transforms.testing import faults
+from tests import models as test_models
+from tests.reference import assert_close, tape_loop
+from tests.test_pipeline import folder_state
 
 
 def _config(data: Path, out: Path, **jacobian):
@@ -92,14 +92,35 @@ def test_ranges_tile_each_id_segment_from_its_start():
 
 def test_old_files_keep_their_ids_and_new_files_go_after_them():
     previous = {
-        "inputs": [{"path": "/d/b", "key": None, "first_id": 0, "num_samples": 5, "dtype": "float32", "data_sha256": "sha-/d/b-5"},
-                   {"path": "/d/c", "key": None, "first_id": 5, "num_samples": 4, "dtype": "float32", "data_sha256": "sha-/d/c-4"}],
+        "inputs": [
+            {
+                "path": "/d/b",
+                "key": None,
+                "first_id": 0,
+                "num_samples": 5,
+                "dtype": "float32",
+                "data_sha256": "sha-/d/b-5",
+            },
+            {
+                "path": "/d/c",
+                "key": None,
+                "first_id": 5,
+                "num_samples": 4,
+                "dtype": "float32",
+                "data_sha256": "sha-/d/c-4",
+            },
+        ],
         "id_segments": [[0, 9]],
         "input_shape": [3],
     }
     files = [_file("/d/a", 2), _file("/d/b", 5), _file("/d/c", 4), _file("/d/z", 3)]  # /d/a sorts first, yet is new
     placed, segments, differences = ids.place_files(files, previous)
-    assert [(f.path, f.first_id, f.stop_id) for f in placed] == [("/d/b", 0, 5), ("/d/c", 5, 9), ("/d/a", 9, 11), ("/d/z", 11, 14)]
+    assert [(f.path, f.first_id, f.stop_id) for f in placed] == [
+        ("/d/b", 0, 5),
+        ("/d/c", 5, 9),
+        ("/d/a", 9, 11),
+        ("/d/z", 11, 14),
+    ]
     assert segments == [(0, 9), (9, 14)] and differences == []
 
     changed = [_file("/d/b", 6), _file("/d/a", 2)]
@@ -125,7 +146,11 @@ def test_incremental_run_computes_only_new_files_and_ids_stay(clean, tmp_path):
     assert ids == {"a.npy": (0, 7), "b.npy": (7, 20), "c.npy": (20, 40), "0new.npy": (40, 45), "d.npy": (45, 64)}
     assert second["id_segments"] == [[0, 40], [40, 64]]
     assert [(s["start"], s["stop"], s["computed_in_this_run"]) for s in second["shards"]] == [
-        (0, 16, False), (16, 32, False), (32, 40, False), (40, 56, True), (56, 64, True)
+        (0, 16, False),
+        (16, 32, False),
+        (32, 40, False),
+        (40, 56, True),
+        (56, 64, True),
     ]
     assert second["run"]["samples_computed"] == 24
     for name, (sha, mtime) in old.items():  # old shards untouched
@@ -152,7 +177,10 @@ def test_incremental_run_with_a_changed_or_missing_old_file_is_refused(clean, tm
 
     assert cli.main(["-q", "run", str(cfg)]) == 2
     err = capsys.readouterr().err
-    assert re.search(r"holds the result of a different run:\n  input file .*/b.npy changed: data sha256 \"\w+\" there, \"\w+\" now", err), err
+    assert re.search(
+        r"holds the result of a different run:\n  input file .*/b.npy changed: data sha256 \"\w+\" there, \"\w+\" now",
+        err,
+    ), err
     assert re.search(r"input file .*/c.npy \(ids 20..40 there\) is not among this run's inputs", err)
     assert "use --overwrite" in err
     assert folder_state(out) == before
@@ -171,13 +199,19 @@ def _other_weights(dtype="float32"):
     return model
 
 
-@pytest.mark.parametrize("change, message", [
-    ("config", r"manifest.json: written by a different run: jacobian.jit_compile is false there, true in this run"),
-    ("model", r"manifest.json: model weights differ \(fingerprint \w+… there, \w+… in this run\)"),
-    ("inputs", r"input file .*/a.npy changed: data sha256"),
-    ("unfinished", r"shards/shard-000000000000-000000000016.h5: written by a different run: jacobian.jit_compile "
-                   r"is false there, true in this run \(so do 2 more shards\)"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("config", r"manifest.json: written by a different run: jacobian.jit_compile is false there, true in this run"),
+        ("model", r"manifest.json: model weights differ \(fingerprint \w+… there, \w+… in this run\)"),
+        ("inputs", r"input file .*/a.npy changed: data sha256"),
+        (
+            "unfinished",
+            r"shards/shard-000000000000-000000000016.h5: written by a different run: jacobian.jit_compile "
+            r"is false there, true in this run \(so do 2 more shards\)",
+        ),
+    ],
+)
 def test_a_foreign_folder_is_refused_saying_what_differs_and_overwrite_replaces_only_our_files(
     clean, tmp_path, capsys, monkeypatch, change, message
 ):
@@ -230,7 +264,9 @@ def test_files_with_jacobeams_names_but_not_its_content_are_never_touched(clean,
     cfg = tmp_path / "job.yaml"
     cfg.write_text(json.dumps(_config(root / "data", out).model_dump(mode="json")))
     assert cli.main(["-q", "run", str(cfg), "--overwrite"]) == 2
-    assert re.search(r"out/manifest.json — jacobeam uses these names, but did not write these files", capsys.readouterr().err)
+    assert re.search(
+        r"out/manifest.json — jacobeam uses these names, but did not write these files", capsys.readouterr().err
+    )
     assert (out / "manifest.json").read_text() == '{"my": "own manifest"}'
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]
 
@@ -265,7 +301,9 @@ def fail_once(tmp_path, monkeypatch):
     return marker
 
 
-def test_in_process_runner_does_not_retry_a_failed_bundle_it_fails_cleanly_and_a_rerun_completes(clean, tmp_path, fail_once):
+def test_in_process_runner_does_not_retry_a_failed_bundle_it_fails_cleanly_and_a_rerun_completes(
+    clean, tmp_path, fail_once
+):
     """Beam's FnApiRunner (the local default) has no bundle retries: the job fails. What it leaves must
     be safe: no half shard, no temporary file, no manifest; the same command then completes the run."""
     root, _, first = clean
@@ -294,7 +332,9 @@ def test_a_runner_that_retries_bundles_completes_the_run_without_duplicates(clea
     out = tmp_path / "out"
     manifest = _run(root / "data", out, ["--runner", "BundleBasedDirectRunner"])
     assert fail_once.exists()  # it did fail once
-    assert [(s["start"], s["sha256"]) for s in manifest["shards"]] == [(s["start"], s["sha256"]) for s in first["shards"]]
+    assert [(s["start"], s["sha256"]) for s in manifest["shards"]] == [
+        (s["start"], s["sha256"]) for s in first["shards"]
+    ]
     assert _shas(out) == _shas(root / "out")
     assert sorted(os.listdir(out)) == ["jacobians.h5", "manifest.json", "rejected.jsonl", "shards"]
     np.testing.assert_array_equal(_view(out)["sample_id"], np.arange(40))

@@ -13,8 +13,8 @@ from jacobeam.pipeline import cli, config, runner
 from jacobeam.pipeline.inspect_output import format_report, inspect
 from jacobeam.transforms import self_check
 from jacobeam.transforms.engine import JacobianEngine
-from jacobeam.transforms.errors import SelfCheckError
 from jacobeam.transforms.engine.models import wrap_model
+from jacobeam.transforms.errors import SelfCheckError
 from jacobeam.transforms.output.storage import sha256
 from jacobeam.transforms.spec import EngineOptions, Rejected, SelfCheck, ShardRange
 
@@ -235,7 +235,11 @@ def kinked_relu(dtype: str = "float32") -> keras.Model:
     """x[4] -> Dense 3 relu -> Dense 2, whose first hidden unit is exactly at its kink (pre-activation 0)
     for samples with x1 = 2 x0 + x2 / 2 (dyadic values: exact in floating point): ``kinked_samples``."""
     model = keras.Sequential(
-        [keras.Input((4,), dtype=dtype), keras.layers.Dense(3, activation="relu", dtype=dtype), keras.layers.Dense(2, dtype=dtype)]
+        [
+            keras.Input((4,), dtype=dtype),
+            keras.layers.Dense(3, activation="relu", dtype=dtype),
+            keras.layers.Dense(2, dtype=dtype),
+        ]
     )
     kernel = np.array([[1.0, 0.3, -0.7], [-0.5, 0.8, 0.2], [0.25, -0.4, 0.9], [0.0, 0.6, 0.5]])
     model.layers[0].set_weights([kernel.astype(dtype), np.array([0.0, 2.0, 2.0], dtype)])
@@ -283,7 +287,11 @@ def test_a_run_whose_samples_sit_at_kinks_completes_with_notes(tmp_path, monkeyp
 def test_config_keys_and_their_checks():
     base = {"model": {"builtin": "mlp"}, "input": {"paths": ["x.npy"]}, "output": {"path": "out"}}
     assert config.validate(base).jacobian.self_check.spec() == SelfCheck(samples=1, on_mismatch="fail")
-    for bad, key in (({"samples": -1}, "samples"), ({"on_mismatch": "ignore"}, "on_mismatch"), ({"sample": 2}, "sample")):
+    for bad, key in (
+        ({"samples": -1}, "samples"),
+        ({"on_mismatch": "ignore"}, "on_mismatch"),
+        ({"sample": 2}, "sample"),
+    ):
         with pytest.raises(config.ConfigError, match=rf"jacobian.self_check.{key}"):
             config.validate({**base, "jacobian": {"self_check": bad}})
     with pytest.raises(SelfCheckError):  # a JacobeamError: the command line prints it as one line

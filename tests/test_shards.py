@@ -10,10 +10,10 @@ import h5py
 import numpy as np
 import pytest
 
-from jacobeam.transforms.testing import faults
 from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.output.shards import ShardWriter
 from jacobeam.transforms.output.storage import sha256
+from jacobeam.transforms.testing import faults
 
 
 def _batches(rng, rows=40, batch=16):
@@ -21,10 +21,21 @@ def _batches(rng, rows=40, batch=16):
     jacobian = rng.normal(size=(rows, 3, 5)).astype(np.float32)
     jacobian[21, 1, 2] = np.nan
     output = rng.normal(size=(rows, 3)).astype(np.float32)
-    return [
-        (lo, {"jacobian": jacobian[lo : lo + batch], "output": output[lo : lo + batch], "sample_id": np.arange(lo, min(lo + batch, rows))})
-        for lo in range(0, rows, batch)
-    ], jacobian, output
+    return (
+        [
+            (
+                lo,
+                {
+                    "jacobian": jacobian[lo : lo + batch],
+                    "output": output[lo : lo + batch],
+                    "sample_id": np.arange(lo, min(lo + batch, rows)),
+                },
+            )
+            for lo in range(0, rows, batch)
+        ],
+        jacobian,
+        output,
+    )
 
 
 def _leftovers(folder):
@@ -85,7 +96,9 @@ def test_a_caller_that_fails_mid_shard_stops_the_writer_and_leaves_nothing(tmp_p
             writer.write(*batches[0])
             raise RuntimeError("engine failed")
     assert _leftovers(tmp_path) == []
-    assert not any(t.name.startswith("write shard-") for t in threading.enumerate()), [t.name for t in threading.enumerate()]
+    assert not any(t.name.startswith("write shard-") for t in threading.enumerate()), [
+        t.name for t in threading.enumerate()
+    ]
 
 
 def test_commit_refuses_a_shard_with_missing_rows(tmp_path, rng):
@@ -130,7 +143,8 @@ def test_the_writer_thread_is_scheduled_as_a_batch_thread(tmp_path, rng, monkeyp
     seen = []
     store = ShardWriter._store
     monkeypatch.setattr(
-        ShardWriter, "_store",
+        ShardWriter,
+        "_store",
         lambda self, *args: (seen.append(os.sched_getscheduler(threading.get_native_id())), store(self, *args)),
     )
     with ShardWriter(str(tmp_path), 0, 32, {}) as writer:
@@ -174,6 +188,8 @@ def test_a_later_commit_that_fails_gives_its_error_through_the_future_and_leaves
         for first, arrays in batches:
             writer.write(first, arrays)
         future = writer.commit_later()
-        with pytest.raises(OutputError, match=r"shard-000000000000-000000000040\.h5: writing the shard failed: .*No space left"):
+        with pytest.raises(
+            OutputError, match=r"shard-000000000000-000000000040\.h5: writing the shard failed: .*No space left"
+        ):
             future.result(timeout=30)
     assert _leftovers(tmp_path) == []

@@ -4,12 +4,12 @@ Jacobian in float64 (a per-sample tape loop, then numpy)."""
 import numpy as np
 import pytest
 
+from jacobeam.transforms.engine import JacobianEngine
+from jacobeam.transforms.engine.models import wrap_model
+from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.spec import EngineOptions, OutputSelection, Reduction
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
-from jacobeam.transforms.engine import JacobianEngine
-from jacobeam.transforms.errors import ModelError
-from jacobeam.transforms.engine.models import wrap_model
-from jacobeam.transforms.spec import EngineOptions, OutputSelection, Reduction
 
 
 def _engine(model, **options):

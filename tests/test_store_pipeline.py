@@ -117,9 +117,15 @@ def test_projection_end_to_end_records_its_seed(flow, tmp_path):
     "sets, message",
     [
         (["jacobian.outputs=label", "jacobian.labels={key: nolabels}"], r"part-0.npz: no array 'nolabels'"),
-        (["jacobian.reduce=vjp", "jacobian.vectors=/no/vectors.npy"], r"jacobian.vectors /no/vectors.npy: no such file"),
+        (
+            ["jacobian.reduce=vjp", "jacobian.vectors=/no/vectors.npy"],
+            r"jacobian.vectors /no/vectors.npy: no such file",
+        ),
         (["jacobian.reduce=trace", "jacobian.outputs=argmax"], r"jacobian.reduce: trace needs every output row"),
-        (["jacobian.reduce=jvp", "jacobian.vectors=v.npy", "jacobian.aggregate=[mean]"], r"jacobian.aggregate: needs the Jacobian"),
+        (
+            ["jacobian.reduce=jvp", "jacobian.vectors=v.npy", "jacobian.aggregate=[mean]"],
+            r"jacobian.aggregate: needs the Jacobian",
+        ),
     ],
 )
 def test_invalid_combinations_are_refused_before_anything_is_written(flow, tmp_path, capsys, sets, message):

@@ -10,9 +10,9 @@ import pytest
 from jacobeam.pipeline import cli, config, runner
 from jacobeam.pipeline.recompute import FD_RTOL, TAPE_RTOL, finite_differences, float64_twin
 from jacobeam.pipeline.verify import verify
+from jacobeam.transforms.output.storage import sha256
 from tests import models as test_models
 from tests.test_pipeline import write_inputs
-from jacobeam.transforms.output.storage import sha256
 
 
 def _config(data, out):
@@ -139,7 +139,8 @@ def test_float64_twin_matches_the_model_and_computes_in_float64(rng):
         assert y64.dtype == np.float64
         np.testing.assert_allclose(y64, build("float64")(x).numpy(), rtol=1e-12, atol=1e-12)
     plain = LoadedModel(lambda xs: xs[0] * 2, [], "a plain function")
-    assert float64_twin(plain) == (None, "the model is not a Keras model (a SavedModel or tf.Module cannot be rebuilt in float64)")
+    why = "the model is not a Keras model (a SavedModel or tf.Module cannot be rebuilt in float64)"
+    assert float64_twin(plain) == (None, why)
 
 
 def test_finite_differences_match_the_analytic_jacobian_and_detect_kinks(rng):

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from jacobeam.pipeline import config, runner
+from jacobeam.transforms.engine.models import build_cnn
+from tests import models as test_models
 from tests.reference import assert_close, tape_loop
 from tests.test_pipeline import write_inputs
-from tests import models as test_models
-from jacobeam.transforms.engine.models import build_cnn
 
 REPO = Path(__file__).resolve().parent.parent
 TWO_PROCESSES = ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]

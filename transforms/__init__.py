@@ -4,44 +4,46 @@ A planned job (``jacobeam run``) is ``ReadSamples | ComputeJacobians | WriteShar
 your own can use ``ComputeJacobians`` on its samples and ``WriteShards`` (with ``pipeline_spec``) on
 the results, or ``RunInference(JacobianModelHandler(...))``.
 
-Importing this package is light; TensorFlow is imported only where a worker needs it, and
-``JacobianModelHandler`` only when it is asked for: its Beam module (``apache_beam.ml.inference``)
-imports PyTorch and SciPy where they are installed, 1.5 s of start-up that the pipeline never needs.
+Importing this package is light: every name loads its module on first use. TensorFlow is imported
+only where a worker needs it, and ``JacobianModelHandler`` only when it is asked for: its Beam module
+(``apache_beam.ml.inference``) imports PyTorch and SciPy where they are installed, start-up that the
+pipeline never needs.
 """
 
+import importlib
 from typing import Any
 
-from jacobeam.transforms.aggregates import Aggregate
-from jacobeam.transforms.compute import ComputeJacobians, ComputeJacobiansFn
-from jacobeam.transforms.elements import JacobianBatch, SampleBatch
-from jacobeam.transforms.finalize import Finalize
-from jacobeam.transforms.read import ReadSamples
-from jacobeam.transforms.spec import EngineOptions, JobSpec, ModelSource, OutputSelection, Reduction, ShardRange
-from jacobeam.transforms.write import WriteShards, pipeline_spec
-
-__all__ = [
-    "Aggregate",
-    "ComputeJacobians",
-    "ComputeJacobiansFn",
-    "EngineOptions",
-    "Finalize",
-    "JacobianBatch",
-    "JacobianModelHandler",
-    "JobSpec",
-    "ModelSource",
-    "OutputSelection",
-    "ReadSamples",
-    "Reduction",
-    "SampleBatch",
-    "ShardRange",
-    "WriteShards",
-    "pipeline_spec",
-]
+# Each public name and the module that defines it; a module is imported when one of its names is first
+# used (PEP 562), so that importing a light part (``transforms.spec``, ``transforms.errors``) does not
+# import Beam, and nothing here imports TensorFlow.
+_EXPORTS = {
+    "Aggregate": "aggregates",
+    "ComputeJacobians": "compute",
+    "ComputeJacobiansFn": "compute",
+    "EngineOptions": "spec",
+    "Finalize": "finalize",
+    "JacobianBatch": "elements",
+    "JacobianModelHandler": "inference",
+    "JobSpec": "spec",
+    "ModelSource": "spec",
+    "OutputSelection": "spec",
+    "ReadSamples": "read",
+    "Reduction": "spec",
+    "SampleBatch": "elements",
+    "ShardRange": "spec",
+    "WriteShards": "write",
+    "pipeline_spec": "write",
+}
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "JacobianModelHandler":
-        from jacobeam.transforms.inference import JacobianModelHandler
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jacobeam.transforms' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"jacobeam.transforms.{_EXPORTS[name]}"), name)
+    globals()[name] = value  # looked up once
+    return value
 
-        return JacobianModelHandler
-    raise AttributeError(f"module 'transforms' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

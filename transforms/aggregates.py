@@ -16,8 +16,8 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 
-from jacobeam.transforms.output import storage
 from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import AGGREGATES
 from jacobeam.transforms.output.shards import read_attrs, shard_path
 from jacobeam.transforms.spec import JobSpec

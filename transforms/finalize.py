@@ -3,9 +3,10 @@ then write ``jacobians.h5``, ``rejected.jsonl`` and ``manifest.json``.
 
 Each file is written under a temporary name and renamed into place, so a reader (or the next run) sees
 the old file or the new one, never half of one (in a remote folder: written locally, copied to the
-temporary remote name, then renamed; see ``transforms.output.storage``). The manifest is written last: an
-output folder is complete exactly when it has a manifest, and what it holds is what the manifest lists. Leftover temporary files of a killed run are removed by the
-next run (at its start and here) and never read.
+temporary remote name, then renamed; see ``transforms.output.storage``). The manifest is written last:
+an output folder is complete exactly when it has a manifest, and what it holds is what the manifest
+lists. Leftover temporary files of a killed run are removed by the next run (at its start and here)
+and never read.
 """
 
 from __future__ import annotations
@@ -23,15 +24,24 @@ from typing import Any
 
 import apache_beam as beam
 
-from jacobeam.transforms.testing import faults
 from jacobeam.transforms import self_check
-from jacobeam.transforms.output import storage
 from jacobeam.transforms.aggregates import PARTIALS
 from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.inputs.readers import shape_record
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.output.layout import (
+    MANIFEST,
+    NONFINITE,
+    REJECTED_FILE,
+    SHARDS_DIR,
+    VIEW,
+    is_folder_temp,
+    is_shard_temp,
+)
 from jacobeam.transforms.output.shards import ShardRecord, read_attrs
-from jacobeam.transforms.output.layout import MANIFEST, NONFINITE, REJECTED_FILE, SHARDS_DIR, VIEW, is_folder_temp, is_shard_temp
 from jacobeam.transforms.spec import JobSpec, Rejected, version
+from jacobeam.transforms.testing import faults
+
 
 def check_coverage(
     records: Sequence[ShardRecord], num_samples: int, rejected: Sequence[Rejected] = ()
@@ -128,18 +138,14 @@ def missing_sources(root: str | Path, view) -> list[str]:
 
 
 def library_versions() -> dict[str, str]:
-    import apache_beam
-    import h5py
-    import numpy
-    import tensorflow
+    """The installed versions, from the packages' metadata (importing TensorFlow to ask would cost seconds)."""
+    from importlib import metadata
 
     return {
         "jacobeam": version(),
         "python": platform.python_version(),
-        "tensorflow": tensorflow.__version__,
-        "numpy": numpy.__version__,
-        "apache_beam": apache_beam.__version__,
-        "h5py": h5py.__version__,
+        **{key: metadata.version(dist) for key, dist in
+           (("tensorflow", "tensorflow"), ("numpy", "numpy"), ("apache_beam", "apache-beam"), ("h5py", "h5py"))},
     }
 
 
@@ -260,7 +266,11 @@ def _stored(spec: JobSpec) -> dict[str, Any]:
     if reduction.kind in ("vjp", "jvp"):
         stored["vectors"] = reduction.vectors
     if reduction.kind == "project":
-        stored["projection"] = {"dim": reduction.project_dim, "kind": reduction.project_kind, "seed": reduction.project_seed}
+        stored["projection"] = {
+            "dim": reduction.project_dim,
+            "kind": reduction.project_kind,
+            "seed": reduction.project_seed,
+        }
     if reduction.kind == "basis":
         stored["basis"] = {"input": reduction.basis_input, "output": reduction.basis_output}
     return stored
@@ -319,7 +329,5 @@ class Finalize(beam.PTransform):
             collected = self._rejected | "CollectRejected" >> beam.combiners.ToList()
             side["rejected"] = beam.pvalue.AsSingleton(collected)
         return (
-            records
-            | "AllShards" >> beam.combiners.ToList()
-            | "WriteManifest" >> beam.Map(finalize, self._spec, **side)
+            records | "AllShards" >> beam.combiners.ToList() | "WriteManifest" >> beam.Map(finalize, self._spec, **side)
         )

@@ -20,13 +20,13 @@ from collections.abc import Iterator
 import apache_beam as beam
 import numpy as np
 
-from jacobeam.transforms.inputs import arrays
-from jacobeam.transforms.output import storage
 from jacobeam.transforms.elements import SampleBatch
 from jacobeam.transforms.errors import InputError
+from jacobeam.transforms.inputs import arrays
 from jacobeam.transforms.inputs.readers import as_dtype, iter_slices, nonfinite_rows, row_bytes, tensor_spec
 from jacobeam.transforms.inputs.registry import file_format
 from jacobeam.transforms.inputs.types import Samples, SourceFile
+from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.shards import proven_checksum, shard_path
 from jacobeam.transforms.spec import JobSpec, ShardRange
 
@@ -215,5 +215,8 @@ class ReadSamples(beam.PTransform):
             pbegin
             | "ShardRanges" >> beam.Create(self._spec.ranges())
             | "Spread" >> beam.Reshuffle()
-            | "Read" >> beam.ParDo(ReadShardFn(self._spec)).with_output_types(SampleBatch).with_outputs(COMPLETE, REJECTED, main=BATCHES)
+            | "Read"
+            >> beam.ParDo(ReadShardFn(self._spec))
+            .with_output_types(SampleBatch)
+            .with_outputs(COMPLETE, REJECTED, main=BATCHES)
         )

@@ -34,17 +34,16 @@ import numpy as np
 from apache_beam.pvalue import TaggedOutput
 from apache_beam.utils.windowed_value import WindowedValue
 
-from jacobeam.transforms import aggregates
-from jacobeam.transforms import self_check
+from jacobeam.transforms import aggregates, self_check
 from jacobeam.transforms.aggregates import Aggregate
 from jacobeam.transforms.elements import JacobianBatch
 from jacobeam.transforms.errors import OutputError, SelfCheckError
 from jacobeam.transforms.finalize import Finalize
-from jacobeam.transforms.metrics import ShardMetrics
 from jacobeam.transforms.inputs.readers import shape_from_record, shape_record
 from jacobeam.transforms.inputs.types import SourceFile
-from jacobeam.transforms.output.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_path
+from jacobeam.transforms.metrics import ShardMetrics
 from jacobeam.transforms.output.layout import SAMPLE_ID, SELF_CHECK, shard_file
+from jacobeam.transforms.output.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_path
 from jacobeam.transforms.spec import EngineOptions, JobSpec, ModelSource, SelfCheck, ShardRange, shard_inputs, version
 
 log = logging.getLogger(__name__)
@@ -340,7 +339,15 @@ def pipeline_spec(
     identity = {"model": dataclasses.asdict(model), "input_shape": shape, "engine": repr(options)}
     return JobSpec(
         model=model,
-        files=(SourceFile(path="(pipeline)", key=None, num_samples=0, sample_shape=shape_from_record(shape), dtype=options.compute_dtype),),
+        files=(
+            SourceFile(
+                path="(pipeline)",
+                key=None,
+                num_samples=0,
+                sample_shape=shape_from_record(shape),
+                dtype=options.compute_dtype,
+            ),
+        ),
         output_dir=output_dir,
         run_key=hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16],
         engine=options,
@@ -400,9 +407,4 @@ class WriteShards(beam.PTransform):
         summary = None
         if spec.engine.aggregate:
             summary = tuple(partials) | "AllPartials" >> beam.Flatten() | "Aggregate" >> Aggregate(spec)
-        return (
-            tuple(records)
-            | "AllRecords" >> beam.Flatten()
-            | "Finalize" >> Finalize(spec, summary, self._rejected)
-        )
-
+        return tuple(records) | "AllRecords" >> beam.Flatten() | "Finalize" >> Finalize(spec, summary, self._rejected)

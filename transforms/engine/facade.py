@@ -26,12 +26,12 @@ from jacobeam.transforms.engine import budget, model_checks
 from jacobeam.transforms.engine.blocks import BlockCache
 from jacobeam.transforms.engine.diagnostics import activation_size
 from jacobeam.transforms.engine.executor import Plan, execute, join
+from jacobeam.transforms.engine.models import LoadedModel
 from jacobeam.transforms.engine.operands import Operands, build_operands
 from jacobeam.transforms.engine.planner import Planner
+from jacobeam.transforms.engine.reductions import FULL, reduce_full
 from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.output.layout import JACOBIAN, jacobian_dataset
-from jacobeam.transforms.engine.models import LoadedModel
-from jacobeam.transforms.engine.reductions import FULL, reduce_full
 from jacobeam.transforms.spec import EngineOptions
 
 log = logging.getLogger(__name__)

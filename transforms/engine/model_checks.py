@@ -8,8 +8,8 @@ import numpy as np
 import tensorflow as tf
 
 from jacobeam.transforms.engine.diagnostics import AGREEMENT, relative_error
-from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.engine.models import LoadedModel
+from jacobeam.transforms.errors import ModelError
 
 
 def resolve_inputs(

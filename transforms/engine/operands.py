@@ -20,8 +20,8 @@ from typing import Literal
 
 import numpy as np
 
-from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.engine.reductions import SQUARE, projection_matrix
+from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.spec import EngineOptions, OutputSelection
 
 Kind = Literal["identity", "index", "matrix"]

@@ -174,7 +174,11 @@ class Planner:
             return None
         plan = best[1]
         if timed:
-            speeds = [f"{e['path']} {1e6 * e['seconds_per_sample']:.1f} us/sample" for e in tried[first_tried:] if "seconds_per_sample" in e]
+            speeds = [
+                f"{e['path']} {1e6 * e['seconds_per_sample']:.1f} us/sample"
+                for e in tried[first_tried:]
+                if "seconds_per_sample" in e
+            ]
             notes.append(f"timed on a full batch: {', '.join(speeds)}")
         return Plan(plan.path, plan.sizes, (*notes, *plan.sizes.notes, *plan.reasons))
 

@@ -62,7 +62,9 @@ class _NpyRows:
         try:
             self.shape, fortran_order, self.dtype = _npy_header(stream)
         except ValueError as err:
-            raise CorruptInputError(f"{name}: not a valid .npy array: {err}", reason=f"corrupt: not a valid .npy array: {err}") from err
+            raise CorruptInputError(
+                f"{name}: not a valid .npy array: {err}", reason=f"corrupt: not a valid .npy array: {err}"
+            ) from err
         except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:  # a damaged .npz member, a read error
             raise CorruptInputError(f"{name}: cannot be read: {err}", reason=f"corrupt: {err}") from err
         if fortran_order and len(self.shape) > 1:
@@ -142,7 +144,9 @@ def _open_arrays(path: str, fmt: str, keys: Mapping[str, str | None]) -> Iterato
             try:
                 archive = stack.enter_context(zipfile.ZipFile(stream))
             except zipfile.BadZipFile as err:
-                raise CorruptInputError(f"{path}: not a valid .npz archive: {err}", reason=f"corrupt: not a valid .npz archive: {err}") from err
+                raise CorruptInputError(
+                    f"{path}: not a valid .npz archive: {err}", reason=f"corrupt: not a valid .npz archive: {err}"
+                ) from err
             arrays = [name[: -len(".npy")] for name in archive.namelist() if name.endswith(".npy")]
             opened = {}
             for setting, key in keys.items():
@@ -155,7 +159,9 @@ def _open_arrays(path: str, fmt: str, keys: Mapping[str, str | None]) -> Iterato
             try:
                 h5 = stack.enter_context(h5py.File(stream, "r"))
             except OSError as err:
-                raise CorruptInputError(f"{path}: not a valid HDF5 file: {err}", reason=f"corrupt: not a valid HDF5 file: {err}") from err
+                raise CorruptInputError(
+                    f"{path}: not a valid HDF5 file: {err}", reason=f"corrupt: not a valid HDF5 file: {err}"
+                ) from err
             opened = {}
             for setting, key in keys.items():
                 if key is None:

@@ -93,7 +93,9 @@ class TFRecords:
             ) from None
         except tf.errors.OpError as err:  # a damaged record (DataLossError), a read error
             self._stream = None
-            raise CorruptInputError(f"{self._path}: record {self._next}: {first_line(err)}", reason=f"corrupt: {first_line(err)}") from err
+            raise CorruptInputError(
+                f"{self._path}: record {self._next}: {first_line(err)}", reason=f"corrupt: {first_line(err)}"
+            ) from err
         return records
 
     def _parse(self, records: list[bytes], start: int, feature: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -103,7 +105,9 @@ class TFRecords:
 
         size = int(np.prod(shape, dtype=np.int64))
         try:
-            values = tf.io.parse_example(records, {feature: tf.io.RaggedFeature(tf.float32, row_splits_dtype=tf.int64)})[feature]
+            values = tf.io.parse_example(
+                records, {feature: tf.io.RaggedFeature(tf.float32, row_splits_dtype=tf.int64)}
+            )[feature]
         except tf.errors.InvalidArgumentError as err:  # not an Example, or the feature is not a float list
             if len(records) > 1:  # which record
                 for offset, record in enumerate(records):
@@ -139,11 +143,15 @@ def describe(path: str, key: Key, sample_shape: Shape | None, image: ImageOption
             count += 1
     except tf.errors.DataLossError as err:
         if count == 0:
-            raise CorruptInputError(f"{path}: not a valid TFRecord file: {first_line(err)}",
-                                    reason=f"corrupt: not a valid TFRecord file: {first_line(err)}") from err
+            raise CorruptInputError(
+                f"{path}: not a valid TFRecord file: {first_line(err)}",
+                reason=f"corrupt: not a valid TFRecord file: {first_line(err)}",
+            ) from err
         count += 1
     except tf.errors.OpError as err:  # cannot be opened: not found, permissions, an I/O error
-        raise CorruptInputError(f"{path}: cannot open: {first_line(err)}", reason=f"unreadable: {first_line(err)}") from err
+        raise CorruptInputError(
+            f"{path}: cannot open: {first_line(err)}", reason=f"unreadable: {first_line(err)}"
+        ) from err
     shapes = {name: shape for name, (_, shape) in features.items()}
     return SourceFile(
         path=path,

@@ -11,15 +11,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, Union
+from typing import Any, Protocol
 
 import numpy as np
 
 # input.key: one array (None: the file's only one), or {input name: array key} for several inputs.
-Key = Union[str, Mapping[str, str], None]
+Key = str | Mapping[str, str] | None
 # One sample's shape, or {input name: shape}; rows of samples: one array, or {input name: array}.
-Shape = Union[tuple[int, ...], Mapping[str, tuple[int, ...]]]
-Samples = Union[np.ndarray, Mapping[str, np.ndarray]]
+Shape = tuple[int, ...] | Mapping[str, tuple[int, ...]]
+Samples = np.ndarray | Mapping[str, np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,9 @@ stream-copied to a temporary remote name and renamed (on GCS and S3 a copy and a
 of a copy is not what a local rename is (a non-atomic store could show a partial copy), so after it a
 sidecar ``shards/NAME.sha256`` records the sha256 of the shard's bytes. A remote shard counts as
 complete only when its sidecar exists and matches its bytes (the launcher checks that the sidecar is
-there, the worker that it matches); any other file under a shard's name is computed again. (Resuming already reads every kept shard to checksum it for the manifest, so the proof
-costs one small read per shard.)
+there, the worker that it matches); any other file under a shard's name is computed again. (Resuming
+already reads every kept shard to checksum it for the manifest, so the proof costs one small read per
+shard.)
 
 Besides the engine's arrays, every shard holds a ``nonfinite`` mask over its rows: True where a
 sample's results (Jacobian, output, ...) hold NaN or Inf although its input was finite.
@@ -34,10 +35,18 @@ from typing import Any
 
 import numpy as np
 
-from jacobeam.transforms.testing import faults
-from jacobeam.transforms.output import storage
 from jacobeam.transforms.errors import OutputError
-from jacobeam.transforms.output.layout import CHECKSUM_SUFFIX, NONFINITE, SAMPLE_ID, SELF_CHECK, SHARDS_DIR, shard_file, shard_name
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.output.layout import (
+    CHECKSUM_SUFFIX,
+    NONFINITE,
+    SAMPLE_ID,
+    SELF_CHECK,
+    SHARDS_DIR,
+    shard_file,
+    shard_name,
+)
+from jacobeam.transforms.testing import faults
 
 _CHUNK_BYTES = 1 << 20
 
@@ -70,7 +79,6 @@ class ShardRecord:
 
 def shard_path(output_dir: str, start: int, stop: int) -> str:
     return storage.join(output_dir, SHARDS_DIR, shard_name(start, stop))
-
 
 
 def proven_checksum(path: str) -> str | None:
@@ -113,7 +121,9 @@ def existing_record(
         computed=False,
         rows=int(attrs.get("num_rows", stop - start)),
         nonfinite=int(attrs.get("nonfinite_count", 0)),
-        self_check=None if checked is None else json.loads(checked.decode() if isinstance(checked, bytes) else str(checked)),
+        self_check=None
+        if checked is None
+        else json.loads(checked.decode() if isinstance(checked, bytes) else str(checked)),
     )
 
 
