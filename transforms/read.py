@@ -3,8 +3,8 @@
 Each range is one unit of work: Beam spreads the ranges over the workers (``Reshuffle``), and each
 worker streams a range's samples through ``tf.data`` (file slices, rebatched across file boundaries,
 prefetched so that reading overlaps the computing downstream). Local ``.npy`` files are read by
-TensorFlow's own ``FixedLengthRecordDataset``, with no Python per batch (W1 end to end 1.06x, W3
-1.03x, 20,480 samples, medians of 4 alternating runs); other files are read in slices in Python
+TensorFlow's own ``FixedLengthRecordDataset``, with no Python per batch (faster end to end:
+benchmarks/README.md); other files are read in slices in Python
 (``readers.iter_slices``) and handed over through ``Dataset.from_generator``. A range whose shard is
 already complete on disk is not read: it goes to the ``complete`` output, and ``WriteShards`` keeps
 its shard. Samples that the plan rejected (``input.on_bad_sample: skip``) are never read; they go to

@@ -74,8 +74,8 @@ def tape_function(
         tail = [count] if given is not None else [1, *shape]
         return tf.reshape(tf.transpose(columns), tf.concat([tf.shape(y), tail], 0))
 
-    # No autograph: no tensor-dependent Python control flow here, and converting the source cost a
-    # quarter of the first call (W1: 0.08 s instead of 0.11 s, the self-check's one-time cost per worker).
+    # No autograph: no tensor-dependent Python control flow here, and converting the source costs the
+    # first call (the self-check's one-time cost per worker) time for nothing (benchmarks/README.md).
     @tf.function(input_signature=[tf.TensorSpec((1, *shape), dtype) for shape in shapes], autograph=False)
     def one(*xs):
         if forward:
