@@ -169,7 +169,9 @@ class InputConfig(_Section):
         description="One or more globs (a single string is read as a list of one), matched through Beam's "
         "`FileSystems` (local, `gs://`, `s3://`, ...); each must match at least one file. A path without "
         "wildcards that names a folder, or ends in `/`, stands for every `.png`, `.jpg` and `.jpeg` image "
-        "under it, at any depth. Required. Not part of the run identity: an incremental run may add files.",
+        "under it, at any depth. A local path is taken relative to the directory jacobeam runs in (`*.npy` "
+        "matches there) and made absolute in the plan, so that workers need not share that directory. "
+        "Required. Not part of the run identity: an incremental run may add files.",
     )
     key: str | dict[str, str] | None = Field(
         None,

@@ -28,12 +28,17 @@ def _match(patterns: list[str]) -> list[str]:
     from apache_beam.io.filesystems import FileSystems
 
     paths: set[str] = set()
-    for pattern in patterns:
+    for given in patterns:
+        # Absolute: Beam matches a glob without a folder part ("*.npy") against nothing, and workers
+        # need not share the launcher's working directory.
+        pattern = storage.absolute(given)
         folder = not any(c in pattern for c in "*?[") and (pattern.endswith("/") or storage.is_folder(pattern))
         (match,) = FileSystems.match([storage.join(pattern, "**") if folder else pattern])
         found = [m.path for m in match.metadata_list if not folder or m.path.lower().endswith(IMAGE_SUFFIXES)]
         if not found:
-            raise InputError(f"input.paths: {pattern!r} " + ("holds no PNG or JPEG images" if folder else "matches no files"))
+            what = "holds no PNG or JPEG images" if folder else "matches no files"
+            where = "" if pattern == given else f" (looked for {pattern})"
+            raise InputError(f"input.paths: {given!r} {what}{where}")
         paths.update(found)
     return sorted(paths)
 

@@ -129,6 +129,11 @@ def _attr_str(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _absolute_paths(inputs: list[list[Any]]) -> list[list[Any]]:
+    """A shard's ``inputs`` attribute with local paths absolute (older shards list them relative)."""
+    return [[storage.absolute(path), *rest] for path, *rest in inputs]
+
+
 def folder_differences(folder: Folder, spec: JobSpec, fingerprint: str | None) -> list[str]:
     """How what the folder holds differs from this run; empty when it can be resumed or extended."""
     differences = []
@@ -159,7 +164,7 @@ def folder_differences(folder: Folder, spec: JobSpec, fingerprint: str | None) -
         stored = _attr_str(attrs.get("model_fingerprint", ""))
         if fingerprint and stored and stored != fingerprint:
             found.append(f"model weights differ (fingerprint {stored[:16]}… there, {fingerprint[:16]}… in this run)")
-        if "inputs" in attrs and json.loads(_attr_str(attrs["inputs"])) != shard_inputs(
+        if "inputs" in attrs and _absolute_paths(json.loads(_attr_str(attrs["inputs"]))) != shard_inputs(
             spec.files, shard.start, shard.stop
         ):
             found.append("computed from other input data (its ids now mean other samples)")

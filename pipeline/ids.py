@@ -16,6 +16,7 @@ from typing import Any
 from jacobeam.transforms.inputs.readers import assign_ids, shape_record
 from jacobeam.transforms.inputs.scan import FileScan
 from jacobeam.transforms.inputs.types import SourceFile
+from jacobeam.transforms.output.storage import absolute
 from jacobeam.transforms.spec import Rejected, ShardRange
 
 
@@ -37,7 +38,8 @@ def place_files(
     current = {f.path: f for f in files}
     placed, differences, end = [], [], 0
     for entry in previous["inputs"]:
-        path, old_stop = entry["path"], entry["first_id"] + entry["num_samples"]
+        # Folders written before paths were made absolute list them relative to the working directory.
+        path, old_stop = absolute(entry["path"]), entry["first_id"] + entry["num_samples"]
         end = max(end, old_stop)
         now = current.pop(path, None)
         if now is None:

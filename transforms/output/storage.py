@@ -36,6 +36,12 @@ def is_local(path: str | os.PathLike) -> bool:
     return "://" not in str(path)
 
 
+def absolute(path: str) -> str:
+    """A local path (or glob) made absolute against the working directory, symbolic links kept; a remote
+    URL as it is. Workers need not share the launcher's working directory."""
+    return os.path.abspath(path) if is_local(path) else path
+
+
 def normalize(path: str | os.PathLike) -> str:
     """An absolute local path, or the remote URL without a trailing slash."""
     text = str(path)
