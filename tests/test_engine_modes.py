@@ -339,7 +339,7 @@ def test_an_error_of_jacobeams_own_code_surfaces_instead_of_a_fallback(monkeypat
     from jacobeam.transforms.engine import operands
 
     namespace = {}
-    code = "def select(self, y, labels):\n    raise TypeError('a bug in jacobeam')\n"
+    code = "def select(self, n, y, labels):\n    raise TypeError('a bug in jacobeam')\n"
     exec(compile(code, operands.__file__, "exec"), namespace)
     monkeypatch.setattr(operands.Operands, "select", namespace["select"])
     with pytest.raises(TypeError, match="a bug in jacobeam"):

@@ -91,7 +91,15 @@ def build_block(
             tape.watch(xs[wrt])
             y = _flat_output(call, xs, dtype)
             target = targets(y, start, given)
-        block = tape.batch_jacobian(target, xs[wrt], experimental_use_pfor=mode == "reverse")
+        if rows == 1:
+            # One row per sample: the gradient of the row summed over the batch is every sample's row,
+            # samples being independent (checked at set-up): one backward pass, no pfor, whose kernels
+            # for some ops (depthwise convolutions) fall back to a loop.
+            block = tape.gradient(
+                target, xs[wrt], output_gradients=tf.ones_like(target), unconnected_gradients=tf.UnconnectedGradients.ZERO
+            )
+        else:
+            block = tape.batch_jacobian(target, xs[wrt], experimental_use_pfor=mode == "reverse")
         return y, tf.reshape(block, (tf.shape(y)[0], rows, size))
 
     def forward(xs, start, given):

@@ -83,6 +83,13 @@ class JacobianEngine:
         self.telemetry: dict[str, Any] = {"pfor_fallbacks": [], "oom_retries": 0}
         dtype = tf.as_dtype(options.compute_dtype)
         self._blocks = BlockCache(self.model.call, self.input_shapes, dtype, wrap_block)
+        # The model's outputs without derivatives (set-up checks, argmax/top_k selections): compiled once,
+        # as an eager call of a large Keras model costs more than its differentiated pass.
+        self._compiled_forward = tf.function(
+            lambda xs: self.model.call(list(xs)),
+            input_signature=[[tf.TensorSpec((None, *shape), dtype) for shape in self.input_shapes]],
+            autograph=False,
+        )
         self.output_shape = model_checks.output_shape(
             self._forward, self._probe(_PROBE_SAMPLES), source, self.input_shapes,
             options.check_batch_independence, options.compute_dtype,
@@ -109,7 +116,7 @@ class JacobianEngine:
         return [rng.standard_normal((n, *shape)).astype(self.options.compute_dtype) for shape in self.input_shapes]
 
     def _forward(self, xs: Sequence[np.ndarray]) -> np.ndarray:
-        return np.asarray(self.model.call([tf.constant(x) for x in xs]))
+        return np.asarray(self._compiled_forward([tf.constant(x) for x in xs]))
 
     def _size(self, mode: str) -> budget.Sizes:
         operands = self.operands
@@ -171,7 +178,9 @@ class JacobianEngine:
         """
         xs = [x[name] for name in self.input_names] if isinstance(x, Mapping) else [x]
         xs = [np.asarray(part, self.options.compute_dtype) for part in xs]
-        index = None if self.options.outputs.rule == "all" else self.operands.select(self._forward(xs), labels)
+        # A selection by label or fixed indices needs no outputs: no forward pass before the differentiated one.
+        y = self._forward(xs) if self.operands.selects_by_output else None
+        index = self.operands.select(len(xs[0]), y, labels)
         self._plan, raw = self._run(self._plan, xs, index)
         return self.assemble(raw["output"], {k: raw[k] for k in self.wrt}, index)
 

@@ -60,27 +60,33 @@ class Operands:
         """``c``: the columns of ``J R`` for input ``k``."""
         return self.sizes[k] if self.right is None else len(self.right)
 
-    def select(self, y: np.ndarray, labels: np.ndarray | None) -> np.ndarray | None:
-        """Per-sample flat output indices ``(n, k)`` from the outputs ``y`` ``(n, ...)``; None for all."""
-        selection, n = self.selection, len(y)
-        flat = y.reshape(n, -1)
+    @property
+    def selects_by_output(self) -> bool:
+        """Whether the rows chosen depend on the model's outputs (``argmax``, ``top_k``): only then does a
+        selection need the outputs before the differentiated pass."""
+        return self.selection.rule in ("argmax", "top_k")
+
+    def select(self, n: int, y: np.ndarray | None, labels: np.ndarray | None) -> np.ndarray | None:
+        """Per-sample flat output indices ``(n, k)`` of a batch of ``n`` samples; None for all. ``y``, the
+        outputs ``(n, ...)``, is needed only where ``selects_by_output``."""
+        selection = self.selection
         if selection.rule == "all":
             return None
         if selection.rule == "indices":
             return np.broadcast_to(np.asarray(selection.indices, np.int32), (n, len(selection.indices)))
         if selection.rule == "argmax":
-            return np.argmax(flat, axis=1).astype(np.int32)[:, None]
+            return np.argmax(y.reshape(n, -1), axis=1).astype(np.int32)[:, None]
         if selection.rule == "top_k":
-            return np.argsort(-flat, axis=1, kind="stable")[:, : selection.k].astype(np.int32)
+            return np.argsort(-y.reshape(n, -1), axis=1, kind="stable")[:, : selection.k].astype(np.int32)
         if labels is None:
             raise ModelError("jacobian.outputs label: no labels were given with the samples")
         labels = np.asarray(labels)
         if labels.size != n:
             raise ModelError(f"jacobian.outputs label: {labels.size} labels for {n} samples; expected one per sample")
         labels = labels.reshape(n)
-        bad = np.flatnonzero((labels < 0) | (labels >= flat.shape[1]) | (labels != np.round(labels)))
+        bad = np.flatnonzero((labels < 0) | (labels >= self.outputs) | (labels != np.round(labels)))
         if len(bad):
-            raise ModelError(f"label {labels[bad[0]]} of batch row {bad[0]} is not an output index 0..{flat.shape[1] - 1}")
+            raise ModelError(f"label {labels[bad[0]]} of batch row {bad[0]} is not an output index 0..{self.outputs - 1}")
         return labels.astype(np.int32)[:, None]
 
     def apply(self, jacobian: np.ndarray, index: np.ndarray | None) -> np.ndarray:

@@ -207,4 +207,5 @@ class Planner:
 
     def _select(self, xs: Sequence[np.ndarray]) -> np.ndarray | None:
         """The output rows of probe samples; ``label`` selects output 0 of each (any valid row does)."""
-        return self._operands.select(self._forward(xs), np.zeros(len(xs[0]), np.int64))
+        n = len(xs[0])
+        return self._operands.select(n, self._forward(xs) if self._operands.selects_by_output else None, np.zeros(n, np.int64))
