@@ -11,13 +11,28 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from jacobeam.transforms.errors import JacobeamError
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import JACOBIAN, VIEW, is_jacobian_dataset
+from jacobeam.transforms.output.layout import JACOBIAN, SAMPLE_ID, VIEW, result_datasets
 
 log = logging.getLogger("jacobeam")
+_IMPORTED_AT = time.time()  # the command's first moments, where the process's start time is not known
+
+
+def process_started_at() -> float:
+    """When this process started (``time.time()``'s scale): from ``/proc`` on Linux, else when this module
+    was imported (the ``jacobeam`` command's first import)."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: ticks after boot
+            since_boot = float(uptime.read().split()[0])
+        started = time.time() - since_boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT
+    return min(started, _IMPORTED_AT)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,6 +85,20 @@ def _count(text: str) -> int:
     return value
 
 
+def _reads(manifest) -> list[tuple[str, str]]:
+    """The "read it" lines, as (code, comment): each dataset the run stored of the Jacobian (``jacobian``,
+    ``jacobian/<input>`` per input, or what ``reduce`` kept instead) with its shape, then the ids."""
+    rows = min(8, manifest.get("num_rows", manifest["num_samples"]))
+    reads = []
+    for name in result_datasets(manifest["datasets"]):
+        variable = name.replace("/", "_")
+        shape = tuple(rows if dim == "n" else dim for dim in manifest["datasets"][name]["shape"])
+        reads.append((f"{variable if variable.isidentifier() else 'data'} = f[{name!r}][:8]", str(shape)))
+    if not reads:  # a manifest without the list of datasets
+        reads.append((f"jac = f[{JACOBIAN!r}][:8]", "(8, *output_shape, *input_shape)"))
+    return [*reads, (f"ids = f[{SAMPLE_ID!r}][:8]", "their sample ids")]
+
+
 def _summary(result) -> str:
     manifest, run = result.manifest, result.manifest["run"]
     out = storage.normalize(manifest["config"]["output"]["path"])
@@ -87,13 +116,14 @@ def _summary(result) -> str:
         )
     if nonfinite:
         warnings.append(f"nonfinite: {nonfinite:,} sample(s) with NaN/Inf results (the 'nonfinite' dataset flags them)")
-    # "jacobian", or "jacobian/<input>" for a model with several inputs (the first of them here)
-    jacobian = next((name for name in manifest["datasets"] if is_jacobian_dataset(name)), JACOBIAN)
+    reads = _reads(manifest)
+    width = max(len(code) for code, _ in reads)
+    total = time.time() - process_started_at()
     return "\n".join(
         [
             f"done: {manifest['num_samples']:,} samples ({run['samples_computed']:,} computed, "
             f"{run['samples_kept']:,} already complete) in {len(manifest['shards'])} shard(s), "
-            f"{run['wall_seconds']:.1f} s, {run['samples_per_second'] or 0:,.0f} samples/s",
+            f"{total:.1f} s from start (pipeline {run['wall_seconds']:.1f} s, {run['samples_per_second'] or 0:,.0f} samples/s)",
             *warnings,
             f"metrics: {metrics}",
             f"output: {out}",
@@ -101,8 +131,7 @@ def _summary(result) -> str:
             "read it:",
             "  import h5py",
             f"  with h5py.File({str(view)!r}) as f:",
-            f"      jac = f[{jacobian!r}][:8]   # (8, *output_shape, *input_shape)",
-            "      ids = f['sample_id'][:8]  # their sample ids",
+            *(f"      {code:<{width}}  # {comment}" for code, comment in reads),
         ]
     )
 
@@ -159,10 +188,13 @@ def _inspect(args) -> int:
                 f"{args.folder}: --plot reads jacobians.h5, whose virtual datasets HDF5 resolves only on a "
                 "local file system; copy the folder to a local disk and plot that"
             )
+        notes: list[str] = []
         try:
-            print(f"plot: {plot(args.folder, report.manifest, args.plot, args.samples)}")
+            print(f"plot: {plot(args.folder, report.manifest, args.plot, args.samples, notes)}")
         except ValueError as err:
             raise JacobeamError(str(err)) from err
+        for note in notes:
+            print(f"plot: note: {note}")
     return 0 if report.ok else 1
 
 

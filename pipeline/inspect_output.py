@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from jacobeam.transforms.engine.reductions import DESCRIPTIONS
 from jacobeam.transforms.finalize import missing_sources, view_datasets
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import (
@@ -20,6 +21,7 @@ from jacobeam.transforms.output.layout import (
     is_folder_temp,
     is_shard_file,
     is_shard_temp,
+    result_datasets,
 )
 
 
@@ -95,6 +97,14 @@ def _inputs(shape: list[int] | dict[str, list[int]]) -> str:
     return f"input {tuple(shape)}"
 
 
+def _input_files(manifest: dict[str, Any]) -> str:
+    from jacobeam.transforms.inputs.readers import from_a_pipeline
+
+    if from_a_pipeline(manifest):
+        return "none on disk: a pipeline of your own wrote this folder (WriteShards)"
+    return f"{len(manifest['inputs'])} file(s)"
+
+
 def _model_source(model: dict[str, str | None]) -> str:
     return ", ".join(f"{key} {value}" for key, value in model.items() if value is not None)
 
@@ -108,6 +118,34 @@ def _engine(engine: dict | None) -> str:
         f"{engine['mode']}{by}{xla}, batch {engine['batch_size']}, {engine['compute_dtype']} -> "
         f"{engine['store_dtype']} ({'; '.join(engine['reasons'])})"
     )
+
+
+def _stored_shape(shape: list[int | str], rows: int) -> tuple[int, ...]:
+    """A manifest ``datasets`` shape (``["n", 3, 8]``) with its ``n`` replaced by ``rows``."""
+    return tuple(rows if dim == "n" else int(dim) for dim in shape)
+
+
+def _selection(stored: dict[str, Any]) -> str:
+    rule = stored.get("outputs", "all")
+    if rule == "indices":
+        return f"indices {stored.get('indices')}"
+    if rule == "top_k":
+        return f"top_k {stored.get('top_k')}"
+    return str(rule)
+
+
+def _result(manifest: dict[str, Any]) -> str | None:
+    """What the folder keeps of each sample's Jacobian: its datasets, shapes, and the reduction in words."""
+    datasets = manifest.get("datasets") or {}
+    names = result_datasets(datasets)
+    if not names:
+        return None
+    rows = manifest.get("num_rows", manifest["num_samples"])
+    shown = ", ".join(f"{name} {_stored_shape(datasets[name]['shape'], rows)} {datasets[name]['dtype']}" for name in names)
+    stored = manifest.get("stored") or {}
+    kind = stored.get("reduce", "none")
+    selected = "" if stored.get("outputs", "all") == "all" else f"; outputs {_selection(stored)}, listed in output_index"
+    return f"{shown}: {DESCRIPTIONS.get(kind, kind)} (reduce: {kind}{selected})"
 
 
 def _self_check(summary: dict[str, Any]) -> str:
@@ -140,8 +178,9 @@ def format_report(report: Report) -> str:
             f"-> output {tuple(manifest['output_shape'])}, {manifest['dtype']}",
             f"  model       {_model_source(manifest['config']['model'])}, "
             f"weights sha256 {manifest['model_fingerprint'][:16]}…",
-            f"  inputs      {len(manifest['inputs'])} file(s)",
+            f"  inputs      {_input_files(manifest)}",
             f"  engine      {_engine(manifest.get('engine'))}",
+            *([f"  result      {result}"] if (result := _result(manifest)) else []),
             f"  shards      {len(manifest['shards'])} in manifest, {len(report.shards_on_disk)} on disk",
             *(
                 [
@@ -168,7 +207,8 @@ def format_report(report: Report) -> str:
             f"{run['samples_kept']:,} kept, {run['samples_per_second'] or 0:,.0f} samples/s",
             f"  written     {manifest['created_at']} by jacobeam {manifest['jacobeam_version']}",
         ]
+    width = max([10, *(len(name) for name in report.view)])
     for name, info in report.view.items():
-        lines.append(f"  {VIEW}:{name:<10} shape {tuple(info['shape'])} {info['dtype']}")
+        lines.append(f"  {VIEW}:{name:<{width}} shape {tuple(info['shape'])} {info['dtype']}")
     lines += [f"  problem: {problem}" for problem in report.problems]
     return "\n".join(lines)

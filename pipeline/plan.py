@@ -114,6 +114,7 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
     if check_model:
         from jacobeam.pipeline.checks import check_model as check
 
+        log.info("loading the model to check it against the inputs")
         fingerprint, output_shape = check(ModelSource(**to_dict(config)["model"]), files)
     identity = run_identity(to_dict(config))
     folder = read_folder(config.output.path)

@@ -1,23 +1,69 @@
 """``jacobeam inspect OUT --plot FILE.png``: a picture of what an output folder holds.
 
-Image-shaped inputs ``(H, W, C)`` get one row per sample: the input and its saliency (``|J|`` reduced
-over outputs and channels); other inputs get a heatmap of each sample's Jacobian matrix (flattened
-outputs by flattened inputs), one per input for a model with several inputs. Below them, a histogram
-of per-sample Jacobian norms. Uses matplotlib (the ``plot`` extra), imported only here.
+What is drawn follows the datasets ``jacobian.reduce`` stored in ``jacobians.h5``:
+
+- one row of pictures per chosen sample (``--samples``; the first four by default), where the reduction
+  keeps an array per sample:
+
+  - one-input models of image-shaped inputs ``(H, W, C)``: the input, and a map over its pixels:
+    ``reduce: none`` (whatever ``outputs`` selects), ``|J|`` summed over the stored output rows and the
+    channels; ``max_abs_over_outputs``, the stored saliency's maximum over channels (``max |J|`` over
+    outputs and channels); ``sum_abs_over_channels``, the stored saliency summed over the output rows;
+    ``vjp``, ``|u^T J|`` summed over the vectors and channels;
+  - other inputs: each stored matrix as a heatmap (white is zero): the Jacobian's rows (the selected
+    ones, named by ``output_index``) by flattened input entries, one per input for a model with several;
+    ``vjp`` vectors by inputs, ``jvp`` vectors by outputs, ``projection`` rows by columns of ``P``,
+    ``basis_projection`` ``p x q``, the saliency rows by entries;
+  - ``diagonal``: the diagonal of ``J``, entry by entry;
+
+- below them, a histogram over every stored sample of one number per sample: the Frobenius norm of
+  ``J`` (``none``, ``frobenius``) or of the stored product (``vjp``, ``jvp``, ``project``, ``basis``), the
+  trace (``trace``; ``diagonal``, its sum), ``log |det J|`` (``slogdet``; the title counts the signs), the
+  largest ``|J|`` (``max_abs_over_outputs``) or the sum of ``|J|`` (``sum_abs_over_channels``). For the
+  reductions to one number per sample (``frobenius``, ``trace``, ``slogdet``) the histogram is the
+  picture; dashed lines mark the chosen samples. Non-finite values are left out (the title says how many).
+
+The input images are read from the input files the manifest lists. A folder written by a pipeline of the
+user's own (``WriteShards``) lists none, and a moved or changed input file cannot be read: the maps are
+then drawn beside a line saying so, and ``draw`` returns a one-line note saying why. Uses matplotlib (the ``plot`` extra),
+imported only here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from jacobeam.transforms.inputs.readers import iter_slices, manifest_sources
-from jacobeam.transforms.output.layout import VIEW, jacobian_dataset
+from jacobeam.transforms.engine.reductions import DESCRIPTIONS
+from jacobeam.transforms.errors import JacobeamError
+from jacobeam.transforms.finalize import view_datasets
+from jacobeam.transforms.inputs.readers import from_a_pipeline, iter_slices, manifest_sources
+from jacobeam.transforms.output.layout import OUTPUT_INDEX, SAMPLE_ID, VIEW, jacobian_dataset, result_datasets
 
-_NORM_CHUNK = 256  # samples read at a time for the norms histogram
+_CHUNK = 256  # samples read at a time for the histogram
+
+
+@dataclasses.dataclass
+class _Panel:
+    """One column of the sample rows: a picture per chosen sample."""
+
+    titles: list[str]  # per chosen sample, after "sample <id>: "
+    pictures: list[np.ndarray]  # per chosen sample: a 2-D array, or 1-D for a curve
+    style: str  # "map" (non-negative, over the input's pixels), "matrix" (signed heatmap), "curve"
+    row_labels: list[list[int]] | None = None  # per chosen sample, a matrix's rows (output indices)
+
+
+@dataclasses.dataclass
+class _Histogram:
+    values: np.ndarray  # one per stored sample
+    label: str
+    marked: list[float] | None = None  # the chosen samples' values, marked with dashed lines
+    title: str = ""
 
 
 def _input_samples(manifest: dict[str, Any], ids: Sequence[int]) -> np.ndarray:
@@ -30,91 +76,311 @@ def _input_samples(manifest: dict[str, Any], ids: Sequence[int]) -> np.ndarray:
     return np.stack(rows)
 
 
-def _norms(view, jacobians: Sequence[str]) -> tuple[np.ndarray, str]:
-    """Per-sample Frobenius norms of the stored Jacobian (of every input's Jacobian together)."""
-    if "frobenius" in view:
-        return view["frobenius"][:], "Frobenius norm"
-    norms = []
-    for lo in range(0, len(view[jacobians[0]]), _NORM_CHUNK):
-        blocks = [view[name][lo : lo + _NORM_CHUNK].astype(np.float64) for name in jacobians]
-        norms.append(np.sqrt(sum((block.reshape(len(block), -1) ** 2).sum(axis=1) for block in blocks)))
-    return np.concatenate(norms), "Frobenius norm of J"
+def _per_sample(view, names: Sequence[str], value: Callable[[list[np.ndarray]], np.ndarray]) -> np.ndarray:
+    """``value`` of each stored sample, from the datasets ``names`` read ``_CHUNK`` rows at a time, in float64:
+    ``value`` takes one block per dataset, each ``(rows, -1)``, and returns one number per row."""
+    found = []
+    for lo in range(0, len(view[names[0]]), _CHUNK):
+        blocks = [view[name][lo : lo + _CHUNK].astype(np.float64) for name in names]
+        found.append(value([block.reshape(len(block), -1) for block in blocks]))
+    return np.concatenate(found) if found else np.zeros(0)
 
 
-def plot(folder: str, manifest: dict[str, Any], path: str, ids: Sequence[int] | None = None) -> Path:
-    """Draw the figure for ``folder`` into ``path`` (PNG); ``ids`` defaults to the first four samples."""
+def _frobenius(blocks: list[np.ndarray]) -> np.ndarray:
+    return np.sqrt(sum((block**2).sum(axis=1) for block in blocks))
+
+
+def _count(number: int, what: str) -> str:
+    return f"the {what}" if number == 1 else f"the {number} {what}s"
+
+
+class _Contents:
+    """What the folder's datasets give to draw for the chosen rows of ``jacobians.h5``."""
+
+    def __init__(self, view, manifest: dict[str, Any], rows: list[int]):
+        self.view, self.manifest, self.rows = view, manifest, rows
+        shapes = manifest["input_shape"]
+        named = shapes if isinstance(shapes, dict) else {None: shapes}
+        # One Jacobian per differentiated input: {dataset: that input's shape}.
+        self.inputs = {jacobian_dataset(name, isinstance(shapes, dict)): tuple(shape) for name, shape in named.items()}
+        self.input_shape = next(iter(self.inputs.values()))
+        self.image = len(self.inputs) == 1 and len(self.input_shape) == 3
+        self.outputs = math.prod(manifest["output_shape"])
+        self.index = self.chosen(OUTPUT_INDEX).astype(np.int64) if OUTPUT_INDEX in view else None
+        stored = manifest.get("stored") or {}
+        self.kind = stored.get("reduce") or self._inferred_kind()
+        self.panels: list[_Panel] = []
+        self.histograms: list[_Histogram] = []
+
+    def _inferred_kind(self) -> str:  # manifests that do not record what was stored
+        if "saliency" in self.view:
+            same = tuple(self.view["saliency"].shape[1:]) == self.input_shape
+            return "max_abs_over_outputs" if same else "sum_abs_over_channels"
+        found = {"frobenius": "frobenius", "trace": "trace", "logabsdet": "slogdet", "diagonal": "diagonal",
+                 "vjp": "vjp", "jvp": "jvp", "projection": "project", "basis_projection": "basis"}
+        return next((kind for name, kind in found.items() if name in self.view), "none")
+
+    def chosen(self, name: str) -> np.ndarray:
+        """Dataset ``name``'s rows of the chosen samples."""
+        return np.stack([self.view[name][row] for row in self.rows])
+
+    def rows_text(self, k: int) -> str:
+        """The output rows chosen sample ``k``'s Jacobian holds, in words."""
+        if self.index is not None:
+            return f"output rows {self.index[k].tolist()}"
+        return _count(self.outputs, "output")
+
+    def histogram(self, names: Sequence[str], value, label: str) -> None:
+        self.histograms.append(_Histogram(_per_sample(self.view, names, value), label))
+
+    def scalar(self, name: str, label: str, title: str = "") -> None:
+        values = self.view[name][:].astype(np.float64)
+        self.histograms.append(_Histogram(values, label, [float(values[row]) for row in self.rows], title))
+
+    def matrices(self, name: str, title: Callable[[int, np.ndarray], str], rows: int | None = None,
+                 output_rows: bool = False) -> None:
+        """Each chosen sample's dataset ``name`` as a ``rows x -1`` heatmap (``rows``: its first axis);
+        ``output_rows``: its rows are output rows, labelled with ``output_index`` where outputs were selected."""
+        values = self.chosen(name).astype(np.float64)
+        values = values.reshape(len(values), rows or (values.shape[1] if values.ndim > 2 else 1), -1)
+        labels = [index.tolist() for index in self.index] if output_rows and self.index is not None else None
+        self.panels.append(_Panel([title(k, m) for k, m in enumerate(values)], list(values), "matrix", labels))
+
+    def collect(self) -> None:
+        view, kind = self.view, self.kind
+        names = [name for name in self.inputs if name in view_datasets(view)]  # those of jacobian.wrt
+        if names:
+            self._jacobians(names)
+        elif "saliency" in view:
+            self._saliency()
+        elif "diagonal" in view:
+            diagonal = self.chosen("diagonal").astype(np.float64)
+            titles = [f"diagonal of J ({d.size} entries)" for d in diagonal]
+            self.panels.append(_Panel(titles, list(diagonal), "curve"))
+            self.histogram(["diagonal"], lambda blocks: blocks[0].sum(axis=1), "trace of J (the diagonal's sum)")
+        elif "vjp" in view:
+            self._vjp()
+        elif "jvp" in view:
+            self.matrices("jvp", lambda k, m: f"J v for {len(m)} vectors (rows) x {m.shape[1]} outputs")
+            self.histogram(["jvp"], _frobenius, "Frobenius norm of J v over all vectors")
+        elif "projection" in view:
+            rows = self.outputs if self.index is None else self.index.shape[1]
+            self.matrices("projection", lambda k, m: f"J P ({self._rows_of_matrix(k, len(m))} x {m.shape[1]} columns of P)",
+                          rows, output_rows=True)
+            self.histogram(["projection"], _frobenius, "Frobenius norm of J P (estimates that of J)")
+        elif "basis_projection" in view:
+            self.matrices("basis_projection", lambda k, m: f"U^T J V ({m.shape[0]} x {m.shape[1]})")
+            self.histogram(["basis_projection"], _frobenius, "Frobenius norm of U^T J V")
+        for name, label in (("frobenius", "Frobenius norm of J"), ("trace", "trace of J")):
+            if name in view:
+                self.scalar(name, label)
+        if "logabsdet" in view:
+            signs = np.sign(view["sign"][:]) if "sign" in view else None
+            counted = "" if signs is None else (
+                f"sign of det J: {int((signs > 0).sum()):,} positive, {int((signs < 0).sum()):,} negative, "
+                f"{int((signs == 0).sum()):,} zero"
+            )
+            self.scalar("logabsdet", "log |det J|", counted)
+        if not self.panels and not self.histograms:
+            self._other(kind)
+
+    def _jacobians(self, names: list[str]) -> None:
+        selected = " (the stored rows)" if self.index is not None else ""
+        self.histogram(names, _frobenius, f"Frobenius norm of J{selected}")
+        if self.image:
+            height, width, channels = self.input_shape
+            full = np.abs(self.chosen(names[0]).astype(np.float64)).reshape(len(self.rows), -1, height, width, channels)
+            also = f" and the {channels} channels" if channels > 1 else ""
+            titles = [f"|J| summed over {self.rows_text(k)}{also}" for k in range(len(self.rows))]
+            self.panels.append(_Panel(titles, list(full.sum(axis=(1, 4))), "map"))
+            return
+        rows = self.outputs if self.index is None else self.index.shape[1]
+        for name in names:
+            what = "Jacobian" if name == "jacobian" else f"d output / d {name.split('/', 1)[1]}"
+            self.matrices(name, lambda k, m, what=what: f"{what} ({self._rows_of_matrix(k, len(m))} x {m.shape[1]} inputs)",
+                          rows, output_rows=True)
+
+    def _rows_of_matrix(self, k: int, rows: int) -> str:
+        return self.rows_text(k) if self.index is not None else f"{rows} output rows"
+
+    def _saliency(self) -> None:
+        stored = self.chosen("saliency").astype(np.float64)
+        if self.kind == "max_abs_over_outputs":
+            self.histogram(["saliency"], lambda blocks: blocks[0].max(axis=1), "largest |J| entry of a sample")
+            if self.image and stored.shape[1:] == self.input_shape:
+                channels = self.input_shape[-1]
+                title = "max |J| over outputs and channels" if channels > 1 else "max |J| over outputs"
+                self.panels.append(_Panel([title] * len(stored), list(stored.max(axis=-1)), "map"))
+                return
+            pictures = [s if s.ndim == 2 else s.reshape(1, -1) for s in stored]
+            self.panels.append(_Panel(["max |J| over outputs, per input entry"] * len(stored), pictures, "matrix"))
+            return
+        self.histogram(["saliency"], lambda blocks: blocks[0].sum(axis=1), "sum of |J| over a sample's entries")
+        if self.image:  # (n, *rows, H, W): |J| summed over channels, for each output row
+            height, width = self.input_shape[:2]
+            maps = stored.reshape(len(stored), -1, height, width).sum(axis=1)
+            titles = [f"|J| summed over channels and {self.rows_text(k)}" for k in range(len(stored))]
+            self.panels.append(_Panel(titles, list(maps), "map"))
+            return
+        entries = math.prod(self.input_shape[:-1])
+        if entries * self.outputs and stored[0].size > 1:
+            pictures = list(stored.reshape(len(stored), -1, entries))
+            titles = [f"|J| summed over the last input axis ({len(p)} output rows x {entries} entries)" for p in pictures]
+            self.panels.append(_Panel(titles, pictures, "matrix"))
+
+    def _vjp(self) -> None:
+        self.histogram(["vjp"], _frobenius, "Frobenius norm of u^T J over all vectors")
+        if self.image:
+            height, width, channels = self.input_shape
+            stored = np.abs(self.chosen("vjp").astype(np.float64)).reshape(len(self.rows), -1, height, width, channels)
+            titles = [f"|u^T J| summed over the {len(s)} vectors and the channels" for s in stored]
+            self.panels.append(_Panel(titles, list(stored.sum(axis=(1, 4))), "map"))
+            return
+        self.matrices("vjp", lambda k, m: f"u^T J for {len(m)} vectors (rows) x {m.shape[1]} inputs")
+
+    def _other(self, kind: str) -> None:
+        """Datasets this module does not know: per-sample numbers as a histogram, arrays as heatmaps."""
+        for name in result_datasets(view_datasets(self.view)):
+            if self.view[name].ndim == 1:
+                self.scalar(name, name)
+            else:
+                self.matrices(name, lambda k, m, name=name: f"{name} ({m.shape[0]} x {m.shape[1]})")
+
+
+def draw(folder: str, manifest: dict[str, Any], ids: Sequence[int] | None = None):
+    """The figure for ``folder`` (a matplotlib ``Figure``) and notes on what could not be drawn (one line
+    each); ``ids`` defaults to the first four stored samples.
+
+    Raises:
+        ValueError: an id has no stored row, or the folder holds nothing to draw (the message says why).
+    """
     import h5py
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shapes = manifest["input_shape"]
-    # One Jacobian per differentiated input: {dataset: that input's shape}.
-    named = shapes if isinstance(shapes, dict) else {None: shapes}
-    inputs = {jacobian_dataset(name, isinstance(shapes, dict)): tuple(shape) for name, shape in named.items()}
-    input_shape = next(iter(inputs.values()))
-    image_like = len(inputs) == 1 and len(input_shape) == 3
+    notes: list[str] = []
     with h5py.File(Path(folder) / VIEW, "r") as view:
         # Row r holds sample id sample_id[r]: the same unless samples were rejected (on_bad_sample: skip).
-        stored_ids = view["sample_id"][:]
+        stored_ids = view[SAMPLE_ID][:]
+        if not len(stored_ids):
+            raise ValueError(f"{folder}: stores no sample (every one was rejected); nothing to plot")
         row_of = {int(sample_id): row for row, sample_id in enumerate(stored_ids)}
         ids = list(ids if ids is not None else (int(i) for i in stored_ids[:4]))
         bad = [i for i in ids if i not in row_of]
         if bad:
             gaps = " (rejected samples have no row)" if len(stored_ids) < stored_ids[-1] + 1 else ""
             raise ValueError(f"--samples {bad}: ids run from {stored_ids[0]} to {stored_ids[-1]}{gaps}")
-        rows = [row_of[i] for i in ids]
-        jacobians = [name for name in inputs if isinstance(view.get(name), h5py.Dataset)]  # jacobian.wrt's
-        maps = {  # (samples, rows, d) per input
-            name: np.stack([view[name][r] for r in rows]).astype(np.float64).reshape(len(ids), -1, int(np.prod(inputs[name])))
-            for name in jacobians
-        }
-        if not maps and "saliency" not in view:
-            raise ValueError(f"{folder}: holds neither jacobian nor saliency to plot")
-        saliency = None
-        if image_like:
-            if maps:
-                full = maps["jacobian"]
-                saliency = np.abs(full).reshape(len(ids), full.shape[1], *input_shape).sum(axis=(1, 4))
-            else:
-                stored = np.stack([view["saliency"][r] for r in rows]).astype(np.float64)
-                saliency = stored.reshape(len(ids), -1, *input_shape[:2]).sum(axis=1) if stored.ndim > 3 else stored
-        norms, norm_label = _norms(view, jacobians) if (jacobians or "frobenius" in view) else (None, "")
-    columns = max(2, len(maps)) if not image_like else 2
-    figure = plt.figure(figsize=(4 * columns, 3 * len(ids) + 3), constrained_layout=True)
-    grid = figure.add_gridspec(len(ids) + 1, columns)
-    for row, sample_id in enumerate(ids):
-        if image_like:
-            image = _input_samples(manifest, [sample_id])[0]
-            left = figure.add_subplot(grid[row, 0])
-            left.imshow(image[..., 0] if image.shape[-1] == 1 else _unit(image), cmap="gray")
-            left.set_title(f"sample {sample_id}: input")
-            right = figure.add_subplot(grid[row, 1])
-            shown = right.imshow(saliency[row], cmap="inferno")
-            right.set_title(f"sample {sample_id}: saliency")
-            figure.colorbar(shown, ax=right)
-            continue
-        for column, (name, matrices) in enumerate(maps.items()):
-            axis = figure.add_subplot(grid[row, :] if len(maps) == 1 else grid[row, column])
-            limit = float(np.abs(matrices[row]).max()) or 1.0  # centred: white is zero
-            shown = axis.imshow(matrices[row], aspect="auto", cmap="coolwarm", vmin=-limit, vmax=limit)
-            what = "Jacobian" if name == "jacobian" else f"d output / d {name.split('/', 1)[1]}"
-            axis.set_title(f"sample {sample_id}: {what} ({matrices.shape[1]} output rows x {matrices.shape[2]} inputs)")
-            figure.colorbar(shown, ax=axis)
-    if image_like:
-        figure.suptitle("saliency: |J| summed over outputs and channels")
-    histogram = figure.add_subplot(grid[len(ids), :])
-    if norms is not None:
-        histogram.hist(norms, bins=min(50, max(5, len(norms) // 4)))
-        histogram.set_xlabel(norm_label)
-        histogram.set_ylabel("samples")
-        histogram.set_title(f"per-sample norms over all {len(norms):,} samples")
+        contents = _Contents(view, manifest, [row_of[i] for i in ids])
+        contents.collect()
+    panels, histograms = contents.panels, contents.histograms
+    if not panels and not histograms:
+        raise ValueError(f"{folder}: holds no dataset of the Jacobian to plot (reduce: {contents.kind})")
+    images, why = None, None
+    input_column = any(panel.style == "map" for panel in panels)  # maps over the input's pixels
+    if input_column:
+        images, why = _inputs(manifest, ids)
+        if why:
+            notes.append(f"inputs not drawn: {why}")
+
+    columns = input_column + len(panels)
+    width = max(2, columns)
+    sample_rows = len(ids) if panels else 0
+    figure = plt.figure(figsize=(4 * width, 3 * sample_rows + (3 if sample_rows else 3.5)), constrained_layout=True)
+    grid = figure.add_gridspec(sample_rows + (1 if histograms else 0), width)
+    for k, sample_id in enumerate(ids[:sample_rows]):
+        column = 0
+        if input_column and images is None:
+            axis = figure.add_subplot(grid[k, 0])
+            axis.axis("off")
+            axis.text(0.5, 0.5, f"sample {sample_id}: input not drawn\n({why.split(',')[0]})", ha="center", va="center",
+                      wrap=True, transform=axis.transAxes)
+            column = 1
+        elif images is not None:
+            axis = figure.add_subplot(grid[k, 0])
+            image = images[k]
+            channels = image.shape[-1]
+            shown = image[..., 0] if channels == 1 else _unit(image) if channels == 3 else image.mean(axis=-1)
+            axis.imshow(shown, cmap="gray")
+            axis.set_title(f"sample {sample_id}: input" + ("" if channels in (1, 3) else f" (mean of {channels} channels)"))
+            column = 1
+        for panel in panels:
+            span = grid[k, :] if columns == 1 else grid[k, column]
+            _draw_panel(figure, figure.add_subplot(span), panel, k, sample_id)
+            column += 1
+    for k, histogram in enumerate(histograms):
+        span = grid[sample_rows, :] if len(histograms) == 1 else grid[sample_rows, k % width]
+        _draw_histogram(figure.add_subplot(span), histogram, ids)
+    figure.suptitle(f"reduce: {contents.kind} ({DESCRIPTIONS.get(contents.kind, contents.kind)})")
+    return figure, notes
+
+
+def _inputs(manifest: dict[str, Any], ids: Sequence[int]) -> tuple[np.ndarray | None, str | None]:
+    """The chosen samples' inputs, or None and why they cannot be read."""
+    if from_a_pipeline(manifest):
+        return None, "a pipeline of your own wrote this folder (WriteShards), and it keeps no input files"
+    try:
+        return _input_samples(manifest, ids), None
+    except (JacobeamError, OSError, ValueError) as err:
+        return None, f"the input files cannot be read ({str(err).splitlines()[0][:200]})"
+
+
+def _draw_panel(figure, axis, panel: _Panel, k: int, sample_id: int) -> None:
+    picture = panel.pictures[k]
+    axis.set_title(f"sample {sample_id}: {panel.titles[k]}")
+    if panel.style == "curve":
+        axis.plot(np.arange(len(picture)), picture, marker=".")
+        axis.axhline(0.0, color="gray", linewidth=0.5)
+        axis.set_xlabel("entry")
+        return
+    if panel.style == "map":
+        shown = axis.imshow(picture, cmap="inferno")
     else:
-        histogram.axis("off")
+        finite = picture[np.isfinite(picture)]
+        limit = float(np.abs(finite).max()) if finite.size else 1.0
+        limit = limit or 1.0  # centred: white is zero
+        shown = axis.imshow(picture, aspect="auto", cmap="coolwarm", vmin=-limit, vmax=limit)
+        if len(picture) <= 16:  # a few rows: one tick each, named by its output index where rows were selected
+            axis.set_yticks(range(len(picture)), panel.row_labels[k] if panel.row_labels else range(len(picture)))
+    figure.colorbar(shown, ax=axis)
+
+
+def _draw_histogram(axis, histogram: _Histogram, ids: Sequence[int]) -> None:
+    values = histogram.values
+    finite = values[np.isfinite(values)]
+    left_out = len(values) - len(finite)
+    title = f"{histogram.label} over all {len(values):,} samples"
+    if left_out:
+        title += f" ({left_out:,} non-finite left out)"
+    if histogram.title:
+        title += f"\n{histogram.title}"
+    if finite.size:
+        axis.hist(finite, bins=min(50, max(5, len(finite) // 4)))
+    for value in histogram.marked or ():
+        if np.isfinite(value):
+            axis.axvline(value, color="black", linestyle="--", linewidth=0.8)
+    if histogram.marked:
+        title += f"\ndashed: sample(s) {', '.join(str(i) for i in ids)}"
+    axis.set_xlabel(histogram.label)
+    axis.set_ylabel("samples")
+    axis.set_title(title)
+
+
+def plot(folder: str, manifest: dict[str, Any], path: str, ids: Sequence[int] | None = None,
+         notes: list[str] | None = None) -> Path:
+    """Draw the figure for ``folder`` into ``path`` (PNG); ``ids`` defaults to the first four samples.
+    What could not be drawn is appended to ``notes`` (one line each)."""
+    import matplotlib.pyplot as plt
+
+    figure, found = draw(folder, manifest, ids)
+    if notes is not None:
+        notes.extend(found)
     target = Path(path)
-    figure.savefig(target, dpi=80)
-    plt.close(figure)
+    try:
+        figure.savefig(target, dpi=80)
+    finally:
+        plt.close(figure)
     return target
 
 

@@ -54,10 +54,29 @@ def build_engine(model: ModelSource, input_shape, options: EngineOptions, tf_thr
     return JacobianEngine(model.load(), input_shape, options)
 
 
+# Engines being built in this process now: a token for each, with the time.monotonic() its build began.
+_building: dict[int, float] = {}
+
+
+def engine_setup() -> tuple[float | None, int]:
+    """When the oldest engine build under way in this process began (``time.monotonic()``; None: none is),
+    and how many engines this process has built: what a progress display in the same process (the
+    in-process runners) shows while the engine sets up."""
+    with _builds_lock:
+        return min(_building.values(), default=None), _engine_builds
+
+
 def _built(factory: EngineFactory, model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None):
     """``factory``'s engine, counted in ``_engine_builds``."""
     global _engine_builds
-    engine = factory(model, input_shape, options, tf_threads)
+    token = object()
+    with _builds_lock:
+        _building[id(token)] = time.monotonic()
+    try:
+        engine = factory(model, input_shape, options, tf_threads)
+    finally:
+        with _builds_lock:
+            del _building[id(token)]
     with _builds_lock:
         _engine_builds += 1
     return engine

@@ -17,6 +17,21 @@ PRODUCTS = ("vjp", "jvp", "project", "basis")  # products with J; J itself is ne
 SQUARE = ("diagonal", "trace", "slogdet")  # need as many outputs as inputs
 # Reductions that need every row of the Jacobian, and so cannot follow a per-sample row selection.
 NEEDS_ALL_ROWS = (*SQUARE, "vjp", "jvp", "basis")
+# What each reduction keeps, in words (``inspect``, ``--plot``); the datasets are ``reduce_full``'s and
+# the engine's ``assemble``'s.
+DESCRIPTIONS = {
+    "none": "the Jacobian J",
+    "frobenius": "the Frobenius norm of J",
+    "diagonal": "the diagonal of J",
+    "trace": "the trace of J",
+    "slogdet": "the sign and log |det J|",
+    "max_abs_over_outputs": "max |J| over outputs",
+    "sum_abs_over_channels": "|J| summed over channels, the last input axis",
+    "vjp": "u^T J for each of the vectors u",
+    "jvp": "J v for each of the vectors v",
+    "project": "J P, for a seeded random projection P of the inputs",
+    "basis": "U^T J V, in fixed bases U and V",
+}
 
 
 def projection_matrix(d: int, dim: int, kind: str, seed: int) -> np.ndarray:

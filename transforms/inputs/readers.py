@@ -27,6 +27,7 @@ from jacobeam.transforms.errors import InputError
 from jacobeam.transforms.inputs import arrays, images
 from jacobeam.transforms.inputs.registry import file_format, format_of
 from jacobeam.transforms.inputs.types import ImageOptions, Key, SampleReader, Samples, Shape, SourceFile
+from jacobeam.transforms.output.layout import PIPELINE_INPUT
 
 
 def open_rows(path: str, key: str | None, setting: str = "input.key") -> contextlib.AbstractContextManager[arrays.Rows]:
@@ -192,10 +193,19 @@ def tensor_spec(shape: Shape, dtype: str):
     return tf.TensorSpec((None, *shape), dtype)
 
 
+def from_a_pipeline(manifest: Mapping[str, Any]) -> bool:
+    """Whether a user's own pipeline wrote the folder (``WriteShards(pipeline_spec(...))``): its manifest
+    lists no input file to read the samples from again."""
+    return bool(manifest["config"].get("pipeline")) or any(entry["path"] == PIPELINE_INPUT for entry in manifest["inputs"])
+
+
 def manifest_sources(manifest: Mapping[str, Any]) -> list[SourceFile]:
-    """The input files a manifest lists, as ``SourceFile``s to read samples from again."""
+    """The input files a manifest lists, as ``SourceFile``s to read samples from again (none for a folder
+    of a user's own pipeline: ``from_a_pipeline``)."""
+    if from_a_pipeline(manifest):
+        return []
     shape = shape_from_record(manifest["input_shape"])
-    image = ImageOptions.from_config(manifest["config"]["input"].get("image"))
+    image = ImageOptions.from_config(manifest["config"].get("input", {}).get("image"))
     return [
         SourceFile(
             path=entry["path"],

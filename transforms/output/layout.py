@@ -28,6 +28,13 @@ JACOBIAN = "jacobian"
 SAMPLE_ID = "sample_id"
 NONFINITE = "nonfinite"
 SELF_CHECK = "self_check"  # the shard's self-check, as JSON
+OUTPUT = "output"
+OUTPUT_INDEX = "output_index"
+# Per-sample datasets that go with every result: the outputs, which rows were kept, ids, nonfinite flags.
+ROW_DATASETS = (OUTPUT, OUTPUT_INDEX, SAMPLE_ID, NONFINITE)
+
+# The input path that the manifest of a user's pipeline's folder records (``pipeline_spec``): no file.
+PIPELINE_INPUT = "(pipeline)"
 
 WRITE_PROBE_PREFIX = ".jacobeam-write-test-"  # a writability probe's name: the prefix and a random hex
 
@@ -47,6 +54,13 @@ def jacobian_dataset(input_name: str, several_inputs: bool) -> str:
 
 def is_jacobian_dataset(name: str) -> bool:
     return name.split("/")[0] == JACOBIAN
+
+
+def result_datasets(names) -> list[str]:
+    """The datasets among ``names`` (of a shard, ``jacobians.h5`` or the manifest's ``datasets``) that hold
+    what ``jacobian.reduce`` kept: ``jacobian`` (or ``jacobian/<input>``), ``saliency``, ``sign`` and
+    ``logabsdet``, ...; every per-sample dataset but ``ROW_DATASETS``, in the order given."""
+    return [name for name in names if name not in ROW_DATASETS]
 
 
 def shard_name(start: int, stop: int) -> str:
