@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -89,13 +89,10 @@ def capture_pfor_fallbacks() -> Iterator[_FallbackLog]:
         logger.setLevel(level)
 
 
-def activation_size(call, shapes: Sequence[tuple[int, ...]], dtype) -> int:
-    """Elements per sample of every intermediate tensor of the forward pass: what backpropagation
-    keeps per output row. Found from the traced graph, so it needs no knowledge of the layers."""
-    import tensorflow as tf
-
-    specs = [tf.TensorSpec((None, *s), dtype) for s in shapes]
-    graph = tf.function(lambda *xs: call(list(xs))).get_concrete_function(*specs).graph
+def activation_size(graph) -> int:
+    """Elements per sample of every intermediate tensor of the forward pass (``graph``: the traced
+    forward pass, batch dimension unknown): what backpropagation keeps per output row. Found from the
+    graph, so it needs no knowledge of the layers."""
     total = 0
     for op in graph.get_operations():
         for out in op.outputs:

@@ -85,17 +85,17 @@ class JacobianEngine:
         self._blocks = BlockCache(self.model.call, self.input_shapes, dtype, wrap_block)
         # The model's outputs without derivatives (set-up checks, argmax/top_k selections): compiled once,
         # as an eager call of a large Keras model costs more than its differentiated pass.
+        self._specs = [tf.TensorSpec((None, *shape), dtype) for shape in self.input_shapes]
         self._compiled_forward = tf.function(
-            lambda xs: self.model.call(list(xs)),
-            input_signature=[[tf.TensorSpec((None, *shape), dtype) for shape in self.input_shapes]],
-            autograph=False,
+            lambda xs: self.model.call(list(xs)), input_signature=[self._specs], autograph=False
         )
         self.output_shape = model_checks.output_shape(
-            self._forward, self._probe(_PROBE_SAMPLES), source, self.input_shapes,
+            # Two samples decide whether samples interact inside a batch (one against two).
+            self._forward, self._probe(2), source, self.input_shapes,
             options.check_batch_independence, options.compute_dtype,
         )
         self.operands: Operands = build_operands(options, self.output_shape, self.input_shapes, self.input_names, source)
-        self._activations = activation_size(self.model.call, self.input_shapes, dtype)
+        self._activations = activation_size(self._compiled_forward.get_concrete_function(self._specs).graph)
         self._plan = Planner(
             options, self.operands, self.wrt, source, self._size, self._run, self._forward, self._probe,
             _PROBE_SAMPLES, self.telemetry,

@@ -127,10 +127,12 @@ class Planner:
         tried = self._telemetry.setdefault("candidates", [])
         first_tried = len(tried)
         best: tuple[tuple, Plan] | None = None
+        # Paths are compared on the probe batch; a lone path only has to trace and run: two samples do.
+        alone = not timed and len(modes) == 1 and len(self._paths(modes[0])) == 1
         for mode in modes:
             for path in self._paths(mode):
                 try:
-                    plan, result, seconds = self._try(path, timed)
+                    plan, result, seconds = self._try(path, timed, 2 if alone else self._probe_samples)
                 except ForwardModeUnsupported as err:
                     if options.mode == "forward":
                         raise ModelError(f"{self._source}: {err}") from err
@@ -182,12 +184,12 @@ class Planner:
             notes.append(f"timed on a full batch: {', '.join(speeds)}")
         return Plan(plan.path, plan.sizes, (*notes, *plan.sizes.notes, *plan.reasons))
 
-    def _try(self, path: Path, timed: bool) -> tuple[Plan, dict, float]:
-        """Trace and run a path on the probe batch: the plan it ran with (smaller if it ran out of
-        memory), its results, and (``timed``) the best of two runs on one full batch per sample."""
+    def _try(self, path: Path, timed: bool, probe_samples: int) -> tuple[Plan, dict, float]:
+        """Trace and run a path on a probe batch of ``probe_samples``: the plan it ran with (smaller if it
+        ran out of memory), its results, and (``timed``) the best of two runs on one full batch per sample."""
         sizes = self._size(path.mode)
         plan = Plan(path, sizes)
-        probe = self._probe(min(sizes.batch, self._probe_samples))
+        probe = self._probe(min(sizes.batch, probe_samples))
         with full_tracebacks(), capture_pfor_fallbacks() as fallbacks:
             plan, result = self._run(plan, probe, self._select(probe))
         for op in fallbacks.ops:
