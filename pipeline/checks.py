@@ -75,7 +75,11 @@ def check_writable(folder: str | Path) -> None:
 
 
 def _check_remote_writable(folder: str) -> None:
-    """Create and delete a probe object: the only way to learn that credentials and bucket allow writes."""
+    """Create and delete a probe object: the only way to learn that credentials and bucket allow writes.
+
+    The probe is empty on purpose: an empty object is the hardest write the output needs (``rejected.jsonl``
+    when no sample is rejected), one that S3 refuses through a multipart upload (``storage.S3_PUT_BYTES``
+    says how ``storage`` writes it instead), so a store that cannot take it fails here, before any work."""
     from jacobeam.transforms.output import storage
 
     probe = storage.join(folder, WRITE_PROBE_PREFIX + uuid.uuid4().hex[:12])

@@ -1,7 +1,9 @@
 """The ``jacobeam`` command (also ``python -m jacobeam``): run, demo, inspect, verify.
 
 Arguments after the config that jacobeam does not know are Beam ``PipelineOptions``
-(``--runner``, ``--direct_num_workers``, ``--temp_location``, ...), as in every Beam program.
+(``--runner``, ``--direct_num_workers``, ``--temp_location``, ...), as in every Beam program. ``inspect``
+and ``verify`` take the file systems' Beam options (``--s3_endpoint_url``, ``--hdfs_host``, ...) after
+the folder.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="jacobeam",
         description="Per-sample Jacobians of a TensorFlow model for many input samples, stored as HDF5.",
         epilog="Unknown options after the config are passed to Beam (e.g. --direct_num_workers 2 "
-        "--direct_running_mode multi_processing, --runner DataflowRunner ...).",
+        "--direct_running_mode multi_processing, --runner DataflowRunner ...); inspect and verify take the "
+        "file systems' Beam options after the folder (e.g. --s3_endpoint_url URL).",
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and the final summary")
     parser.add_argument("-v", "--verbose", action="store_true", help="also Beam's own log messages")
@@ -198,6 +201,27 @@ def _inspect(args) -> int:
     return 0 if report.ok else 1
 
 
+def _filesystem_options(folder: str, beam_args: list[str]) -> None:
+    """``inspect`` and ``verify``: the arguments after the folder are Beam options for the file systems
+    (``--s3_endpoint_url``, ``--s3_region_name``, ``--hdfs_host``, ...), handed to Beam's ``FileSystems``
+    before the folder is read, as ``runner.run`` does for a run; one that Beam does not know is an error.
+    Beam's S3 file system needs options set even when none is given (it then takes boto3's defaults:
+    the environment's credentials and ``AWS_ENDPOINT_URL_S3``); a local folder imports no Beam."""
+    if not beam_args and storage.is_local(folder):
+        return
+    from apache_beam.io.filesystems import FileSystems
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    options = PipelineOptions(beam_args)
+    unknown = sorted(set(options.get_all_options(retain_unknown_options=True)) - set(options.get_all_options()))
+    # a word that is neither an option nor the value after an option given without "="
+    strays = [a for i, a in enumerate(beam_args)
+              if not a.startswith("-") and not (i and beam_args[i - 1].startswith("--") and "=" not in beam_args[i - 1])]
+    if unknown or strays:
+        _parser().error(f"unrecognized arguments: {' '.join([f'--{name}' for name in unknown] + strays)}")
+    FileSystems.set_options(options)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported, here or in workers
     args, beam_args = _parser().parse_known_args(argv)
@@ -207,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
         force=True,  # Beam logs while it is imported, which would otherwise fix the root config first
     )
-    if args.command in ("inspect", "verify") and beam_args:
-        _parser().error(f"unrecognized arguments: {' '.join(beam_args)}")
+    if args.command in ("inspect", "verify"):
+        _filesystem_options(args.folder, beam_args)
     if not args.verbose:
         logging.getLogger("apache_beam").setLevel(logging.WARNING)
         # Quiet workers by default; a later flag on the command line overrides these.

@@ -9,6 +9,19 @@ Backed by a local folder (``$JACOBEAM_FAKEGCS_ROOT``, so worker processes see th
 
 Beam finds a file system by subclassing, so importing this module registers it; ``runner.run`` names it
 in ``--beam_plugins`` for the workers.
+
+Why it stays beside the real S3 of ``tests/test_s3.py`` (Beam's S3 file system against ``moto_server``):
+
+- it is the other write path of ``transforms/output/storage.py``: every scheme but ``s3://`` writes each
+  object, empty ones included, through Beam's write stream, which on S3 carries only objects of 5 MiB
+  or more (smaller ones are one put there). GCS behaves as this file system does, and no GCS server
+  runs here;
+- it is a file system of a project's own, registered by importing its module: the only test of
+  ``runner.with_filesystem_plugins`` handing it to worker processes in ``--beam_plugins`` (Beam's
+  S3 file system is found without that);
+- it needs no server and each call is a local file operation, so ``tests/test_remote.py`` runs its
+  many whole jobs (every kill point, resume, foreign folders, ``.npz``/``.h5`` inputs, the portable job
+  service) in seconds each, and a test can change stored bytes in place (``local_path``).
 """
 
 from __future__ import annotations

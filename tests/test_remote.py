@@ -1,6 +1,7 @@
 """Inputs and output on a remote file system: the ``fakegcs://`` scheme of ``tests/remote_fs.py`` (non-seekable
 uploads, rename as copy + delete, no folders, no local paths). Every result is compared with a local run of
-the same job, bit for bit, and with the per-sample tape reference."""
+the same job, bit for bit, and with the per-sample tape reference. ``tests/test_s3.py`` runs the same kind of
+jobs on Beam's own S3 file system against a local S3 server; ``tests/remote_fs.py`` says why this fake stays."""
 
 import hashlib
 import json

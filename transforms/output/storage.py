@@ -9,7 +9,9 @@ only once its upload finished, but what a remote *folder* holds is complete only
 manifest says (see ``transforms.output.shards`` for how a remote shard proves itself complete).
 
 Input files are opened here too (``open_input``), always through ``FileSystems``. The rest of the
-code calls these helpers instead of branching on schemes.
+code calls these helpers instead of branching on schemes. One scheme needs a branch of its own here: an
+S3 object smaller than 5 MiB (an empty one among them) is written with one put, not Beam's multipart
+write stream, which cannot write an empty object (``S3_PUT_BYTES``).
 """
 
 from __future__ import annotations
@@ -157,23 +159,69 @@ def durable(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+# Beam's S3 write stream (``FileSystems.create("s3://...")``) is always a multipart upload: it starts the
+# upload when opened, sends a part whenever 5 MiB are buffered (S3's least size for every part but the
+# last) and the rest when closed, then completes the upload with the parts it sent. An empty object has
+# no part to send, and S3 refuses to complete an upload of no part (``MalformedXML`` from
+# CompleteMultipartUpload: real S3 does, and so does moto), so an empty file (an empty
+# ``rejected.jsonl``, the writability probe) cannot be written that way at all. Below this size an
+# S3 object is therefore written with one PutObject request instead, which S3 accepts for any size up
+# to 5 GiB, empty included; at this size or above Beam's stream sends at least one part of 5 MiB, which
+# S3 accepts. (Below it, Beam's stream would send one part anyway: a put is the same upload in one
+# request instead of three.) Other schemes need no such care (GCS uploads an empty object as it does
+# any other), so they keep Beam's stream.
+S3_PUT_BYTES = 5 << 20
+
+
+def _put_whole_object(path: str, size: int) -> bool:
+    """Whether ``path`` takes an object of ``size`` bytes in one request (``_s3_put``), not Beam's stream."""
+    return size < S3_PUT_BYTES and path.startswith("s3://")
+
+
+def _s3_put(path: str, data: bytes) -> None:
+    """Write a whole S3 object in one PutObject request, through the boto3 client Beam makes from the
+    file systems' options (``--s3_endpoint_url``, ``--s3_access_key_id``, ``--s3_region_name``, ... as
+    given to ``FileSystems.set_options``: by ``runner.run`` in the launcher, by Beam in each worker)."""
+    from apache_beam.io.aws import s3io
+    from apache_beam.io.filesystem import BeamIOError
+    from apache_beam.io.filesystems import FileSystems
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    # The options the S3FileSystem that Beam hands out for this path was made with (None when nothing
+    # set them: then the defaults, as boto3 would take them from the environment).
+    options = getattr(FileSystems.get_filesystem(path), "_options", None) or PipelineOptions([])
+    bucket, key = s3io.parse_s3_path(path)
+    try:
+        client = s3io.S3IO(options=options).client.client  # Beam's boto3_client.Client wraps a boto3 client
+        client.put_object(Bucket=bucket, Key=key, Body=data, ContentType="application/octet-stream")
+    except Exception as err:  # botocore's errors, as Beam's own S3 calls wrap them
+        raise BeamIOError(f"writing {path} failed: {err}", {path: err}) from err
+
+
 def copy_from_local(local: str | os.PathLike, remote: str) -> None:
-    """Stream a local file to ``remote`` (the write stream need not seek)."""
+    """Stream a local file to ``remote`` (the write stream need not seek); a small S3 object in one put."""
     from apache_beam.io.filesystem import CompressionTypes
     from apache_beam.io.filesystems import FileSystems
 
+    if _put_whole_object(remote, os.path.getsize(local)):
+        _s3_put(remote, Path(local).read_bytes())
+        return
     with open(local, "rb") as source, FileSystems.create(remote, compression_type=CompressionTypes.UNCOMPRESSED) as target:
         shutil.copyfileobj(source, target, _COPY_BYTES)
 
 
 def write_bytes(path: str, data: bytes) -> None:
-    """Write a small file directly (no temporary name): for files whose content proves itself."""
+    """Write a small file directly (no temporary name): for files whose content proves itself. Empty
+    ``data`` is fine on every scheme (on S3 through one put, see ``S3_PUT_BYTES``)."""
     if is_local(path):
         Path(path).write_bytes(data)
         return
     from apache_beam.io.filesystem import CompressionTypes
     from apache_beam.io.filesystems import FileSystems
 
+    if _put_whole_object(path, len(data)):
+        _s3_put(path, data)
+        return
     with FileSystems.create(path, compression_type=CompressionTypes.UNCOMPRESSED) as stream:
         stream.write(data)
 
