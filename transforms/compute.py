@@ -157,6 +157,13 @@ def _span(ids) -> str:
     return f"{ids[0]}..{ids[-1]}" if len(ids) else "(none)"
 
 
+@beam.typehints.with_input_types(list[Any])
+@beam.typehints.with_output_types(SampleBatch)
+def _stack(examples):
+    """``stack_samples`` with Beam's type hints (its own annotations are strings to Beam)."""
+    return stack_samples(examples)
+
+
 class ComputeJacobians(beam.PTransform):
     """``PCollection[SampleBatch | sample | (key, sample)] -> PCollection[JacobianBatch]``.
 
@@ -229,7 +236,7 @@ class ComputeJacobians(beam.PTransform):
             samples = (
                 samples
                 | "Batch" >> beam.BatchElements(max_batch_size=self._options.batch_size)
-                | "Stack" >> beam.Map(stack_samples)
+                | "Stack" >> beam.Map(_stack)
             )
         fn = ComputeJacobiansFn(
             self._model, self._input_shape, self._options, self._tf_threads, self._self_check, self._engine_factory

@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import apache_beam as beam
@@ -274,7 +274,7 @@ class KeepShardFn(beam.DoFn):
 
 @no_annotations
 @beam.typehints.with_input_types(JacobianBatch, int)
-@beam.typehints.with_output_types(tuple[int, JacobianBatch])
+@beam.typehints.with_output_types(Iterator[tuple[int, JacobianBatch]])  # FlatMap: an iterable of them
 def _split_by_shard(batch: JacobianBatch, samples_per_shard: int) -> Iterator[tuple[int, JacobianBatch]]:
     """A user's batch as ``(shard index, the part of the batch in that shard)``."""
     try:
@@ -298,7 +298,7 @@ def _split_by_shard(batch: JacobianBatch, samples_per_shard: int) -> Iterator[tu
 
 
 @no_annotations
-@beam.typehints.with_input_types(tuple[int, Sequence[JacobianBatch]], int)
+@beam.typehints.with_input_types(tuple[int, Iterable[JacobianBatch]], int)
 @beam.typehints.with_output_types(JacobianBatch)
 def _join_shard(element: tuple[int, Sequence[JacobianBatch]], samples_per_shard: int) -> JacobianBatch:
     """One shard's parts, in id order, as one batch with its ``ShardRange``: ids ``[first, last + 1)``
