@@ -32,11 +32,13 @@ log = logging.getLogger("jacobeam")
 
 # Exit statuses (the epilog of ``jacobeam --help`` lists them).
 OK, INCOMPLETE, ERROR, MISSING_EXTRA, INTERRUPTED = 0, 1, 2, 3, 130
-EXIT_STATUSES = (
-    "exit status: 0 done; 1 inspect: the folder is incomplete, verify (or run --verify): a mismatch; "
-    "2 an error (its message says what); 3 an optional package is missing (inspect --plot needs "
-    "matplotlib); 130 interrupted (Ctrl-C; complete shards are kept, the same command finishes the run)."
-)
+EXIT_STATUSES = """exit status:
+  0    done
+  1    inspect: the folder is incomplete; verify (or run --verify): a mismatch
+  2    an error (its message says what)
+  3    an optional package is missing (inspect --plot needs matplotlib)
+  130  interrupted (Ctrl-C): complete shards are kept, the same command finishes the run
+"""
 
 
 class MissingExtra(JacobeamError):
@@ -47,9 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jacobeam",
         description="Per-sample Jacobians of a TensorFlow model for many input samples, stored as HDF5.",
-        epilog="Other options of run and demo are Beam pipeline options (e.g. --direct_num_workers 2 "
-        "--direct_running_mode multi_processing, --runner DataflowRunner ...); one Beam does not know is an "
-        "error unless it follows -- or --allow_unknown_beam_options is given. " + EXIT_STATUSES,
+        epilog="Other options of run and demo are Beam pipeline options (e.g. --direct_num_workers 2\n"
+        "--direct_running_mode multi_processing, --runner DataflowRunner ...); one that Beam does not know\n"
+        "is an error unless it follows -- or --allow_unknown_beam_options is given.\n\n" + EXIT_STATUSES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and the final summary")
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -64,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                       "so are the options after --")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", help="run the pipeline for a config file", parents=[beam], epilog=EXIT_STATUSES)
+    run = commands.add_parser("run", help="run the pipeline for a config file", parents=[beam], epilog=EXIT_STATUSES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("config", help="YAML config file")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key (VALUE is YAML), e.g. --set output.path=out/")

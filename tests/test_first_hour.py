@@ -236,7 +236,7 @@ def test_plot_without_matplotlib_says_what_to_install(job, monkeypatch, capsys):
     assert cli.main(["inspect", str(root / "out"), "--plot", str(root / "plot.png")]) == 3
     assert capsys.readouterr().err == "jacobeam: --plot needs matplotlib: pip install 'jacobeam[plot]'\n"
     assert not (root / "plot.png").exists()
-    assert "3 an optional package is missing" in cli._parser().format_help()
+    assert "3    an optional package is missing" in cli._parser().format_help()
 
 
 @pytest.mark.parametrize("damage, reason", [
