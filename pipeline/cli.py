@@ -17,6 +17,7 @@ import difflib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -258,8 +259,6 @@ def _pipeline_error(err: BaseException) -> JacobeamError | None:
 def _remote_error(err: BaseException) -> JacobeamError | None:
     """A ``JacobeamError`` of a worker process, from the runner's message: its last
     ``jacobeam.transforms.errors.<Name>: <message>`` line (the worker's traceback is in the message)."""
-    import re
-
     from jacobeam.transforms import errors
 
     found = None
@@ -273,8 +272,6 @@ def _remote_error(err: BaseException) -> JacobeamError | None:
 def _clean(message: str) -> str:
     """A jacobeam error's message as raised in the pipeline, without what Beam appended to it (`` [while
     running 'Step']``)."""
-    import re
-
     return re.sub(r"( \[while running '[^']*'\])+$", "", message.strip())
 
 
@@ -335,7 +332,7 @@ class _CtrlC:
         expected = {shard_name(r.start, r.stop) for r in self.spec.ranges() if r.rows}
         try:
             done = len(expected & set(storage.listdir(storage.join(self.spec.output_dir, SHARDS_DIR))))
-        except Exception:  # noqa: BLE001 - the message must come out whatever the folder does
+        except Exception:  # the message must come out whatever the folder does
             return "jacobeam: interrupted; complete shards are kept: run the same command again to finish"
         return (
             f"jacobeam: interrupted: {done} of {len(expected)} shards complete and kept; "
@@ -356,7 +353,7 @@ class _CtrlC:
         fd = self.native.fileno if self.native is not None else 2
         try:
             sys.stdout.flush()
-        except Exception:  # noqa: BLE001 - inside a write that the signal interrupted
+        except Exception:  # inside a write that the signal interrupted
             pass
         try:
             os.write(fd, (("\n" if os.isatty(fd) else "") + self.message() + "\n").encode())
