@@ -1,21 +1,33 @@
 """The ``jacobeam`` command (also ``python -m jacobeam``): run, demo, inspect, verify.
 
-Arguments after the config that jacobeam does not know are Beam ``PipelineOptions``
-(``--runner``, ``--direct_num_workers``, ``--temp_location``, ...), as in every Beam program. ``inspect``
+Options of ``run`` and ``demo`` that jacobeam does not know are Beam ``PipelineOptions`` (``--runner``,
+``--direct_num_workers``, ``--temp_location``, ...), as in every Beam program; one that Beam does not know
+either is an error naming the closest known option, unless it follows ``--`` or the command has
+``--allow_unknown_beam_options`` (options for a runner whose options are not registered here). ``inspect``
 and ``verify`` take the file systems' Beam options (``--s3_endpoint_url``, ``--hdfs_host``, ...) after
 the folder.
+
+Run as a program (``main()`` without arguments), the command owns the process: by default it prints
+jacobeam's own lines only (``quiet.py``: native and worker noise filtered; ``-v`` shows everything), and
+Ctrl-C stops it with one line and exit status 130, its worker processes with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
+import re
+import signal
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
+from jacobeam.pipeline import quiet
 from jacobeam.transforms.errors import JacobeamError
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import JACOBIAN, SAMPLE_ID, VIEW, result_datasets
@@ -36,20 +48,46 @@ def process_started_at() -> float:
         return _IMPORTED_AT
     return min(started, _IMPORTED_AT)
 
+# Exit statuses (the epilog of ``jacobeam --help`` lists them).
+OK, INCOMPLETE, ERROR, MISSING_EXTRA, INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_STATUSES = """exit status:
+  0    done
+  1    inspect: the folder is incomplete; verify (or run --verify): a mismatch
+  2    an error (its message says what)
+  3    an optional package is missing (inspect --plot needs matplotlib)
+  130  interrupted (Ctrl-C): complete shards are kept, the same command finishes the run
+"""
+
+
+class MissingExtra(JacobeamError):
+    """An optional dependency the command needs is not installed (exit status 3)."""
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jacobeam",
         description="Per-sample Jacobians of a TensorFlow model for many input samples, stored as HDF5.",
-        epilog="Unknown options after the config are passed to Beam (e.g. --direct_num_workers 2 "
-        "--direct_running_mode multi_processing, --runner DataflowRunner ...); inspect and verify take the "
-        "file systems' Beam options after the folder (e.g. --s3_endpoint_url URL).",
+        epilog="Other options of run and demo are Beam pipeline options (e.g. --direct_num_workers 2\n"
+        "--direct_running_mode multi_processing, --runner DataflowRunner ...); one that Beam does not know\n"
+        "is an error unless it follows -- or --allow_unknown_beam_options is given; inspect and verify take the\n"
+        "file systems' Beam options after the folder (e.g. --s3_endpoint_url URL).\n\n" + EXIT_STATUSES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and the final summary")
-    parser.add_argument("-v", "--verbose", action="store_true", help="also Beam's own log messages")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also the log messages of Beam, TensorFlow and their native code, and tracebacks")
+    # -q and -v after the command too (jacobeam run cfg.yaml -q); SUPPRESS keeps the top-level value otherwise
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    beam = argparse.ArgumentParser(add_help=False, parents=[common])
+    beam.add_argument("--allow_unknown_beam_options", action="store_true",
+                      help="pass options Beam does not know to it as they are (for a custom runner's options); "
+                      "so are the options after --")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", help="run the pipeline for a config file")
+    run = commands.add_parser("run", help="run the pipeline for a config file", parents=[beam], epilog=EXIT_STATUSES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("config", help="YAML config file")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key (VALUE is YAML), e.g. --set output.path=out/")
@@ -59,18 +97,23 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--verify", type=_count, default=0, metavar="K",
                      help="verify the output at the end, recomputing K random samples; the result goes into the manifest")
 
-    demo = commands.add_parser("demo", help="generate seeded inputs and run the built-in CNN end to end")
+    demo = commands.add_parser("demo", help="generate seeded inputs and run the built-in CNN end to end",
+                               parents=[beam])
     demo.add_argument("--root", default=None, help="folder for the demo's inputs and output (default: jacobeam-demo)")
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
-    inspect = commands.add_parser("inspect", help="describe an output folder and check it is complete")
+    inspect = commands.add_parser(
+        "inspect", help="describe an output folder and check it is complete", parents=[common],
+        description="Exit status 0 when the folder is complete, 1 when it is not, 2 when it cannot be read, "
+        "3 when --plot needs matplotlib (pip install 'jacobeam[plot]').",
+    )
     inspect.add_argument("folder")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.add_argument("--plot", metavar="FILE.png", help="draw inputs, saliency or Jacobians, and norms")
     inspect.add_argument("--samples", metavar="IDS", type=_ids, help="sample ids to draw, e.g. 0,5,17 (default: 0-3)")
 
     verify = commands.add_parser(
-        "verify", help="check an output folder: checksums, ids, and K samples recomputed independently",
+        "verify", help="check an output folder: checksums, ids, and K samples recomputed independently", parents=[common],
         description="Exit status 0 when everything matches, 1 on any mismatch, 2 when the folder cannot be read.",
     )
     verify.add_argument("folder")
@@ -142,14 +185,15 @@ def _summary(result) -> str:
 def _run(config, beam_args: list[str], quiet: bool, overwrite: bool = False, verify_samples: int = 0) -> int:
     from jacobeam.pipeline import runner
 
-    result = runner.run(config, beam_args, show_progress=not quiet, overwrite=overwrite, verify_samples=verify_samples)
+    result = runner.run(config, beam_args, show_progress=not quiet, overwrite=overwrite, verify_samples=verify_samples,
+                        planned=_ctrl_c.planned)
     print(_summary(result))
     if result.verification is not None:
         from jacobeam.pipeline.verify import format_report
 
         print(format_report(result.verification))
-        return 0 if result.verification.ok else 1
-    return 0
+        return OK if result.verification.ok else INCOMPLETE
+    return OK
 
 
 def _demo(args, beam_args: list[str]) -> int:
@@ -168,7 +212,7 @@ def _verify(args) -> int:
 
     report = verify(args.folder, samples=args.samples, seed=args.seed)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
-    return 0 if report.ok else 1
+    return OK if report.ok else INCOMPLETE
 
 
 def _ids(text: str) -> list[int]:
@@ -181,6 +225,11 @@ def _ids(text: str) -> list[int]:
 def _inspect(args) -> int:
     from jacobeam.pipeline.inspect_output import format_report, inspect
 
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise MissingExtra("--plot needs matplotlib: pip install 'jacobeam[plot]'") from None
     report = inspect(args.folder)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     if args.plot and report.ok:
@@ -198,7 +247,156 @@ def _inspect(args) -> int:
             raise JacobeamError(str(err)) from err
         for note in notes:
             print(f"plot: note: {note}")
-    return 0 if report.ok else 1
+    return OK if report.ok else INCOMPLETE
+
+
+def _split_at_double_dash(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` before the first ``--``, and after it (Beam options passed on unchecked)."""
+    if "--" not in argv:
+        return argv, []
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
+def _check_beam_args(beam_args: list[str]) -> None:
+    """An option Beam does not know (a typo, as often as not) is an error naming the closest known one."""
+    from jacobeam.pipeline import runner
+
+    unknown, known = runner.unknown_options(beam_args)
+    if not unknown:
+        return
+    options = [arg for arg in unknown if arg.startswith("-")]
+    if not options:
+        raise JacobeamError(f"unexpected argument{'s' if len(unknown) > 1 else ''}: {' '.join(unknown)}")
+    name = options[0].split("=", 1)[0]
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    more = f" (and {len(options) - 1} more)" if len(options) > 1 else ""
+    raise JacobeamError(
+        f"unknown option {name}{hint}{more}: neither jacobeam nor Beam knows it; options for a custom runner "
+        "go after -- or with --allow_unknown_beam_options"
+    )
+
+
+def _pipeline_error(err: BaseException) -> JacobeamError | None:
+    """The ``JacobeamError`` a failed pipeline carries: raised by the runner as it is, chained to the runner's
+    exception (Beam re-raises a worker's error with the step's name), or, from a worker process, only
+    named in the runner's message."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, JacobeamError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _remote_error(err: BaseException) -> JacobeamError | None:
+    """A ``JacobeamError`` of a worker process, from the runner's message: its last
+    ``jacobeam.transforms.errors.<Name>: <message>`` line (the worker's traceback is in the message)."""
+    from jacobeam.transforms import errors
+
+    found = None
+    for match in re.finditer(r"(?:jacobeam\.transforms\.errors\.)?(\w+Error): (.+)", str(err)):
+        kind = getattr(errors, match.group(1), None)
+        if isinstance(kind, type) and issubclass(kind, JacobeamError):
+            found = JacobeamError(match.group(2))
+    return found
+
+
+def _clean(message: str) -> str:
+    """A jacobeam error's message as raised in the pipeline, without what Beam appended to it (`` [while
+    running 'Step']``)."""
+    return re.sub(r"( \[while running '[^']*'\])+$", "", message.strip())
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (worker processes, the shells Beam starts them through), from /proc or
+    ``ps``."""
+    parents: dict[int, int] = {}
+    if os.path.isdir("/proc"):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as stat:
+                    fields = stat.read().rsplit(b")", 1)[1].split()
+                parents[int(entry)] = int(fields[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    else:
+        import subprocess
+
+        try:
+            listing = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, timeout=5).stdout
+        except (OSError, subprocess.SubprocessError):
+            return []
+        for line in listing.splitlines():
+            child, _, parent = line.strip().partition(" ")
+            if child.isdigit() and parent.strip().isdigit():
+                parents[int(child)] = int(parent.strip())
+    found, frontier = [], [pid]
+    while frontier:
+        below = [child for child, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found
+
+
+class _CtrlC:
+    """What Ctrl-C does to the command: stop at once, its worker processes with it, and say in one line
+    what is kept. A shard is complete once renamed into place (as after a kill, the next run keeps every
+    complete shard and computes the rest), so nothing needs to wind down."""
+
+    def __init__(self) -> None:
+        self.spec = None
+        self.native: quiet.NativeStderrFilter | None = None
+
+    def planned(self, spec) -> None:
+        self.spec = spec
+
+    def install(self, native: quiet.NativeStderrFilter | None) -> None:
+        self.native, self.spec = native, None
+        signal.signal(signal.SIGINT, self)
+
+    def message(self) -> str:
+        if self.spec is None:
+            return "jacobeam: interrupted"
+        from jacobeam.transforms.output.layout import SHARDS_DIR, shard_name
+
+        expected = {shard_name(r.start, r.stop) for r in self.spec.ranges() if r.rows}
+        try:
+            done = len(expected & set(storage.listdir(storage.join(self.spec.output_dir, SHARDS_DIR))))
+        except Exception:  # the message must come out whatever the folder does
+            return "jacobeam: interrupted; complete shards are kept: run the same command again to finish"
+        return (
+            f"jacobeam: interrupted: {done} of {len(expected)} shards complete and kept; "
+            "run the same command again to finish"
+        )
+
+    def __call__(self, signum, frame) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        logging.disable(logging.CRITICAL)  # Beam's threads would log the failure the interrupt causes
+        threading.excepthook = lambda args: None
+        if self.native is not None:
+            self.native.mute()
+        for pid in _descendants(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        fd = self.native.fileno if self.native is not None else 2
+        try:
+            sys.stdout.flush()
+        except Exception:  # inside a write that the signal interrupted
+            pass
+        try:
+            os.write(fd, (("\n" if os.isatty(fd) else "") + self.message() + "\n").encode())
+        finally:
+            os._exit(INTERRUPTED)  # no clean-up: Beam's threads would only print what they were doing
+
+
+_ctrl_c = _CtrlC()
 
 
 def _filesystem_options(folder: str, beam_args: list[str]) -> None:
@@ -223,35 +421,74 @@ def _filesystem_options(folder: str, beam_args: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow is imported, here or in workers
-    args, beam_args = _parser().parse_known_args(argv)
+    """The command. ``argv`` None: the process's own command line (``jacobeam ...``, ``python -m
+    jacobeam``), and the command owns the process: native stderr filtered unless ``-v``, Ctrl-C handled
+    (see ``_CtrlC``). A list (a test calling the command in its process): the arguments, and neither."""
+    own_process = argv is None
+    argv, passthrough = _split_at_double_dash(list(sys.argv[1:] if argv is None else argv))
+    parser = _parser()
+    args, beam_args = parser.parse_known_args(argv)
+    if own_process:
+        quiet.prepare_environment(args.verbose)  # before TensorFlow is imported, here or in workers
+    else:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    native = quiet.NativeStderrFilter() if own_process and not args.verbose else None
+    if own_process:
+        _ctrl_c.install(native)
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
+        handlers=[quiet.jacobeam_handler(sys.stderr, args.verbose)],
         force=True,  # Beam logs while it is imported, which would otherwise fix the root config first
     )
     if args.command in ("inspect", "verify"):
-        _filesystem_options(args.folder, beam_args)
-    if not args.verbose:
-        logging.getLogger("apache_beam").setLevel(logging.WARNING)
-        # Quiet workers by default; a later flag on the command line overrides these.
-        quiet_workers = ["--default_sdk_harness_log_level=WARNING", '--sdk_harness_log_level_overrides={"__main__": "ERROR"}']
-        beam_args = quiet_workers + beam_args
+        _filesystem_options(args.folder, beam_args + passthrough)
+    logging.captureWarnings(not args.verbose)  # Python warnings of the libraries: -v shows them as they are
     try:
-        if args.command == "run":
-            from jacobeam.pipeline import config as config_module
-
-            config = config_module.load(args.config, args.overrides)
-            return _run(config, beam_args, args.quiet, args.overwrite, args.verify)
-        if args.command == "demo":
-            return _demo(args, beam_args)
-        if args.command == "verify":
-            return _verify(args)
-        return _inspect(args)
+        return _command(args, beam_args, passthrough)
     except (JacobeamError, FileNotFoundError) as err:
-        print(f"jacobeam: error: {err}", file=sys.stderr)
-        return 2
+        return _error(err, args.verbose, err if "[while running '" in str(err) else None)
+    except Exception as err:
+        found = _pipeline_error(err) or _remote_error(err)
+        if found is None:
+            raise
+        return _error(found, args.verbose, err)
+    finally:
+        if native is not None:
+            native.close()
+
+
+def _error(err: BaseException, verbose: bool, raised: BaseException | None = None) -> int:
+    """One line for a jacobeam error; ``raised``: the pipeline's exception that carried it, whose
+    traceback ``-v`` shows first."""
+    if verbose and raised is not None:
+        traceback.print_exception(raised, file=sys.stderr)
+    if isinstance(err, MissingExtra):
+        print(f"jacobeam: {err}", file=sys.stderr)
+        return MISSING_EXTRA
+    print(f"jacobeam: error: {_clean(str(err))}", file=sys.stderr)
+    return ERROR
+
+
+def _command(args, beam_args: list[str], passthrough: list[str]) -> int:
+    if args.command in ("run", "demo"):
+        if not args.allow_unknown_beam_options:
+            _check_beam_args(beam_args)
+        beam_args = beam_args + passthrough
+        if not args.verbose:
+            logging.getLogger("apache_beam").setLevel(logging.WARNING)
+            # Quiet workers by default; a later flag on the command line overrides these.
+            quiet_workers = ["--default_sdk_harness_log_level=WARNING", '--sdk_harness_log_level_overrides={"__main__": "ERROR"}']
+            beam_args = quiet_workers + beam_args
+    if args.command == "run":
+        from jacobeam.pipeline import config as config_module
+
+        config = config_module.load(args.config, args.overrides)
+        return _run(config, beam_args, args.quiet, args.overwrite, args.verify)
+    if args.command == "demo":
+        return _demo(args, beam_args)
+    if args.command == "verify":
+        return _verify(args)
+    return _inspect(args)
 
 
 if __name__ == "__main__":

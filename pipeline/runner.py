@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,9 @@ from jacobeam.transforms.testing import faults
 from jacobeam.transforms.write import WriteShards
 
 log = logging.getLogger(__name__)
+
+# Imported by each local worker process as it starts (quiet.start_worker).
+WORKER_START = "jacobeam.pipeline.worker_start"
 
 # Since Beam 2.68 the plain DirectRunner first tries to download the Prism runner binary; on a machine
 # whose firewall drops packets that stalls. These names therefore get the in-process FnApiRunner.
@@ -97,9 +101,28 @@ def with_filesystem_plugins(options: PipelineOptions) -> PipelineOptions:
     return options
 
 
+def unknown_options(beam_args: list[str]) -> tuple[list[str], list[str]]:
+    """The arguments in ``beam_args`` that no ``PipelineOptions`` class parses (as Beam's own parsing, which
+    only logs them as it discards them), and every option name Beam knows here: those of the options
+    classes Beam defines and of those registered by the modules imported so far (file systems, runners)."""
+    from apache_beam.options.pipeline_options import _BeamArgumentParser
+
+    parser = _BeamArgumentParser(allow_abbrev=False)
+    # As PipelineOptions.get_all_options: each direct subclass (by name: a class may be defined twice)
+    for cls in {str(cls): cls for cls in PipelineOptions.__subclasses__()}.values():
+        cls._add_argparse_args(parser)
+    _, unknown = parser.parse_known_args(beam_args)
+    known = sorted(name for action in parser._actions for name in action.option_strings if name.startswith("--"))
+    return unknown, known
+
+
 def _runner(options: PipelineOptions):
     if not is_local(options):
         return None  # Beam picks the runner named by --runner
+    from apache_beam.options.pipeline_options import SetupOptions
+
+    setup = options.view_as(SetupOptions)
+    setup.beam_plugins = [*(setup.beam_plugins or []), WORKER_START]  # worker processes: quiet.start_worker
     from apache_beam.portability.api import beam_provision_api_pb2
     from apache_beam.runners.portability.fn_api_runner import fn_runner
     from apache_beam.runners.portability.portable_runner import JobServiceHandle
@@ -134,6 +157,7 @@ def run(
     *,
     pipeline: beam.Pipeline | None = None,
     engine_factory: EngineFactory | None = None,
+    planned: Callable[[JobSpec], None] | None = None,
 ) -> RunResult:
     """Plan (checking everything first), build and run the job; blocks until the manifest is written.
     With ``verify_samples``, verify the output afterwards and record the result in the manifest.
@@ -153,6 +177,8 @@ def run(
             ``JacobianEngine``. With a factory the model the config names is neither loaded nor
             checked while planning (the factory's engine stands in for it), and the shards record the
             factory engine's fingerprint.
+        planned: called with the job's spec once it is planned and the output folder prepared, before
+            the pipeline runs (the command line uses it to say what an interrupted run kept).
 
     Returns:
         The manifest as written, the run's Beam metrics (``jacobeam`` counters, gauges, distributions
@@ -170,6 +196,8 @@ def run(
     job = plan.make_job(config, tf_threads(config, options), overwrite=overwrite, check_model=engine_factory is None)
     spec, already_done = job.spec, job.already_done
     plan.prepare_output(job)
+    if planned is not None:
+        planned(spec)
     faults.reached("plan")
     ranges = spec.ranges()
     rejected = sum(r.num_samples for r in spec.rejected())

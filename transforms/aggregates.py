@@ -15,6 +15,7 @@ from typing import Any
 
 import apache_beam as beam
 import numpy as np
+from apache_beam.typehints.decorators import no_annotations
 
 from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.output import storage
@@ -107,6 +108,11 @@ class AggregateFn(beam.CombineFn):
         return value(max(0, (self._leaves - 1).bit_length()), 0)
 
 
+# Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
+# annotations (strings: ``from __future__ import annotations``), so ``no_annotations`` keeps them for readers.
+@no_annotations
+@beam.typehints.with_input_types(Any, JobSpec)
+@beam.typehints.with_output_types(dict[str, Any])
 def write_aggregates(sums: Partial | None, spec: JobSpec) -> dict[str, Any]:
     """Write ``aggregates.h5`` (``mean``, ``mean_abs`` ``(*rows, *input_shape)`` where rows are the
     output shape or the ``k`` selected rows, ``jtj`` ``(d, d)``, ``count``) atomically; returns what

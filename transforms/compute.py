@@ -21,6 +21,7 @@ from typing import Any
 
 import apache_beam as beam
 import numpy as np
+from apache_beam.typehints.decorators import no_annotations
 from apache_beam.utils import shared
 
 from jacobeam.transforms import aggregates
@@ -82,6 +83,10 @@ def _built(factory: EngineFactory, model: ModelSource, input_shape, options: Eng
     return engine
 
 
+# Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
+# annotations (strings: ``from __future__ import annotations``), so ``no_annotations`` keeps them for readers.
+@beam.typehints.with_input_types(SampleBatch)
+@beam.typehints.with_output_types(JacobianBatch)
 class ComputeJacobiansFn(beam.DoFn):
     """``SampleBatch -> JacobianBatch...``: one output batch per engine call (the engine may take fewer
     samples at a time than a batch holds, to keep within its memory budget).
@@ -121,6 +126,7 @@ class ComputeJacobiansFn(beam.DoFn):
                 lambda: SelfChecker(self._engine, self._self_check), tag=f"{key} {self._self_check!r}"
             )
 
+    @no_annotations
     def process(self, batch: SampleBatch) -> Iterator[JacobianBatch]:
         engine, kinds = self._engine, self._options.aggregate
         for lo in range(0, len(batch), engine.batch_size):
@@ -168,6 +174,13 @@ class ComputeJacobiansFn(beam.DoFn):
 
 def _span(ids) -> str:
     return f"{ids[0]}..{ids[-1]}" if len(ids) else "(none)"
+
+
+@beam.typehints.with_input_types(list[Any])
+@beam.typehints.with_output_types(SampleBatch)
+def _stack(examples):
+    """``stack_samples`` with Beam's type hints (its own annotations are strings to Beam)."""
+    return stack_samples(examples)
 
 
 class ComputeJacobians(beam.PTransform):
@@ -242,7 +255,7 @@ class ComputeJacobians(beam.PTransform):
             samples = (
                 samples
                 | "Batch" >> beam.BatchElements(max_batch_size=self._options.batch_size)
-                | "Stack" >> beam.Map(stack_samples)
+                | "Stack" >> beam.Map(_stack)
             )
         fn = ComputeJacobiansFn(
             self._model, self._input_shape, self._options, self._tf_threads, self._self_check, self._engine_factory

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import apache_beam as beam
+from apache_beam.typehints.decorators import no_annotations
 
 from jacobeam.transforms import self_check
 from jacobeam.transforms.aggregates import PARTIALS
@@ -297,6 +298,11 @@ def write_manifest(output_dir: str, manifest: dict[str, Any]) -> None:
     storage.write_atomically(storage.join(output_dir, MANIFEST), lambda temp: temp.write_text(text), "manifest")
 
 
+# Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
+# annotations (strings: ``from __future__ import annotations``), so ``no_annotations`` keeps them for readers.
+@no_annotations
+@beam.typehints.with_input_types(list[ShardRecord], JobSpec, Any, Any)
+@beam.typehints.with_output_types(dict[str, Any])
 def finalize(
     records: Sequence[ShardRecord],
     spec: JobSpec,

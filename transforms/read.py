@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import apache_beam as beam
 import numpy as np
+from apache_beam.typehints.decorators import no_annotations
 
 from jacobeam.transforms.elements import SampleBatch
 from jacobeam.transforms.errors import InputError
@@ -33,6 +34,10 @@ from jacobeam.transforms.spec import JobSpec, ShardRange
 BATCHES, COMPLETE, REJECTED = "batches", "complete", "rejected"  # ReadSamples' outputs
 
 
+# Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
+# annotations (strings: ``from __future__ import annotations``), so ``no_annotations`` keeps them for readers.
+@beam.typehints.with_input_types(ShardRange)
+@beam.typehints.with_output_types(SampleBatch)
 class ReadShardFn(beam.DoFn):
     """``ShardRange -> SampleBatch...`` (main output); ``(ShardRange, sha256)`` of a complete shard to
     ``complete``; the range's ``Rejected`` runs to ``rejected``."""
@@ -40,6 +45,7 @@ class ReadShardFn(beam.DoFn):
     def __init__(self, spec: JobSpec):
         self._spec = spec
 
+    @no_annotations
     def process(self, shard: ShardRange) -> Iterator[SampleBatch | beam.pvalue.TaggedOutput]:
         for rejected in shard.rejected:
             yield beam.pvalue.TaggedOutput(REJECTED, rejected)

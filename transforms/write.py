@@ -26,12 +26,13 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import apache_beam as beam
 import numpy as np
 from apache_beam.pvalue import TaggedOutput
+from apache_beam.typehints.decorators import no_annotations
 from apache_beam.utils.windowed_value import WindowedValue
 
 from jacobeam.transforms import aggregates, self_check
@@ -69,6 +70,10 @@ class _Committing:
     element: WindowedValue  # the batch that completed the shard: its record goes to the same window
 
 
+# Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
+# annotations (strings: ``from __future__ import annotations``), so ``no_annotations`` keeps them for readers.
+@beam.typehints.with_input_types(JacobianBatch)
+@beam.typehints.with_output_types(ShardRecord)
 class WriteShardFn(beam.DoFn):
     """``JacobianBatch -> ShardRecord`` once the batch's shard has all its rows and is committed; the
     shard's partial sums ``(shard position, Partial)`` to ``aggregates``.
@@ -90,6 +95,7 @@ class WriteShardFn(beam.DoFn):
     def start_bundle(self) -> None:
         self._abort()  # what a failed bundle left open in this instance, before Beam retries it
 
+    @no_annotations
     def process(self, batch: JacobianBatch, element=beam.DoFn.WindowedValueParam) -> Iterator[WindowedValue | TaggedOutput]:
         shard = batch.shard
         if shard is None:
@@ -232,6 +238,8 @@ class WriteShardFn(beam.DoFn):
         self._open, self._committing = {}, []
 
 
+@beam.typehints.with_input_types(tuple[ShardRange, str])
+@beam.typehints.with_output_types(ShardRecord)
 class KeepShardFn(beam.DoFn):
     """``(ShardRange, sha256)`` of a shard already complete on disk -> its ``ShardRecord`` (and its stored
     partial sums to ``aggregates``), after checking that this run wrote it."""
@@ -243,6 +251,7 @@ class KeepShardFn(beam.DoFn):
     def setup(self) -> None:
         self._positions = self._spec.shard_positions()
 
+    @no_annotations
     def process(self, element: tuple[ShardRange, str]) -> Iterator[ShardRecord | TaggedOutput]:
         shard, checksum = element
         spec = self._spec
@@ -263,6 +272,9 @@ class KeepShardFn(beam.DoFn):
             yield TaggedOutput(AGGREGATES, (self._positions[shard.start], aggregates.read_partial(path)))
 
 
+@no_annotations
+@beam.typehints.with_input_types(JacobianBatch, int)
+@beam.typehints.with_output_types(Iterator[tuple[int, JacobianBatch]])  # FlatMap: an iterable of them
 def _split_by_shard(batch: JacobianBatch, samples_per_shard: int) -> Iterator[tuple[int, JacobianBatch]]:
     """A user's batch as ``(shard index, the part of the batch in that shard)``."""
     try:
@@ -285,6 +297,9 @@ def _split_by_shard(batch: JacobianBatch, samples_per_shard: int) -> Iterator[tu
         )
 
 
+@no_annotations
+@beam.typehints.with_input_types(tuple[int, Iterable[JacobianBatch]], int)
+@beam.typehints.with_output_types(JacobianBatch)
 def _join_shard(element: tuple[int, Sequence[JacobianBatch]], samples_per_shard: int) -> JacobianBatch:
     """One shard's parts, in id order, as one batch with its ``ShardRange``: ids ``[first, last + 1)``
     without a gap or a repeat."""

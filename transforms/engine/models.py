@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -178,6 +179,26 @@ def _load_saved_model(path: str) -> LoadedModel:
     return LoadedModel(lambda xs: signature(**{input_name: xs[0]})[output_name], _variables(loaded), path)
 
 
+def _unreadable_model_file(path: str) -> str | None:
+    """Why a Keras model file cannot be what it says, in a few words, or None. Keras itself reports a
+    truncated or corrupt ``.keras`` file as "File not found"."""
+    try:
+        with tf.io.gfile.GFile(path, "rb") as stream:
+            if path.endswith(".keras"):
+                try:
+                    with zipfile.ZipFile(stream) as archive:
+                        names = archive.namelist()
+                except (zipfile.BadZipFile, EOFError, OSError, tf.errors.OpError):  # too short to seek in, say
+                    return "not a zip archive (a .keras file is one): truncated or corrupt"
+                if "config.json" not in names:
+                    return "the zip archive holds no config.json (not a Keras model file)"
+            elif stream.read(8) != b"\x89HDF\r\n\x1a\n":  # a legacy .h5 model (no user block)
+                return "not an HDF5 file: truncated or corrupt"
+    except (OSError, tf.errors.OpError) as err:
+        return f"cannot be read: {first_line(err)}"
+    return None
+
+
 def load(path: str | None = None, factory: str | None = None, builtin: str | None = None) -> LoadedModel:
     """Load a model from exactly one source (see ``pipeline.config.ModelConfig``)."""
     if builtin is not None:
@@ -197,6 +218,9 @@ def load(path: str | None = None, factory: str | None = None, builtin: str | Non
         # no option to turn it off: code to run belongs in a factory the config names (model.factory).
         # With safe_mode Keras also never imports a module that the file's config names: a layer class
         # must already be registered (by a module the user imported, e.g. through model.factory).
+        problem = _unreadable_model_file(path)
+        if problem:
+            raise ModelError(f"model.path {path}: the file exists but cannot be read as a Keras model: {problem}")
         try:
             model = keras.models.load_model(path, compile=False, safe_mode=True)
         except Exception as err:  # Keras raises ValueError, TypeError, ... for files it cannot rebuild

@@ -126,6 +126,18 @@ def _pick_member(names: Sequence[str], key: str | None, path: str, what: str, se
     return names[0]
 
 
+def _h5_datasets(h5, limit: int = 20) -> str:
+    """The datasets of an HDF5 file by path (``group/name``), sorted, as the message of a missing key
+    shows them (the first ``limit``)."""
+    import h5py
+
+    names: list[str] = []
+    h5.visititems(lambda name, item: names.append(name) if isinstance(item, h5py.Dataset) else None)
+    names.sort()
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{names[:limit]}{more}"
+
+
 @contextlib.contextmanager
 def _open_arrays(path: str, fmt: str, keys: Mapping[str, str | None]) -> Iterator[dict[str, Rows]]:
     """Open arrays of one file (of format ``fmt``) for reading rows in slices. ``keys`` maps the config
@@ -169,7 +181,7 @@ def _open_arrays(path: str, fmt: str, keys: Mapping[str, str | None]) -> Iterato
                     key = _pick_member(datasets, None, path, "dataset", setting)
                 dataset = h5.get(key)
                 if not isinstance(dataset, h5py.Dataset):
-                    raise InputError(f"{path}: no dataset {key!r} ({setting})")
+                    raise InputError(f"{path}: no dataset {key!r} ({setting}); found {_h5_datasets(h5)}")
                 opened[setting] = _H5Rows(dataset, f"{path}[{key}]")
             yield opened
 

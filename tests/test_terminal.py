@@ -1,0 +1,310 @@
+"""The first hour of a new user: what the terminal shows. ``python -m jacobeam`` in a subprocess, as a
+user runs it (without the test environment's TF_CPP_MIN_LOG_LEVEL): jacobeam's own lines only, with or
+without worker processes; ``-v`` shows the rest but no Beam type-hint conversion; Ctrl-C is one line,
+exit status 130, no process left behind, and the same command finishes the run with the same shards.
+Then the one-line errors: a JacobeamError raised inside the pipeline, ``inspect --plot`` without
+matplotlib, a corrupt ``.keras`` file, a mistyped Beam option, a missing ``.h5`` dataset."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from jacobeam.pipeline import cli, runner
+from jacobeam.transforms.errors import InputError
+from jacobeam.transforms.inputs.readers import describe
+from jacobeam.transforms.testing import faults
+
+REPO = Path(__file__).resolve().parent.parent
+TWO_PROCESSES = ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
+SHARDS = 8
+# jacobeam's own lines on stderr: its log records, its progress, its errors
+OWN = re.compile(r"\d\d:\d\d:\d\d (INFO|WARNING|ERROR) jacobeam(\.[\w.]+)?: .*|jacobeam: .*")
+INTERRUPTED = re.compile(rf"jacobeam: interrupted: \d of {SHARDS} shards complete and kept; run the same command again to finish")
+
+
+def _env(**extra) -> dict[str, str]:
+    """The environment of a user's shell: none of the test settings (conftest sets TF_CPP_MIN_LOG_LEVEL)."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL" and not k.startswith("JACOBEAM_")}
+    return {**env, "PYTHONPATH": str(REPO), **extra}
+
+
+def _jacobeam(*args, cwd, timeout=300, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jacobeam", *args], cwd=cwd, env=_env(**env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _foreign(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if not OWN.fullmatch(line)]
+
+
+def _write_job(root: Path) -> Path:
+    """32 samples of the built-in MLP in 3 files, 8 shards of 4."""
+    rng = np.random.default_rng(0)
+    (root / "data").mkdir(parents=True)
+    for name, size in {"a": 10, "b": 12, "c": 10}.items():
+        np.save(root / "data" / f"{name}.npy", rng.normal(size=(size, 784)).astype(np.float32))
+    config = root / "config.yaml"
+    config.write_text(json.dumps({
+        "model": {"builtin": "mlp"},
+        "input": {"paths": ["data/*.npy"]},
+        "jacobian": {"batch_size": 4},
+        "output": {"path": "out", "samples_per_shard": 4},
+    }))
+    return config
+
+
+def _checksums(folder: Path) -> list[str]:
+    return [shard["sha256"] for shard in json.loads((folder / "manifest.json").read_text())["shards"]]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The job, and one uninterrupted run of it as a user starts it (``jacobeam run config.yaml``)."""
+    root = tmp_path_factory.mktemp("first_hour")
+    _write_job(root)
+    done = _jacobeam("run", "config.yaml", cwd=root)
+    return root, done
+
+
+def test_a_run_prints_jacobeam_lines_only(job):
+    root, done = job
+    assert done.returncode == 0, done.stderr
+    assert _foreign(done.stderr) == []
+    assert done.stdout.startswith("done: 32 samples")
+    assert "jacobeam.pipeline.runner: 32 samples of shape (784,)" in done.stderr  # the INFO lines stay
+
+
+@pytest.mark.slow
+def test_two_worker_processes_print_jacobeam_lines_only(job, tmp_path):
+    root, done = job
+    two = _jacobeam("run", str(root / "config.yaml"), "--set", f"output.path={tmp_path / 'out'}", *TWO_PROCESSES, cwd=root)
+    assert two.returncode == 0, two.stderr
+    assert _foreign(two.stderr) == []
+    assert two.stdout.startswith("done: 32 samples")
+    assert _checksums(tmp_path / "out") == _checksums(root / "out")
+
+
+def test_verbose_shows_the_libraries_but_no_type_hint_conversions(job, tmp_path):
+    root, _ = job
+    verbose = _jacobeam("-v", "run", str(root / "config.yaml"), "--set", f"output.path={tmp_path / 'out'}", cwd=root)
+    assert verbose.returncode == 0, verbose.stderr
+    assert "apache_beam" in verbose.stderr  # Beam's own log lines are back
+    assert "Converting string literal type hint" not in verbose.stderr
+
+
+def _descendants(pid: int) -> set[int]:
+    parents = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes()
+        except (OSError, ValueError):
+            continue
+        parents[int(entry)] = int(stat.rsplit(b")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != b"Z"
+
+
+def _interrupt(root: Path, out: Path, beam_args: list[str], whole_group: bool) -> None:
+    """Start ``jacobeam -q run`` slowed down at each finished shard, Ctrl-C it once 3 shards are complete
+    (SIGINT to the command, or to its process group as a terminal does); check what it leaves."""
+    command = [sys.executable, "-m", "jacobeam", "run", str(root / "config.yaml"), "-q",
+               "--set", f"output.path={out}", *beam_args]
+    proc = subprocess.Popen(command, cwd=root, env=_env(**{faults.DELAY_AT: "shard_done:1.5"}), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=whole_group)
+    deadline = time.monotonic() + 240
+    while len(list((out / "shards").glob("*.h5"))) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    children = _descendants(proc.pid)
+    assert len(children) >= (2 if beam_args else 0)
+    if whole_group:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+
+    assert proc.returncode == 130, stderr
+    assert stdout == ""
+    assert INTERRUPTED.fullmatch(stderr.rstrip("\n")), stderr
+    kept = int(stderr.split(": ")[2].split()[0])
+    assert 3 <= kept < SHARDS and len(list((out / "shards").glob("*.h5"))) == kept
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if _alive(pid)]
+
+
+def _finish(root: Path, out: Path, beam_args: list[str], reference: list[str]) -> None:
+    """The same command again finishes the run: the shards equal an uninterrupted run's."""
+    before = {p.name: p.stat().st_mtime_ns for p in (out / "shards").glob("*.h5")}
+    again = _jacobeam("run", str(root / "config.yaml"), "-q", "--set", f"output.path={out}", *beam_args, cwd=root)
+    assert again.returncode == 0, again.stderr
+    assert again.stderr == ""
+    assert f"{4 * len(before)} already complete" in again.stdout
+    assert _checksums(out) == reference
+    assert {name: (out / "shards" / name).stat().st_mtime_ns for name in before} == before  # kept, not rewritten
+
+
+def test_ctrl_c_is_one_line_and_the_same_command_finishes(job, tmp_path):
+    root, done = job
+    _interrupt(root, tmp_path / "out", [], whole_group=False)
+    _finish(root, tmp_path / "out", [], _checksums(root / "out"))
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_two_worker_processes_stops_them_all(job, tmp_path):
+    root, done = job
+    _interrupt(root, tmp_path / "out", TWO_PROCESSES, whole_group=True)
+    _finish(root, tmp_path / "out", TWO_PROCESSES, _checksums(root / "out"))
+
+
+# A factory that builds the model for the plan's check, then fails in the worker's setup(): its second
+# call in a process (one process: the plan's, then setup's), or its first in a worker process.
+_calls = 0
+
+
+def failing_in_setup():
+    global _calls
+    from jacobeam.transforms.engine.models import build_mlp
+    from jacobeam.transforms.errors import ModelError
+
+    _calls += 1
+    if _calls > 1 or "sdk_worker_main" in " ".join(sys.argv):
+        raise ModelError("tests: this model cannot be built in a worker")
+    return build_mlp()
+
+
+def _failing_job(root: Path, tmp_path: Path) -> Path:
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({
+        "model": {"factory": "tests.test_terminal:failing_in_setup"},
+        "input": {"paths": [str(root / "data" / "*.npy")]},
+        "output": {"path": str(tmp_path / "out"), "samples_per_shard": 16},
+    }))
+    return config
+
+
+def test_an_error_inside_the_pipeline_is_one_line(job, tmp_path, capsys):
+    global _calls
+    root, _ = job
+    config = _failing_job(root, tmp_path)
+    _calls = 0
+    assert cli.main(["run", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert _foreign(err) == []
+    assert err.splitlines()[-1] == "jacobeam: error: tests: this model cannot be built in a worker"
+
+    _calls = 0
+    assert cli.main(["-v", "run", str(config), "--set", f"output.path={tmp_path / 'again'}"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err  # -v keeps it
+    assert err.splitlines()[-1] == "jacobeam: error: tests: this model cannot be built in a worker"
+
+
+@pytest.mark.slow
+def test_an_error_in_a_worker_process_is_one_line(job, tmp_path):
+    root, _ = job
+    failed = _jacobeam("run", str(_failing_job(root, tmp_path)), *TWO_PROCESSES, cwd=root)
+    assert failed.returncode == 2
+    assert _foreign(failed.stderr) == []
+    assert failed.stderr.splitlines()[-1] == "jacobeam: error: tests: this model cannot be built in a worker"
+
+
+def test_plot_without_matplotlib_says_what_to_install(job, monkeypatch, capsys):
+    root, _ = job
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert cli.main(["inspect", str(root / "out"), "--plot", str(root / "plot.png")]) == 3
+    assert capsys.readouterr().err == "jacobeam: --plot needs matplotlib: pip install 'jacobeam[plot]'\n"
+    assert not (root / "plot.png").exists()
+    assert "3    an optional package is missing" in cli._parser().format_help()
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("truncate", "not a zip archive"),
+    ("empty", "not a zip archive"),
+    ("no config", "the zip archive holds no config.json"),
+])
+def test_a_corrupt_keras_file_is_not_reported_missing(job, tmp_path, capsys, damage, reason):
+    import zipfile
+
+    from jacobeam.transforms.engine.models import build_mlp
+
+    root, _ = job
+    model = tmp_path / "model.keras"
+    if damage == "no config":
+        with zipfile.ZipFile(model, "w") as archive:
+            archive.writestr("model.weights.h5", b"")
+    else:
+        build_mlp().save(model)
+        model.write_bytes(model.read_bytes()[: model.stat().st_size // 2] if damage == "truncate" else b"")
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({
+        "model": {"path": str(model)}, "input": {"paths": [str(root / "data" / "*.npy")]},
+        "output": {"path": str(tmp_path / "out")},
+    }))
+    assert cli.main(["-q", "run", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"model.path {model}: the file exists but cannot be read as a Keras model: {reason}" in err
+    assert "not found" not in err.lower()
+
+
+def test_a_mistyped_beam_option_names_the_closest_one(job, tmp_path, capsys):
+    root, _ = job
+    out = tmp_path / "out"
+    args = ["-q", "run", str(root / "config.yaml"), "--set", f"output.path={out}"]
+    assert cli.main([*args, "--runnr", "DirectRunner"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jacobeam: error: unknown option --runnr (did you mean --runner?)"), err
+    assert not out.exists()  # before anything
+    assert cli.main([*args, "--direct_num_worker", "2"]) == 2
+    assert "did you mean --direct_num_workers?" in capsys.readouterr().err
+
+
+def test_unknown_beam_options_pass_after_double_dash_or_when_allowed(tmp_path, capsys):
+    missing = str(tmp_path / "missing.yaml")  # the run stops at the config: the options were accepted
+    for args in (["--", "--my_runner_option", "1"], ["--allow_unknown_beam_options", "--my_runner_option", "1"]):
+        assert cli.main(["-q", "run", missing, *args]) == 2
+        err = capsys.readouterr().err
+        assert "missing.yaml" in err and "--my_runner_option" not in err
+
+
+def test_known_beam_options_include_registered_options_classes():
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    class MyRunnerOptions(PipelineOptions):
+        @classmethod
+        def _add_argparse_args(cls, parser):
+            parser.add_argument("--my_runner_endpoint")
+
+    unknown, known = runner.unknown_options(["--my_runner_endpoint", "x", "--s3_region_name", "eu", "--runner", "X"])
+    assert unknown == [] and "--my_runner_endpoint" in known and "--temp_location" in known
+    assert runner.unknown_options(["--temp_locaton", "/tmp"])[0] == ["--temp_locaton", "/tmp"]
+
+
+def test_a_missing_h5_dataset_lists_the_datasets(tmp_path):
+    with h5py.File(tmp_path / "a.h5", "w") as h5:
+        h5["x"] = np.zeros((3, 2), np.float32)
+        h5["group/y"] = np.zeros((3, 2), np.float32)
+        h5.attrs["note"] = "not a dataset"
+    with pytest.raises(InputError, match=r"a.h5: no dataset 'nope' \(input.key\); found \['group/y', 'x'\]$"):
+        describe(str(tmp_path / "a.h5"), "nope")
