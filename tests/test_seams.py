@@ -236,7 +236,7 @@ def test_a_run_in_the_callers_pipeline_stores_the_closed_form_for_every_sample(f
     root, samples, result, pipeline = fake_run
     out = root / "out"
     labels = [t.full_label for t in pipeline.transforms_stack[0].parts]
-    assert labels == ["ReadSamples", "ComputeJacobians", "WriteShards"]  # built into the pipeline given
+    assert labels == ["ShardRanges", "Spread", "ComputeShards", "Finalize"]  # built into the pipeline given
     manifest = result.manifest
     assert [(s["start"], s["stop"], s["num_samples"], s["rejected"]) for s in manifest["shards"]] == [
         (0, 16, 15, 1), (16, 32, 16, 0), (32, 40, 8, 0)

@@ -12,10 +12,12 @@ tests run ``RunInference`` with a ``FakeModelHandler``).
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -34,9 +36,10 @@ from jacobeam.transforms.testing import faults
 
 log = logging.getLogger(__name__)
 
-# Engines built in this process: lets tests (and the manifest) show that setup work happens once per
-# worker process, not per bundle or element.
-_engine_builds = 0
+# Engines built in this process, per compute step of a pipeline (``ComputeJacobiansFn._run``, made when
+# the pipeline is built): lets tests (and the manifest) show that setup work happens once per worker
+# process and run, not per bundle or element, also in a worker process that outlives a run (Dask's).
+_engine_builds: collections.Counter[str] = collections.Counter()
 _builds_lock = threading.Lock()
 
 # ``(model, input_shape, options, tf_threads) -> engine``: what ``ComputeJacobiansFn`` builds its engine
@@ -54,12 +57,13 @@ def build_engine(model: ModelSource, input_shape, options: EngineOptions, tf_thr
     return JacobianEngine(model.load(), input_shape, options)
 
 
-def _built(factory: EngineFactory, model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None):
-    """``factory``'s engine, counted in ``_engine_builds``."""
-    global _engine_builds
+def _built(
+    run: str, factory: EngineFactory, model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None
+):
+    """``factory``'s engine, counted in ``_engine_builds[run]``."""
     engine = factory(model, input_shape, options, tf_threads)
     with _builds_lock:
-        _engine_builds += 1
+        _engine_builds[run] += 1
     return engine
 
 
@@ -83,8 +87,11 @@ class ComputeJacobiansFn(beam.DoFn):
         self._model, self._input_shape, self._options, self._tf_threads = model, input_shape, options, tf_threads
         self._self_check = self_check if self_check is not None and self_check.samples > 0 else None
         self._engine_factory = build_engine if engine_factory is None else engine_factory
+        # Beam's Shared keeps the last engine acquired in a process alive between bundles (a runner that
+        # sets up a DoFn per bundle, as Dask's does per partition, then still builds it once).
         self._shared = shared.Shared()
         self._shared_checker = shared.Shared()
+        self._run = uuid.uuid4().hex  # this compute step of this pipeline, in every worker's copy
         self._metrics = ComputeMetrics()
 
     def setup(self) -> None:
@@ -94,7 +101,7 @@ class ComputeJacobiansFn(beam.DoFn):
             key = f"{key} {self._engine_factory!r}"
         factory = self._engine_factory
         self._engine = self._shared.acquire(
-            lambda: _built(factory, self._model, self._input_shape, self._options, self._tf_threads), tag=key
+            lambda: _built(self._run, factory, self._model, self._input_shape, self._options, self._tf_threads), tag=key
         )
         self._checker, self._chosen = None, {}
         if self._self_check is not None:  # its reference function is traced at the first check
@@ -121,7 +128,7 @@ class ComputeJacobiansFn(beam.DoFn):
                 partial=None if full is None else aggregates.partial(full, kinds),
                 seconds=seconds,
                 engine={**described, "model_fingerprint": engine.fingerprint},
-                worker={"pid": os.getpid(), "engine_builds": _engine_builds},
+                worker={"pid": os.getpid(), "engine_builds": _engine_builds[self._run]},
                 checks=self._check(part, datasets),
             )
 

@@ -12,6 +12,10 @@ process die, or a shard fail, at named points:
     ``shard_done`` (renamed, not yet reported), ``view_write`` (inside ``jacobians.h5``'s
     temporary file), ``view``, ``rejected``, ``manifest`` (that file's temporary file written, not yet
     renamed into place).
+``JACOBEAM_TEST_DELAY_AT=POINT:SECONDS``
+    Sleep SECONDS each time this process reaches ``POINT``: slows a run down (at ``shard_commit``, say,
+    with a shard complete in its temporary file) so that a test can kill a worker or the launcher while
+    shards are under way.
 ``JACOBEAM_TEST_FAIL_SHARD_ONCE=ID``
     Raise ``TransientFailure`` after part of the shard whose first id is ``ID`` has been written, once:
     the first process to fail creates the marker file ``JACOBEAM_TEST_FAIL_MARKER`` (default: a name in
@@ -26,8 +30,10 @@ import collections
 import os
 import signal
 import tempfile
+import time
 
 KILL_AT = "JACOBEAM_TEST_KILL_AT"
+DELAY_AT = "JACOBEAM_TEST_DELAY_AT"
 FAIL_SHARD_ONCE = "JACOBEAM_TEST_FAIL_SHARD_ONCE"
 FAIL_MARKER = "JACOBEAM_TEST_FAIL_MARKER"
 
@@ -40,8 +46,13 @@ class TransientFailure(RuntimeError):
 
 def reached(point: str, shard: int | None = None) -> None:
     """The one hook production code calls: die here (SIGKILL, no clean-up of any kind) if
-    ``JACOBEAM_TEST_KILL_AT`` names this point; then, while writing the shard whose first id is
-    ``shard``, fail once if ``JACOBEAM_TEST_FAIL_SHARD_ONCE`` names it."""
+    ``JACOBEAM_TEST_KILL_AT`` names this point, sleep if ``JACOBEAM_TEST_DELAY_AT`` does; then, while
+    writing the shard whose first id is ``shard``, fail once if ``JACOBEAM_TEST_FAIL_SHARD_ONCE`` names it."""
+    delay = os.environ.get(DELAY_AT)
+    if delay:
+        name, _, seconds = delay.partition(":")
+        if name == point:
+            time.sleep(float(seconds))
     wanted = os.environ.get(KILL_AT)
     if wanted:
         name, _, nth = wanted.partition(":")
