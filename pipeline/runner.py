@@ -88,10 +88,25 @@ def tf_threads(config: Config, options: PipelineOptions) -> int | None:
     return max(1, (os.cpu_count() or 1) // local_worker_processes(options))
 
 
-def build(pipeline: beam.Pipeline, spec: JobSpec, engine_factory: EngineFactory | None = None):
-    """The whole job as a Beam graph: shard ranges, spread over the workers -> each range read, computed
-    and written as its shard (``ComputeShards``; a complete shard kept) -> one ``ShardRecord`` each ->
-    ``Finalize``: aggregates, ``jacobians.h5``, ``rejected.jsonl``, the manifest.
+def work_items(spec: JobSpec, worker_processes: int | None = None) -> list:
+    """The job's elements. With ``worker_processes`` (a local runner, whose worker processes are known):
+    one run of consecutive shard ranges per process, in which each shard's commit overlaps the next
+    shard's computing. Without (a runner that spreads elements over workers it knows: Dask, Dataflow,
+    Flink, ...): one range per element, so that the ranges spread, a lost worker's ranges are run again
+    alone, and a cancelled run stops after the ranges under way."""
+    ranges = spec.stored_ranges()
+    if not worker_processes:
+        return ranges
+    size = -(-len(ranges) // worker_processes)
+    return [tuple(ranges[lo : lo + size]) for lo in range(0, len(ranges), size)]
+
+
+def build(
+    pipeline: beam.Pipeline, spec: JobSpec, engine_factory: EngineFactory | None = None, worker_processes: int | None = None
+):
+    """The whole job as a Beam graph: shard ranges (``work_items``), spread over the workers -> each
+    range read, computed and written as its shard (``ComputeShards``; a complete shard kept) -> one
+    ``ShardRecord`` each -> ``Finalize``: aggregates, ``jacobians.h5``, ``rejected.jsonl``, the manifest.
 
     Only ranges and records travel between steps, every output comes out of ``process``, no step has a
     side input or a tagged output: the shape runs as intended on any runner (Dask's too, which keeps
@@ -102,15 +117,17 @@ def build(pipeline: beam.Pipeline, spec: JobSpec, engine_factory: EngineFactory 
         spec: the planned job (``plan.make_job``).
         engine_factory: builds each worker's engine (see ``ComputeJacobians``); None is TensorFlow's
             ``JacobianEngine``. A test seam: ``transforms.testing.fake_engine.FakeEngineFactory``.
+        worker_processes: a local runner's worker processes (see ``work_items``); None: one range per
+            element.
 
     Returns:
-        ``PCollection[dict]`` of one element, the manifest ``WriteShards`` writes when every shard is
+        ``PCollection[dict]`` of one element, the manifest ``Finalize`` writes when every shard is
         done.
     """
     return (
         pipeline
-        | "ShardRanges" >> beam.Create(spec.stored_ranges())
-        | "Spread" >> beam.Reshuffle()  # a no-op on Dask, whose spread is the partitioning (dask_options)
+        | "ShardRanges" >> beam.Create(work_items(spec, worker_processes))
+        | "Spread" >> beam.Reshuffle()  # a no-op on Dask, where the partitions spread (with_dask_partitions)
         | "ComputeShards" >> ComputeShards(spec, engine_factory)
         | "Finalize" >> Finalize(spec)
     )
@@ -242,7 +259,7 @@ def run(
     with progress:
         if pipeline is None:
             pipeline = beam.Pipeline(runner=_runner(options), options=options)
-        build(pipeline, spec, engine_factory)
+        build(pipeline, spec, engine_factory, local_worker_processes(options) if is_local(options) else None)
         result = pipeline.run()
         try:
             result.wait_until_finish()

@@ -33,11 +33,12 @@ pytest.importorskip("distributed")
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 PAUSE = 0.3  # seconds each worker waits at each shard's commit
+SHARDS = 14  # 320 ids in shards of 24
 STOP_WITHIN = 30.0  # seconds: a killed launcher's tasks must be gone from the cluster by then
 
 
 def _write_data(folder: Path) -> None:
-    """320 samples in three good files and a truncated one, plus a corrupt file: under
+    """320 ids in four files and a truncated one, plus a corrupt file: under
     ``on_bad_sample: skip`` rejected rows (NaN, Inf, truncated) and a rejected file."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(3)
@@ -155,12 +156,12 @@ def test_a_run_on_dask_equals_the_in_process_run_bit_for_bit(reference, cluster)
     assert {line["file"].rsplit("/", 1)[-1] for line in rejected} == {"b.npy", "d.npy", "e.npy"}
     manifest = json.loads((out / "manifest.json").read_text())
     shards = manifest["shards"]
-    assert len(shards) == 12 and all(s["computed_in_this_run"] for s in shards)
+    assert len(shards) == SHARDS and all(s["computed_in_this_run"] for s in shards)
     workers = cluster.worker_pids()
     assert {s["worker_pid"] for s in shards} == workers and len(workers) == 2  # spread over both
     assert all(s["engine_builds"] == 1 for s in shards)  # once per worker process and run
     # No Beam metrics on Dask: the summary counts from the manifest.
-    assert f"samples={manifest['num_rows']}" in summary and "shards_written=12" in summary, summary
+    assert f"samples={manifest['num_rows']}" in summary and f"shards_written={SHARDS}" in summary, summary
 
 
 def test_a_second_run_on_the_same_workers_builds_its_engine_once_again(reference, cluster):
@@ -214,7 +215,7 @@ def test_a_killed_launcher_stops_the_cluster_working_on_its_run_and_the_rerun_re
     done = _shards(out)
     time.sleep(3 * PAUSE + 1)
     assert _shards(out) == done  # nothing more is written for the dead launcher
-    assert 0 < len(done) < 12 and not (out / "manifest.json").exists()
+    assert 0 < len(done) < SHARDS and not (out / "manifest.json").exists()
 
     _finish(_launch(config, cluster), config)
 

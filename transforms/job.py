@@ -12,7 +12,7 @@ checking that this run wrote it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import apache_beam as beam
 
@@ -25,33 +25,58 @@ from jacobeam.transforms.write import ShardOutput, kept_record
 
 
 class ComputeShardFn(ComputeJacobiansFn):
-    """``ShardRange -> ShardRecord``: ``ComputeJacobiansFn`` (its engine, set up once per process, and its
-    self-check) applied to the range's batches as they are read, each result written as it comes."""
+    """``ShardRange -> ShardRecord``, or a work item of consecutive ranges ``Sequence[ShardRange] ->
+    ShardRecord...``: ``ComputeJacobiansFn`` (its engine, set up once per process, and its self-check)
+    applied to each range's batches as they are read, each result written as it comes.
+
+    In a work item of several ranges, a shard's commit (checksum, flush, rename, on its writer's thread)
+    overlaps the computing of the next range, and its record follows as soon as the commit is done (at
+    most one commit in flight); the item's last record waits for its commit before ``process`` returns.
+    """
 
     def __init__(self, spec: JobSpec, engine_factory: EngineFactory | None = None):
         super().__init__(spec.model, spec.sample_shape, spec.engine, spec.tf_threads, spec.self_check, engine_factory)
         self._spec = spec
         self._shard_metrics = ShardMetrics()
 
-    def process(self, shard: ShardRange) -> Iterator[ShardRecord]:
+    def process(self, work: ShardRange | Sequence[ShardRange]) -> Iterator[ShardRecord]:
         spec = self._spec
-        if shard.rows == 0:  # every sample of the range was rejected: no shard
-            return
-        checksum = proven_checksum(shard_path(spec.output_dir, shard.start, shard.stop))
-        if checksum is not None:
-            self._shard_metrics.kept.inc()
-            yield kept_record(spec, shard, checksum)
-            return
-        with ShardOutput(spec, shard, self._shard_metrics) as output:
-            for samples in shard_batches(spec, shard):
-                for jacobians in super().process(samples):
-                    output.add(jacobians)
-            yield output.commit()
+        output: ShardOutput | None = None  # the shard being written
+        committing: ShardOutput | None = None  # the shard whose commit is in flight
+        try:
+            for shard in [work] if isinstance(work, ShardRange) else work:
+                if shard.rows == 0:  # every sample of the range was rejected: no shard
+                    continue
+                checksum = proven_checksum(shard_path(spec.output_dir, shard.start, shard.stop))
+                if checksum is not None:
+                    self._shard_metrics.kept.inc()
+                    yield kept_record(spec, shard, checksum)
+                    continue
+                output = ShardOutput(spec, shard, self._shard_metrics)
+                for samples in shard_batches(spec, shard):
+                    for jacobians in super().process(samples):
+                        output.add(jacobians)
+                    if committing is not None and committing.committed():
+                        yield committing.record()
+                        committing = None
+                if committing is not None:
+                    yield committing.record()
+                output.commit_later()
+                committing, output = output, None
+            if committing is not None:
+                yield committing.record()
+                committing = None
+        finally:  # after an error: the shard being written is discarded, a commit in flight finishes
+            for left in (output, committing):
+                if left is not None:
+                    left.__exit__(None, None, None)
 
 
 class ComputeShards(beam.PTransform):
-    """``PCollection[ShardRange] -> PCollection[ShardRecord]``: each range of a planned job read,
-    computed and written as its shard (or its complete shard kept), one range per ``process`` call.
+    """``PCollection[ShardRange | Sequence[ShardRange]] -> PCollection[ShardRecord]``: each range of a
+    planned job read, computed and written as its shard (or its complete shard kept). An element is one
+    range, or a work item of consecutive ranges that one worker computes one after the other, each
+    shard's commit overlapping the next one's computing (``ComputeShardFn``).
 
     Args:
         spec: the planned job (``pipeline.plan.make_job(...).spec``).

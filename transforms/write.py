@@ -18,6 +18,7 @@ leaves neither a half shard nor a duplicate.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -47,8 +48,10 @@ log = logging.getLogger(__name__)
 
 class ShardOutput:
     """One shard being written: ``add`` its batches (``JacobianBatch`` of the shard, in id order), then
-    ``commit`` returns its ``ShardRecord``. A context manager: leaving the block without a commit (an
-    error, a self-check mismatch under ``on_mismatch: fail``) deletes the temporary file.
+    ``commit`` returns its ``ShardRecord`` (or ``commit_later`` queues the commit on the writer's thread,
+    so that the caller can compute on, and ``record`` waits for it). A context manager: leaving the
+    block without a commit (an error, a self-check mismatch under ``on_mismatch: fail``) deletes the
+    temporary file.
 
     The shard's file is opened at the first batch (its attributes come from the spec and from what the
     engine reports). Each batch's partial sums (``jacobian.aggregate``) are added up and stored in the
@@ -58,19 +61,23 @@ class ShardOutput:
     def __init__(self, spec: JobSpec, shard: ShardRange, metrics: ShardMetrics):
         self._spec, self._shard, self._metrics = spec, shard, metrics
         self._writer: ShardWriter | None = None
+        self._closed = False
         self._began = 0.0  # perf_counter when the shard's first batch began computing
         self._engine: dict[str, Any] = {}  # what the engine ran, as the first batch reports it
         self._worker: dict[str, int] = {}
         self._sums: aggregates.Partial | None = None
         self._checks: list[dict[str, Any]] = []  # the self-check's records
+        self._committing: concurrent.futures.Future[str] | None = None  # the commit's checksum
 
     def __enter__(self) -> ShardOutput:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        if self._writer is not None:
-            self._writer.__exit__(*exc_info)  # closes the writer; without a commit, deletes its temporary file
-            self._writer = None
+        if self._writer is not None and not self._closed:
+            # Closes the writer: a commit in flight finishes (a complete shard, which a retry or rerun
+            # keeps), one not begun is dropped; without a commit the temporary file is deleted.
+            self._writer.__exit__(*exc_info)
+            self._closed = True
 
     def add(self, batch: JacobianBatch) -> None:
         if self._writer is None:
@@ -79,9 +86,10 @@ class ShardOutput:
         self._writer.write(int(batch.ids[0]), {**batch.datasets, SAMPLE_ID: batch.ids})
         self._sums = aggregates.add(self._sums, batch.partial)
 
-    def commit(self) -> ShardRecord:
-        """Store the sums and the self-check, commit the shard (waiting for its writes, the checksum, the
-        flush and the rename) and return its record. Raises ``OutputError`` when rows are missing."""
+    def commit_later(self) -> None:
+        """Store the sums and the self-check and queue the commit (the checksum, the flush and the
+        rename, behind the queued writes, on the writer's thread); returns at once. Raises
+        ``OutputError`` when rows are missing."""
         shard, writer = self._shard, self._writer
         if writer is None:
             raise OutputError(f"{shard_file(shard.start, shard.stop)}: no rows arrived, {shard.rows} planned")
@@ -89,7 +97,17 @@ class ShardOutput:
             writer.attach(aggregates.PARTIALS, self._sums)
         if self._checks:
             writer.set_attrs({SELF_CHECK: json.dumps(self._check_record(timing=False))})
-        checksum = writer.commit()
+        self._committing = writer.commit_later()
+
+    def committed(self) -> bool:
+        """Whether the queued commit is done (``record`` then returns at once)."""
+        return self._committing is not None and self._committing.done()
+
+    def record(self) -> ShardRecord:
+        """Wait for the commit (raising its error) and close the writer; the shard's record."""
+        shard, writer = self._shard, self._writer
+        checksum = self._committing.result()
+        self.__exit__(None, None, None)
         self._metrics.written.inc()
         seconds = time.perf_counter() - self._began
         log.info("shard %s: %d samples in %.2fs", writer.name, shard.rows, seconds)
@@ -108,6 +126,11 @@ class ShardOutput:
             nonfinite=writer.nonfinite,
             self_check=self._check_record(timing=True) if self._checks else None,
         )
+
+    def commit(self) -> ShardRecord:
+        """``commit_later``, then wait for the ``record``."""
+        self.commit_later()
+        return self.record()
 
     def _begin(self, batch: JacobianBatch) -> None:
         spec, shard, engine = self._spec, self._shard, batch.engine or {}
