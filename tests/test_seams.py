@@ -33,7 +33,9 @@ from jacobeam.transforms import (
     EngineOptions,
     JacobianBatch,
     ModelSource,
+    ReadSamples,
     SampleBatch,
+    WriteShards,
 )
 from jacobeam.transforms.aggregates import AggregateFn, partial
 from jacobeam.transforms.errors import ModelError, OutputError
@@ -294,6 +296,33 @@ def test_resume_after_losing_one_shard_recomputes_only_it_bit_for_bit(fake_run, 
         with h5py.File(out / name) as new, h5py.File(root / "out" / name) as old:
             for key in new:
                 np.testing.assert_array_equal(new[key][()], old[key][()])
+    assert verify.verify(str(out), samples=0).ok
+
+
+def test_read_compute_write_composed_in_a_users_pipeline_give_the_same_folder_as_the_run(fake_run, tmp_path):
+    """``ReadSamples | ComputeJacobians | WriteShards`` on a planned job: the batches are grouped by their
+    planned shard, every shard and aggregate the same bit for bit as ``jacobeam run``'s."""
+    root, _, first, _ = fake_run
+    out = tmp_path / "out"
+    job = plan.make_job(_config(root / "data", out), check_model=False)
+    plan.prepare_output(job)
+    spec = job.spec
+    with test_pipeline.TestPipeline(runner=FnApiRunner()) as pipeline:
+        _ = (
+            pipeline
+            | ReadSamples(spec)
+            | ComputeJacobians(spec.model, spec.sample_shape, spec.engine, engine_factory=FACTORY)
+            | WriteShards(spec)
+        )
+    assert {p.name: sha256(p) for p in (out / "shards").iterdir()} == {
+        p.name: sha256(p) for p in (root / "out" / "shards").iterdir()
+    }
+    for name in ("aggregates.h5", "jacobians.h5", "rejected.jsonl"):
+        assert (out / name).exists()
+    with h5py.File(out / "aggregates.h5") as new, h5py.File(root / "out" / "aggregates.h5") as old:
+        for key in old:
+            np.testing.assert_array_equal(new[key][()], old[key][()])
+    assert (out / "rejected.jsonl").read_bytes() == (root / "out" / "rejected.jsonl").read_bytes()
     assert verify.verify(str(out), samples=0).ok
 
 
