@@ -160,6 +160,7 @@ def test_a_run_on_dask_equals_the_in_process_run_bit_for_bit(reference, cluster)
     workers = cluster.worker_pids()
     assert {s["worker_pid"] for s in shards} == workers and len(workers) == 2  # spread over both
     assert all(s["engine_builds"] == 1 for s in shards)  # once per worker process and run
+    assert manifest["self_check"]["shards_checked"] == SHARDS and not manifest["self_check"]["mismatches"]
     # No Beam metrics on Dask: the summary counts from the manifest.
     assert f"samples={manifest['num_rows']}" in summary and f"shards_written={SHARDS}" in summary, summary
 
