@@ -41,6 +41,7 @@ from jacobeam.transforms.aggregates import AggregateFn, partial
 from jacobeam.transforms.errors import ModelError, OutputError
 from jacobeam.transforms.inputs.readers import SourceFile
 from jacobeam.transforms.output import storage
+from jacobeam.transforms.output.shards import ShardRecord
 from jacobeam.transforms.output.storage import sha256
 from jacobeam.transforms.spec import Reduction, Rejected
 from jacobeam.transforms.testing.fake_engine import FakeEngine, FakeEngineFactory
@@ -271,6 +272,29 @@ def test_a_run_in_the_callers_pipeline_stores_the_closed_form_for_every_sample(f
     report = verify.verify(str(out), samples=0)
     assert report.ok, report.problems
     assert (report.shards_checked, report.ids_checked) == (3, 40)
+
+
+def test_only_ranges_and_records_travel_between_the_runs_steps(fake_run):
+    """Samples and Jacobians stay inside ComputeShards' process calls: a runner that hands a step's
+    outputs on as a list per partition (Dask's) holds records, never a shard's results."""
+    _, _, _, pipeline = fake_run
+    produced = [
+        output.element_type
+        for applied in pipeline.transforms_stack[0].parts
+        for part in [applied, *applied.parts]
+        for output in part.outputs.values()
+    ]
+    assert not any(kind in (SampleBatch, JacobianBatch) for kind in produced)
+    assert ShardRecord in produced
+
+
+def test_metrics_of_a_runner_that_has_none_are_counted_from_the_manifest(fake_run):
+    class NoMetrics:
+        def metrics(self):
+            raise NotImplementedError("as Beam's DaskRunner")
+
+    _, _, result, _ = fake_run
+    assert runner._metrics(NoMetrics(), result.manifest) == {"samples": 39, "shards_written": 3, "shards_skipped": 0}
 
 
 def test_resume_after_losing_one_shard_recomputes_only_it_bit_for_bit(fake_run, tmp_path):
