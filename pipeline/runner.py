@@ -15,15 +15,15 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
 from jacobeam.pipeline import plan
-from jacobeam.pipeline.config import Config
+from jacobeam.pipeline.config import Config, ConfigError
 from jacobeam.pipeline.progress import ShardProgress
-from jacobeam.transforms.compute import ComputeJacobians, EngineFactory
+from jacobeam.transforms.compute import EngineFactory
+from jacobeam.transforms.finalize import Finalize
+from jacobeam.transforms.job import ComputeShards
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import MANIFEST
-from jacobeam.transforms.read import ReadSamples
 from jacobeam.transforms.spec import JobSpec
 from jacobeam.transforms.testing import faults
-from jacobeam.transforms.write import WriteShards
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,35 @@ def is_local(options: PipelineOptions) -> bool:
     return options.view_as(StandardOptions).runner in _LOCAL_RUNNERS
 
 
+def is_dask(options: PipelineOptions) -> bool:
+    """``--runner DaskRunner`` (Beam's runner on a Dask ``distributed`` cluster), by its short or full name."""
+    runner = options.view_as(StandardOptions).runner
+    return isinstance(runner, str) and runner.rsplit(".", 1)[-1] == "DaskRunner"
+
+
+def _dask_runner_module():
+    try:
+        from apache_beam.runners.dask import dask_runner
+    except ImportError as err:
+        raise ConfigError(
+            f"--runner DaskRunner needs dask and distributed ({err}): pip install 'jacobeam[dask]'"
+        ) from err
+    return dask_runner
+
+
+def with_dask_partitions(options: PipelineOptions) -> PipelineOptions:
+    """On Dask, one shard range per partition of the ranges (unless ``--dask_npartitions`` or
+    ``--dask_partition_size`` says otherwise). Beam's DaskRunner runs each partition of a bag as one
+    task through every step that follows, and its default of 128 elements per partition would make a
+    job of fewer ranges one task on one worker (``Reshuffle`` is a no-op there): one range per task
+    lets the scheduler spread the shards over the workers, re-run only a lost worker's ranges, and stop
+    a cancelled run after the ranges under way."""
+    dask = options.view_as(_dask_runner_module().DaskOptions)
+    if dask.npartitions is None and dask.partition_size is None:
+        dask.partition_size = 1
+    return options
+
+
 def local_worker_processes(options: PipelineOptions) -> int:
     """How many worker processes share this machine's cores (1 unless ``multi_processing``)."""
     direct = options.view_as(DirectOptions)
@@ -63,26 +92,49 @@ def tf_threads(config: Config, options: PipelineOptions) -> int | None:
     return max(1, (os.cpu_count() or 1) // local_worker_processes(options))
 
 
-def build(pipeline: beam.Pipeline, spec: JobSpec, engine_factory: EngineFactory | None = None):
-    """The whole job as a Beam graph, from the transforms a user's pipeline would use: shard ranges ->
-    batches of samples -> batches of Jacobians -> shards (+ aggregates, rejected samples) -> manifest.
+def work_items(spec: JobSpec, worker_processes: int | None = None) -> list:
+    """The job's elements. With ``worker_processes`` (a local runner, whose worker processes are known):
+    one run of consecutive shard ranges per process, in which each shard's commit overlaps the next
+    shard's computing. Without (a runner that spreads elements over workers it knows: Dask, Dataflow,
+    Flink, ...): one range per element, so that the ranges spread, a lost worker's ranges are run again
+    alone, and a cancelled run stops after the ranges under way."""
+    ranges = spec.stored_ranges()
+    if not worker_processes:
+        return ranges
+    size = -(-len(ranges) // worker_processes)
+    return [tuple(ranges[lo : lo + size]) for lo in range(0, len(ranges), size)]
+
+
+def build(
+    pipeline: beam.Pipeline, spec: JobSpec, engine_factory: EngineFactory | None = None, worker_processes: int | None = None
+):
+    """The whole job as a Beam graph: shard ranges (``work_items``), spread over the workers -> each
+    range read, computed and written as its shard (``ComputeShards``; a complete shard kept) -> one
+    ``ShardRecord`` each -> ``Finalize``: aggregates, ``jacobians.h5``, ``rejected.jsonl``, the manifest.
+
+    Only ranges and records travel between steps, every output comes out of ``process``, no step has a
+    side input or a tagged output: the shape runs as intended on any runner (Dask's too, which keeps
+    none of those as the others do).
 
     Args:
         pipeline: the pipeline to add the job's transforms to (``beam.Pipeline``, or a ``TestPipeline``).
         spec: the planned job (``plan.make_job``).
         engine_factory: builds each worker's engine (see ``ComputeJacobians``); None is TensorFlow's
             ``JacobianEngine``. A test seam: ``transforms.testing.fake_engine.FakeEngineFactory``.
+        worker_processes: a local runner's worker processes (see ``work_items``); None: one range per
+            element.
 
     Returns:
-        ``PCollection[dict]`` of one element, the manifest ``WriteShards`` writes when every shard is
+        ``PCollection[dict]`` of one element, the manifest ``Finalize`` writes when every shard is
         done.
     """
-    samples = pipeline | "ReadSamples" >> ReadSamples(spec)
-    jacobians = samples.batches | "ComputeJacobians" >> ComputeJacobians(
-        spec.model, spec.sample_shape, spec.engine, spec.tf_threads, self_check=spec.self_check,
-        engine_factory=engine_factory,
+    return (
+        pipeline
+        | "ShardRanges" >> beam.Create(work_items(spec, worker_processes))
+        | "Spread" >> beam.Reshuffle()  # a no-op on Dask, where the partitions spread (with_dask_partitions)
+        | "ComputeShards" >> ComputeShards(spec, engine_factory)
+        | "Finalize" >> Finalize(spec)
     )
-    return jacobians | "WriteShards" >> WriteShards(spec, complete=samples.complete, rejected=samples.rejected)
 
 
 def with_filesystem_plugins(options: PipelineOptions) -> PipelineOptions:
@@ -117,6 +169,8 @@ def unknown_options(beam_args: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _runner(options: PipelineOptions):
+    if is_dask(options):  # beam.Pipeline() knows the DaskRunner only by its module path
+        return _dask_runner_module().DaskRunner()
     if not is_local(options):
         return None  # Beam picks the runner named by --runner
     from apache_beam.options.pipeline_options import SetupOptions
@@ -133,9 +187,30 @@ def _runner(options: PipelineOptions):
     return fn_runner.FnApiRunner(provision_info=fn_runner.ExtendedProvisionInfo(provision))
 
 
-def _metrics(result) -> dict[str, Any]:
+def _close_client(result) -> None:
+    """Beam's DaskRunner leaves its ``distributed.Client`` connected after the run (``result.client``):
+    closing it releases what the run left on the cluster (its records, the manifest) and, should the
+    run have failed, its tasks still pending."""
+    client = getattr(result, "client", None)
+    if client is not None:
+        client.close()
+
+
+def _metrics(result, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The run's Beam metrics by name; where the runner collects none (Beam's DaskRunner raises
+    ``NotImplementedError``), jacobeam's own counts from the manifest: ``samples`` computed,
+    ``shards_written`` and ``shards_skipped``."""
+    try:
+        query = result.metrics().query()
+    except NotImplementedError:
+        log.info("the runner reports no metrics; counting samples and shards from the manifest")
+        shards = manifest["shards"]
+        return {
+            "samples": manifest["run"]["samples_computed"],
+            "shards_written": sum(1 for shard in shards if shard["computed_in_this_run"]),
+            "shards_skipped": sum(1 for shard in shards if not shard["computed_in_this_run"]),
+        }
     found: dict[str, Any] = {}
-    query = result.metrics().query()
     for counter in query["counters"]:
         found[counter.key.metric.name] = counter.committed
     for gauge in query["gauges"]:
@@ -190,6 +265,8 @@ def run(
         Exception: the pipeline failed (the runner's exception, wrapping the worker's error).
     """
     options = with_filesystem_plugins(PipelineOptions(beam_args))
+    if is_dask(options):
+        options = with_dask_partitions(options)
     # The plan reads inputs and the output folder before a Pipeline exists (which would do this): file
     # systems that take options (--hdfs_host, --s3_region_name, ...) need them here already.
     FileSystems.set_options(options)
@@ -210,9 +287,12 @@ def run(
     with progress:
         if pipeline is None:
             pipeline = beam.Pipeline(runner=_runner(options), options=options)
-        build(pipeline, spec, engine_factory)
+        build(pipeline, spec, engine_factory, local_worker_processes(options) if is_local(options) else None)
         result = pipeline.run()
-        result.wait_until_finish()
+        try:
+            result.wait_until_finish()
+        finally:
+            _close_client(result)
     manifest = json.loads(storage.read_text(storage.join(spec.output_dir, MANIFEST)))
     verification = None
     if verify_samples:
@@ -220,4 +300,4 @@ def run(
 
         verification = verify.verify(spec.output_dir, samples=verify_samples)
         manifest = verify.record(spec.output_dir, verification)
-    return RunResult(manifest=manifest, metrics=_metrics(result), verification=verification)
+    return RunResult(manifest=manifest, metrics=_metrics(result, manifest), verification=verification)

@@ -1,4 +1,5 @@
-"""Services that tests start on loopback: a Beam worker pool or job service, a local S3 server."""
+"""Services that tests start on loopback: Beam's worker pool and job service, a local S3 server, a
+Dask cluster."""
 
 from __future__ import annotations
 
@@ -16,6 +17,16 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _wait_for_port(port: int, wait: float, what: str) -> None:
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} did not listen on port {port} within {wait} s")
 
 
 @contextlib.contextmanager
@@ -58,3 +69,79 @@ def moto_s3(wait: float = 60) -> Iterator[str]:
     port = _free_port()
     with _service([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], port, "moto_server", wait=wait):
         yield f"http://127.0.0.1:{port}"
+
+
+class DaskCluster:
+    """A Dask ``distributed`` cluster of separate processes on loopback, each in its own process group:
+    ``dask scheduler`` and ``dask worker`` processes of one thread each, without nannies (a worker killed
+    stays dead until ``start_worker`` replaces it), dashboards off. ``client`` is a client of the test's
+    own (not the default one) for looking at the cluster."""
+
+    def __init__(self, folder: str, env: dict[str, str] | None, wait: float):
+        self._dask = os.path.join(os.path.dirname(sys.executable), "dask")
+        self._folder, self._env, self._wait = folder, env, wait
+        self._processes: list[subprocess.Popen] = []
+        self.workers: list[subprocess.Popen] = []
+        self.client = None
+        port = _free_port()
+        self.address = f"tcp://127.0.0.1:{port}"
+
+    def start_scheduler(self) -> None:
+        import distributed
+
+        port = int(self.address.rsplit(":", 1)[1])
+        self.scheduler = self._start("scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard")
+        _wait_for_port(port, self._wait, "dask scheduler")
+        self.client = distributed.Client(self.address, set_as_default=False, timeout=self._wait)
+
+    def _start(self, *args: str) -> subprocess.Popen:
+        log = open(os.path.join(self._folder, f"{args[0]}-{len(self._processes)}.log"), "w")
+        with log:
+            process = subprocess.Popen(
+                [self._dask, *args], env=self._env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                cwd=self._folder,
+            )
+        self._processes.append(process)
+        return process
+
+    def start_worker(self) -> subprocess.Popen:
+        """One more worker; returns once the scheduler counts it."""
+        expected = len(self.client.scheduler_info(n_workers=-1)["workers"]) + 1
+        worker = self._start(
+            "worker", self.address, "--nthreads", "1", "--no-nanny", "--no-dashboard", "--host", "127.0.0.1",
+            "--local-directory", self._folder,
+        )
+        self.workers.append(worker)
+        self.client.wait_for_workers(expected, timeout=self._wait)
+        return worker
+
+    def worker_pids(self) -> set[int]:
+        return set(self.client.run(os.getpid).values())
+
+    @staticmethod
+    def kill(process: subprocess.Popen) -> None:
+        """SIGKILL the process's whole group (no clean-up of any kind) and reap it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+    def stop(self) -> None:
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                self.client.close(timeout=10)
+        for process in reversed(self._processes):
+            self.kill(process)
+
+
+@contextlib.contextmanager
+def dask_cluster(folder: str, workers: int = 2, env: dict[str, str] | None = None, wait: float = 120) -> Iterator[DaskCluster]:
+    """A ``DaskCluster`` with ``workers`` workers until the block ends; every process it started is
+    killed then, whatever happened."""
+    cluster = DaskCluster(folder, env, wait)
+    try:
+        cluster.start_scheduler()
+        for _ in range(workers):
+            cluster.start_worker()
+        yield cluster
+    finally:
+        cluster.stop()

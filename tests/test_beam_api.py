@@ -121,19 +121,16 @@ def test_aggregates_are_refused_for_a_users_pipeline(tmp_path):
         pipeline_spec(str(tmp_path), MODEL, SHAPE, EngineOptions(aggregate=("mean",)))
 
 
-def test_a_bundle_that_ends_mid_shard_is_an_error(tmp_path, samples):
-    """The planned path streams a shard's batches within one bundle; a batch stream that stops before a
-    shard's last row must fail the bundle, not commit or leave a half shard."""
+def test_a_shard_with_rows_missing_is_an_error_and_leaves_no_file(tmp_path, samples):
+    """Each shard is written by one process call, whole; a shard whose rows did not all arrive must fail
+    the bundle, not commit or leave a half shard."""
     from jacobeam.transforms.elements import JacobianBatch as Batch
     from jacobeam.transforms.spec import ShardRange
     from jacobeam.transforms.write import WriteShardFn
 
     spec = pipeline_spec(str(tmp_path / "out"), MODEL, SHAPE, samples_per_shard=8)
     fn = WriteShardFn(spec)
-    fn.setup()
-    fn.start_bundle()
     half = Batch(ids=np.arange(4), datasets={"jacobian": np.zeros((4, 3, 2)), "output": np.zeros((4, 3))}, shard=ShardRange(0, 8))
-    assert list(fn.process(half)) == []
-    with pytest.raises(OutputError, match="bundle ended before every row"):
-        fn.finish_bundle()
+    with pytest.raises(OutputError, match="4 rows written, 8 planned"):
+        list(fn.process(half))
     assert not list((tmp_path / "out" / "shards").iterdir())

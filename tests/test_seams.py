@@ -33,12 +33,15 @@ from jacobeam.transforms import (
     EngineOptions,
     JacobianBatch,
     ModelSource,
+    ReadSamples,
     SampleBatch,
+    WriteShards,
 )
 from jacobeam.transforms.aggregates import AggregateFn, partial
 from jacobeam.transforms.errors import ModelError, OutputError
 from jacobeam.transforms.inputs.readers import SourceFile
 from jacobeam.transforms.output import storage
+from jacobeam.transforms.output.shards import ShardRecord
 from jacobeam.transforms.output.storage import sha256
 from jacobeam.transforms.spec import Reduction, Rejected
 from jacobeam.transforms.testing.fake_engine import FakeEngine, FakeEngineFactory
@@ -236,7 +239,7 @@ def test_a_run_in_the_callers_pipeline_stores_the_closed_form_for_every_sample(f
     root, samples, result, pipeline = fake_run
     out = root / "out"
     labels = [t.full_label for t in pipeline.transforms_stack[0].parts]
-    assert labels == ["ReadSamples", "ComputeJacobians", "WriteShards"]  # built into the pipeline given
+    assert labels == ["ShardRanges", "Spread", "ComputeShards", "Finalize"]  # built into the pipeline given
     manifest = result.manifest
     assert [(s["start"], s["stop"], s["num_samples"], s["rejected"]) for s in manifest["shards"]] == [
         (0, 16, 15, 1), (16, 32, 16, 0), (32, 40, 8, 0)
@@ -271,6 +274,29 @@ def test_a_run_in_the_callers_pipeline_stores_the_closed_form_for_every_sample(f
     assert (report.shards_checked, report.ids_checked) == (3, 40)
 
 
+def test_only_ranges_and_records_travel_between_the_runs_steps(fake_run):
+    """Samples and Jacobians stay inside ComputeShards' process calls: a runner that hands a step's
+    outputs on as a list per partition (Dask's) holds records, never a shard's results."""
+    _, _, _, pipeline = fake_run
+    produced = [
+        output.element_type
+        for applied in pipeline.transforms_stack[0].parts
+        for part in [applied, *applied.parts]
+        for output in part.outputs.values()
+    ]
+    assert not any(kind in (SampleBatch, JacobianBatch) for kind in produced)
+    assert ShardRecord in produced
+
+
+def test_metrics_of_a_runner_that_has_none_are_counted_from_the_manifest(fake_run):
+    class NoMetrics:
+        def metrics(self):
+            raise NotImplementedError("as Beam's DaskRunner")
+
+    _, _, result, _ = fake_run
+    assert runner._metrics(NoMetrics(), result.manifest) == {"samples": 39, "shards_written": 3, "shards_skipped": 0}
+
+
 def test_resume_after_losing_one_shard_recomputes_only_it_bit_for_bit(fake_run, tmp_path):
     root, _, first, _ = fake_run
     out = tmp_path / "out"
@@ -294,6 +320,33 @@ def test_resume_after_losing_one_shard_recomputes_only_it_bit_for_bit(fake_run, 
         with h5py.File(out / name) as new, h5py.File(root / "out" / name) as old:
             for key in new:
                 np.testing.assert_array_equal(new[key][()], old[key][()])
+    assert verify.verify(str(out), samples=0).ok
+
+
+def test_read_compute_write_composed_in_a_users_pipeline_give_the_same_folder_as_the_run(fake_run, tmp_path):
+    """``ReadSamples | ComputeJacobians | WriteShards`` on a planned job: the batches are grouped by their
+    planned shard, every shard and aggregate the same bit for bit as ``jacobeam run``'s."""
+    root, _, first, _ = fake_run
+    out = tmp_path / "out"
+    job = plan.make_job(_config(root / "data", out), check_model=False)
+    plan.prepare_output(job)
+    spec = job.spec
+    with test_pipeline.TestPipeline(runner=FnApiRunner()) as pipeline:
+        _ = (
+            pipeline
+            | ReadSamples(spec)
+            | ComputeJacobians(spec.model, spec.sample_shape, spec.engine, engine_factory=FACTORY)
+            | WriteShards(spec)
+        )
+    assert {p.name: sha256(p) for p in (out / "shards").iterdir()} == {
+        p.name: sha256(p) for p in (root / "out" / "shards").iterdir()
+    }
+    for name in ("aggregates.h5", "jacobians.h5", "rejected.jsonl"):
+        assert (out / name).exists()
+    with h5py.File(out / "aggregates.h5") as new, h5py.File(root / "out" / "aggregates.h5") as old:
+        for key in old:
+            np.testing.assert_array_equal(new[key][()], old[key][()])
+    assert (out / "rejected.jsonl").read_bytes() == (root / "out" / "rejected.jsonl").read_bytes()
     assert verify.verify(str(out), samples=0).ok
 
 

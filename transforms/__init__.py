@@ -1,8 +1,9 @@
 """jacobeam's building blocks: reading samples, the Jacobian engine, computing and writing shards.
 
-A planned job (``jacobeam run``) is ``ReadSamples | ComputeJacobians | WriteShards``; a pipeline of
-your own can use ``ComputeJacobians`` on its samples and ``WriteShards`` (with ``pipeline_spec``) on
-the results, or ``RunInference(JacobianModelHandler(...))``.
+A planned job (``jacobeam run``) is its shard ranges ``| ComputeShards | Finalize`` (each range read,
+computed and written in one step); a pipeline of your own can use ``ReadSamples`` to read a planned
+job's samples, ``ComputeJacobians`` on samples and ``WriteShards`` (with ``pipeline_spec``) on the
+results, or ``RunInference(JacobianModelHandler(...))``.
 
 Importing this package is light: every name loads its module on first use. TensorFlow is imported
 only where a worker needs it, and ``JacobianModelHandler`` only when it is asked for: its Beam module
@@ -17,9 +18,9 @@ from typing import Any
 # used (PEP 562), so that importing a light part (``transforms.spec``, ``transforms.errors``) does not
 # import Beam, and nothing here imports TensorFlow.
 _EXPORTS = {
-    "Aggregate": "aggregates",
     "ComputeJacobians": "compute",
     "ComputeJacobiansFn": "compute",
+    "ComputeShards": "job",
     "EngineOptions": "spec",
     "Finalize": "finalize",
     "JacobianBatch": "elements",

@@ -1,9 +1,10 @@
 """Streaming aggregates over every sample's Jacobian: mean, mean absolute value and ``sum J^T J``.
 
-Each shard contributes one partial sum (float64, summed in sample order). Partials are combined by a
-Beam ``CombineFn`` along a fixed binary tree over the shards, so the result is the same bit for bit
-however the work was split across workers and bundles, and resumed shards contribute the partials
-stored in their files.
+Each shard contributes one partial sum (float64, summed in sample order), stored in the shard's file.
+``Finalize`` combines them (``combine_shards``) with ``AggregateFn`` along a fixed binary tree over the
+shards, so the result is the same bit for bit however the work was split across workers and bundles,
+and whether a shard was computed in this run or kept from an earlier one. Read from the shards, the
+partials never travel through the pipeline: no collection of them, no side input.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Any
 
 import apache_beam as beam
 import numpy as np
-from apache_beam.typehints.decorators import no_annotations
 
 from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.output import storage
@@ -108,11 +108,19 @@ class AggregateFn(beam.CombineFn):
         return value(max(0, (self._leaves - 1).bit_length()), 0)
 
 
-# Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
-# annotations (strings: ``from __future__ import annotations``), so ``no_annotations`` keeps them for readers.
-@no_annotations
-@beam.typehints.with_input_types(Any, JobSpec)
-@beam.typehints.with_output_types(dict[str, Any])
+def combine_shards(spec: JobSpec) -> Partial | None:
+    """Every stored shard's partial sums, read from its file in id order and combined along
+    ``AggregateFn``'s tree (O(log n) of them in memory); None for a job without aggregates."""
+    if not spec.engine.aggregate:
+        return None
+    ranges = spec.stored_ranges()
+    fn = AggregateFn(len(ranges))
+    nodes = fn.create_accumulator()
+    for position, shard in enumerate(ranges):
+        fn.add_input(nodes, (position, read_partial(shard_path(spec.output_dir, shard.start, shard.stop))))
+    return fn.extract_output(nodes)
+
+
 def write_aggregates(sums: Partial | None, spec: JobSpec) -> dict[str, Any]:
     """Write ``aggregates.h5`` (``mean``, ``mean_abs`` ``(*rows, *input_shape)`` where rows are the
     output shape or the ``k`` selected rows, ``jtj`` ``(d, d)``, ``count``) atomically; returns what
@@ -144,20 +152,3 @@ def write_aggregates(sums: Partial | None, spec: JobSpec) -> dict[str, Any]:
 
 def _names(sums: Partial) -> set[str]:
     return {{"sum": "mean", "sum_abs": "mean_abs", "jtj": "jtj"}.get(name, name) for name in sums}
-
-
-class Aggregate(beam.PTransform):
-    """``PCollection[(shard position, Partial)] -> PCollection[dict]``: combine every shard's partial
-    sums and write ``aggregates.h5``; the single output element describes it (empty without
-    aggregates)."""
-
-    def __init__(self, spec: JobSpec):
-        super().__init__()
-        self._spec = spec
-
-    def expand(self, partials):
-        return (
-            partials
-            | "Combine" >> beam.CombineGlobally(AggregateFn(len(self._spec.stored_ranges())))
-            | "Write" >> beam.Map(write_aggregates, self._spec)
-        )

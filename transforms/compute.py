@@ -12,10 +12,12 @@ tests run ``RunInference`` with a ``FakeModelHandler``).
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -35,9 +37,10 @@ from jacobeam.transforms.testing import faults
 
 log = logging.getLogger(__name__)
 
-# Engines built in this process: lets tests (and the manifest) show that setup work happens once per
-# worker process, not per bundle or element.
-_engine_builds = 0
+# Engines built in this process, per compute step of a pipeline (``ComputeJacobiansFn._run``, made when
+# the pipeline is built): lets tests (and the manifest) show that setup work happens once per worker
+# process and run, not per bundle or element, also in a worker process that outlives a run (Dask's).
+_engine_builds: collections.Counter[str] = collections.Counter()
 _builds_lock = threading.Lock()
 
 # ``(model, input_shape, options, tf_threads) -> engine``: what ``ComputeJacobiansFn`` builds its engine
@@ -64,12 +67,13 @@ def engine_setup() -> tuple[float | None, int]:
     and how many engines this process has built: what a progress display in the same process (the
     in-process runners) shows while the engine sets up."""
     with _builds_lock:
-        return min(_building.values(), default=None), _engine_builds
+        return min(_building.values(), default=None), sum(_engine_builds.values())
 
 
-def _built(factory: EngineFactory, model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None):
-    """``factory``'s engine, counted in ``_engine_builds``."""
-    global _engine_builds
+def _built(
+    run: str, factory: EngineFactory, model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None
+):
+    """``factory``'s engine, counted in ``_engine_builds[run]``."""
     token = object()
     with _builds_lock:
         _building[id(token)] = time.monotonic()
@@ -79,7 +83,7 @@ def _built(factory: EngineFactory, model: ModelSource, input_shape, options: Eng
         with _builds_lock:
             del _building[id(token)]
     with _builds_lock:
-        _engine_builds += 1
+        _engine_builds[run] += 1
     return engine
 
 
@@ -107,8 +111,11 @@ class ComputeJacobiansFn(beam.DoFn):
         self._model, self._input_shape, self._options, self._tf_threads = model, input_shape, options, tf_threads
         self._self_check = self_check if self_check is not None and self_check.samples > 0 else None
         self._engine_factory = build_engine if engine_factory is None else engine_factory
+        # Beam's Shared keeps the last engine acquired in a process alive between bundles (a runner that
+        # sets up a DoFn per bundle, as Dask's does per partition, then still builds it once).
         self._shared = shared.Shared()
         self._shared_checker = shared.Shared()
+        self._run = uuid.uuid4().hex  # this compute step of this pipeline, in every worker's copy
         self._metrics = ComputeMetrics()
 
     def setup(self) -> None:
@@ -118,7 +125,7 @@ class ComputeJacobiansFn(beam.DoFn):
             key = f"{key} {self._engine_factory!r}"
         factory = self._engine_factory
         self._engine = self._shared.acquire(
-            lambda: _built(factory, self._model, self._input_shape, self._options, self._tf_threads), tag=key
+            lambda: _built(self._run, factory, self._model, self._input_shape, self._options, self._tf_threads), tag=key
         )
         self._checker, self._chosen = None, {}
         if self._self_check is not None:  # its reference function is traced at the first check
@@ -146,7 +153,7 @@ class ComputeJacobiansFn(beam.DoFn):
                 partial=None if full is None else aggregates.partial(full, kinds),
                 seconds=seconds,
                 engine={**described, "model_fingerprint": engine.fingerprint},
-                worker={"pid": os.getpid(), "engine_builds": _engine_builds},
+                worker={"pid": os.getpid(), "engine_builds": _engine_builds[self._run]},
                 checks=self._check(part, datasets),
             )
 

@@ -18,7 +18,7 @@ import hashlib
 import json
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import apache_beam as beam
 from apache_beam.typehints.decorators import no_annotations
 
 from jacobeam.transforms import self_check
-from jacobeam.transforms.aggregates import PARTIALS
+from jacobeam.transforms.aggregates import PARTIALS, combine_shards, write_aggregates
 from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.inputs.readers import shape_record
 from jacobeam.transforms.output import storage
@@ -123,27 +123,18 @@ def view_datasets(view) -> dict[str, Any]:
     import h5py
 
     found: dict[str, Any] = {}
-
-    def visit(name: str, item) -> None:  # returns None: visititems stops at the first value that is not
-        if isinstance(item, h5py.Dataset):
-            found[name] = item
-
-    view.visititems(visit)
+    view.visititems(lambda name, item: found.setdefault(name, item) if isinstance(item, h5py.Dataset) else None)
     return found
 
 
 def missing_sources(root: str | Path, view) -> list[str]:
     """Problems with an open ``jacobians.h5``: each virtual source file that is missing. (HDF5 reads a
     missing source as fill values without an error, so a reader must check.)"""
-    readers: dict[str, list[str]] = {}  # each source file: the datasets that read from it
-    for name, dataset in view_datasets(view).items():
-        for source in sorted({s.file_name for s in dataset.virtual_sources()}) if dataset.is_virtual else []:
-            readers.setdefault(source, []).append(name)
     problems = []
-    for source, names in sorted(readers.items()):
-        if not storage.exists(storage.join(root, source)):
-            others = f" (as do {', '.join(names[1:])})" if len(names) > 1 else ""
-            problems.append(f"{VIEW}:{names[0]} reads from {source}, which is missing{others}")
+    for name, dataset in view_datasets(view).items():
+        sources = sorted({s.file_name for s in dataset.virtual_sources()}) if dataset.is_virtual else []
+        missing = [s for s in sources if not storage.exists(storage.join(root, s))]
+        problems += [f"{VIEW}:{name} reads from {s}, which is missing" for s in missing]
     return problems
 
 
@@ -298,51 +289,48 @@ def write_manifest(output_dir: str, manifest: dict[str, Any]) -> None:
     storage.write_atomically(storage.join(output_dir, MANIFEST), lambda temp: temp.write_text(text), "manifest")
 
 
-# Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
-# annotations (strings: ``from __future__ import annotations``), so ``no_annotations`` keeps them for readers.
-@no_annotations
-@beam.typehints.with_input_types(list[ShardRecord], JobSpec, Any, Any)
-@beam.typehints.with_output_types(dict[str, Any])
-def finalize(
-    records: Sequence[ShardRecord],
-    spec: JobSpec,
-    aggregates: dict[str, Any] | None = None,
-    rejected: Sequence[Rejected] | None = None,
-) -> dict[str, Any]:
-    """``rejected``: the compute step's dead-letter output (rejected sample runs); files that could not
-    be opened have no ids, hence no range, and come from the plan. Without it, the plan's list."""
+def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
+    """Check that ``records`` and the plan's rejected samples cover every id once, then write
+    ``aggregates.h5`` (from the partial sums stored in the shards, if the job asks for aggregates),
+    ``jacobians.h5``, ``rejected.jsonl`` and, last, ``manifest.json``; returns the manifest."""
     if spec.open_ended:  # a user's pipeline: ids 0..n-1, n known now
         count = max((record.stop for record in records), default=0)
         spec = dataclasses.replace(spec, files=(dataclasses.replace(spec.files[0], num_samples=count),))
-    rejected = spec.rejected() if rejected is None else [*spec.file_rejects, *rejected]
+    rejected = spec.rejected()
     ordered = check_coverage(records, spec.num_samples, rejected)
+    summary = write_aggregates(combine_shards(spec), spec)
     fields = write_virtual_view(spec.output_dir, ordered)
     rejected_sha256 = write_rejected(spec.output_dir, rejected)
     remove_temp_files(spec.output_dir)
     manifest = build_manifest(spec, ordered, fields, rejected, rejected_sha256)
-    manifest["aggregates"] = aggregates or {}
+    manifest["aggregates"] = summary
     write_manifest(spec.output_dir, manifest)
     return manifest
 
 
-class Finalize(beam.PTransform):
-    """``PCollection[ShardRecord] -> PCollection[manifest dict]``: one step after every shard is done
-    (and after ``aggregates``, a single-element ``PCollection`` from ``Aggregate``, if given).
-    ``rejected`` is the compute step's dead-letter output (``PCollection[Rejected]``), if given."""
+@no_annotations
+@beam.typehints.with_input_types(tuple[None, Iterable[ShardRecord]], JobSpec)
+@beam.typehints.with_output_types(dict[str, Any])
+def _all_records(keyed: tuple[None, Iterable[ShardRecord]], spec: JobSpec) -> dict[str, Any]:
+    return finalize(list(keyed[1]), spec)
 
-    def __init__(self, spec: JobSpec, aggregates=None, rejected=None):
+
+class Finalize(beam.PTransform):
+    """``PCollection[ShardRecord] -> PCollection[manifest dict]``: one step after every shard is done.
+
+    The records, each under one and the same key, meet in a ``GroupByKey`` (every runner groups; no side
+    input, no combiner lifting needed), and ``finalize`` runs once on all of them. Rejected samples come
+    from the plan (``spec``), the aggregates from the partial sums stored in the shards.
+    """
+
+    def __init__(self, spec: JobSpec):
         super().__init__()
         self._spec = spec
-        self._aggregates = aggregates
-        self._rejected = rejected
 
     def expand(self, records):
-        side = {} if self._aggregates is None else {"aggregates": beam.pvalue.AsSingleton(self._aggregates)}
-        if self._rejected is not None:
-            # Collected by a step of its own: Beam's BundleBasedDirectRunner hands the main output of a
-            # ParDo to a side input read straight from that ParDo's tagged output (seen in Beam 2.77).
-            collected = self._rejected | "CollectRejected" >> beam.combiners.ToList()
-            side["rejected"] = beam.pvalue.AsSingleton(collected)
         return (
-            records | "AllShards" >> beam.combiners.ToList() | "WriteManifest" >> beam.Map(finalize, self._spec, **side)
+            records
+            | "Key" >> beam.Map(lambda record: (None, record))
+            | "AllShards" >> beam.GroupByKey()
+            | "WriteManifest" >> beam.Map(_all_records, self._spec)
         )

@@ -1,14 +1,14 @@
-"""Reading a planned job's samples: shard ranges in, batches of samples out.
+"""Reading a planned job's samples: a shard range in, batches of samples out.
 
-Each range is one unit of work: Beam spreads the ranges over the workers (``Reshuffle``), and each
-worker streams a range's samples through ``tf.data`` (file slices, rebatched across file boundaries,
-prefetched so that reading overlaps the computing downstream). Local ``.npy`` files are read by
-TensorFlow's own ``FixedLengthRecordDataset``, with no Python per batch (faster end to end:
-benchmarks/README.md); other files are read in slices in Python
-(``readers.iter_slices``) and handed over through ``Dataset.from_generator``. A range whose shard is
-already complete on disk is not read: it goes to the ``complete`` output, and ``WriteShards`` keeps
-its shard. Samples that the plan rejected (``input.on_bad_sample: skip``) are never read; they go to
-the dead-letter output ``rejected``.
+Each range is one unit of work: ``shard_batches`` streams a range's samples through ``tf.data`` (file
+slices, rebatched across file boundaries, prefetched so that reading overlaps the computing
+downstream). Local ``.npy`` files are read by TensorFlow's own ``FixedLengthRecordDataset``, with no
+Python per batch (faster end to end: benchmarks/README.md); other files are read in slices in Python
+(``readers.iter_slices``) and handed over through ``Dataset.from_generator``. Samples that the plan
+rejected (``input.on_bad_sample: skip``) are never read.
+
+``jacobeam run`` reads inside ``ComputeShards`` (``transforms.job``: read, compute and write one range
+per element); ``ReadSamples`` is the same reading as a transform of its own, for a pipeline of your own.
 """
 
 from __future__ import annotations
@@ -28,10 +28,35 @@ from jacobeam.transforms.inputs.readers import as_dtype, iter_slices, nonfinite_
 from jacobeam.transforms.inputs.registry import file_format
 from jacobeam.transforms.inputs.types import Samples, SourceFile
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.shards import proven_checksum, shard_path
 from jacobeam.transforms.spec import JobSpec, ShardRange
 
-BATCHES, COMPLETE, REJECTED = "batches", "complete", "rejected"  # ReadSamples' outputs
+
+def shard_batches(spec: JobSpec, shard: ShardRange) -> Iterator[SampleBatch]:
+    """The range's kept samples as ``SampleBatch``es of at most ``spec.engine.batch_size`` (only the last
+    one shorter), in id order, read by ``tf.data``."""
+    for ids, inputs, labels in _dataset(spec, shard):
+        # np.asarray: read-only views of the tensors' buffers, where .numpy() would copy them.
+        inputs = {k: np.asarray(v) for k, v in inputs.items()} if isinstance(inputs, dict) else np.asarray(inputs)
+        ids = np.asarray(ids)
+        _check_finite(spec, ids, inputs)
+        yield SampleBatch(ids=ids, inputs=inputs, labels=np.asarray(labels), shard=shard)
+
+
+def _dataset(spec: JobSpec, shard: ShardRange):
+    """tf.data over the range's kept samples; only the range's last batch can be short."""
+    import tensorflow as tf
+
+    segments = _npy_segments(spec, shard)
+    dataset = _native(spec, segments) if segments is not None else _from_generator(spec, shard)
+    # A fixed two-batch prefetch needs neither autotuning nor graph rewrites, which cost each range's
+    # dataset its start-up time; tf.data's own thread pool competed with the engine's threads for
+    # the cores, so reading gets one private thread (benchmarks/README.md).
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    options.experimental_optimization.apply_default_optimizations = False
+    options.threading.private_threadpool_size = 1
+    options.threading.max_intra_op_parallelism = 1
+    return dataset.rebatch(spec.engine.batch_size).prefetch(2).with_options(options)
 
 
 # Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
@@ -39,45 +64,14 @@ BATCHES, COMPLETE, REJECTED = "batches", "complete", "rejected"  # ReadSamples' 
 @beam.typehints.with_input_types(ShardRange)
 @beam.typehints.with_output_types(SampleBatch)
 class ReadShardFn(beam.DoFn):
-    """``ShardRange -> SampleBatch...`` (main output); ``(ShardRange, sha256)`` of a complete shard to
-    ``complete``; the range's ``Rejected`` runs to ``rejected``."""
+    """``ShardRange -> SampleBatch...``: the range's kept samples (``shard_batches``)."""
 
     def __init__(self, spec: JobSpec):
         self._spec = spec
 
     @no_annotations
-    def process(self, shard: ShardRange) -> Iterator[SampleBatch | beam.pvalue.TaggedOutput]:
-        for rejected in shard.rejected:
-            yield beam.pvalue.TaggedOutput(REJECTED, rejected)
-        if shard.rows == 0:  # every sample of the range was rejected: no shard
-            return
-        checksum = proven_checksum(shard_path(self._spec.output_dir, shard.start, shard.stop))
-        if checksum is not None:
-            yield beam.pvalue.TaggedOutput(COMPLETE, (shard, checksum))
-            return
-        for ids, inputs, labels in self._batches(shard):
-            # np.asarray: read-only views of the tensors' buffers, where .numpy() would copy them.
-            inputs = {k: np.asarray(v) for k, v in inputs.items()} if isinstance(inputs, dict) else np.asarray(inputs)
-            ids = np.asarray(ids)
-            _check_finite(self._spec, ids, inputs)
-            yield SampleBatch(ids=ids, inputs=inputs, labels=np.asarray(labels), shard=shard)
-
-    def _batches(self, shard: ShardRange):
-        """tf.data over the range's kept samples; only the range's last batch can be short."""
-        import tensorflow as tf
-
-        spec = self._spec
-        segments = _npy_segments(spec, shard)
-        dataset = _native(spec, segments) if segments is not None else _from_generator(spec, shard)
-        # A fixed two-batch prefetch needs neither autotuning nor graph rewrites, which cost each range's
-        # dataset its start-up time; tf.data's own thread pool competed with the engine's threads for
-        # the cores, so reading gets one private thread (benchmarks/README.md).
-        options = tf.data.Options()
-        options.autotune.enabled = False
-        options.experimental_optimization.apply_default_optimizations = False
-        options.threading.private_threadpool_size = 1
-        options.threading.max_intra_op_parallelism = 1
-        return dataset.rebatch(spec.engine.batch_size).prefetch(2).with_options(options)
+    def process(self, shard: ShardRange) -> Iterator[SampleBatch]:
+        yield from shard_batches(self._spec, shard)
 
 
 def _from_generator(spec: JobSpec, shard: ShardRange):
@@ -192,20 +186,20 @@ def _check_finite(spec: JobSpec, ids: np.ndarray, samples: Samples) -> None:
 
 
 class ReadSamples(beam.PTransform):
-    """``PBegin -> (batches, complete, rejected)``: the samples of a planned job, read from its files.
+    """``PBegin -> PCollection[SampleBatch]``: the samples of a planned job, read from its files.
+
+    Every stored range of the plan is read (a shard already complete on disk too: ``jacobeam run``'s
+    ``ComputeShards`` is what keeps those); the ranges are spread over the workers first.
 
     Args:
         spec: the planned job (``pipeline.plan.make_job(...).spec``): input files, shard ranges, engine
-            options (``batch_size``), the output folder (to find shards already complete).
+            options (``batch_size``).
 
     Returns:
-        A tagged output with three ``PCollection``s:
-
-        - ``batches``: ``SampleBatch`` of at most ``spec.engine.batch_size`` samples, each within one
-          shard (``SampleBatch.shard``): ``ids`` ``(n,)`` int64, ``samples`` ``(n, *sample_shape)`` in
-          the compute dtype (``{input name: array}`` for several inputs), ``labels`` ``(n,)`` or None;
-        - ``complete``: ``(ShardRange, sha256)`` of shards already complete on disk (not read again);
-        - ``rejected``: ``Rejected`` runs of samples left out (non-finite or unreadable rows).
+        ``SampleBatch`` elements of at most ``spec.engine.batch_size`` samples, each within one shard
+        (``SampleBatch.shard``): ``ids`` ``(n,)`` int64, ``inputs`` ``(n, *sample_shape)`` in the compute
+        dtype (``{input name: array}`` for several inputs), ``labels`` ``(n,)``. Samples the plan
+        rejected are left out (``spec.rejected()`` lists them).
 
     Raises:
         InputError, CorruptInputError: (in the workers) an input file that changed since the plan, or
@@ -219,10 +213,7 @@ class ReadSamples(beam.PTransform):
     def expand(self, pbegin):
         return (
             pbegin
-            | "ShardRanges" >> beam.Create(self._spec.ranges())
+            | "ShardRanges" >> beam.Create(self._spec.stored_ranges())
             | "Spread" >> beam.Reshuffle()
-            | "Read"
-            >> beam.ParDo(ReadShardFn(self._spec))
-            .with_output_types(SampleBatch)
-            .with_outputs(COMPLETE, REJECTED, main=BATCHES)
+            | "Read" >> beam.ParDo(ReadShardFn(self._spec)).with_output_types(SampleBatch)
         )

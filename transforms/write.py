@@ -1,15 +1,15 @@
 """Writing Jacobian records: batches in, complete HDF5 shards, ``manifest.json`` and ``jacobians.h5`` out.
 
-A planned job's batches (``ReadSamples`` -> ``ComputeJacobians``) know their shard: the writer streams
-them into the shard's temporary file as they come, in the same fused step, and commits the shard
-when its last row is written (checksum, flush, rename: on the writer's thread, while the next shard
-computes); nothing is grouped or held in memory. Beam never splits the
-outputs of one element's processing across bundles, so a shard's batches, which all come from one
-range element, arrive in one bundle.
+``ShardOutput`` writes one shard: batches of its rows are streamed into the shard's temporary file as
+they come (``ShardWriter``: on the writer's thread, while the caller computes the next batch), then
+the shard is committed (checksum, flush, rename) and its ``ShardRecord`` returned. A planned job uses it
+inside ``ComputeShards`` (``transforms.job``), which reads, computes and writes one shard range per
+element, so that no more than a few batches of a shard are in memory at a time.
 
-Batches of a user's pipeline carry their own integer ids and no shard: ``WriteShards`` groups them by
-``id // samples_per_shard`` first (a ``GroupByKey``, which holds one shard's records at a time), then
-writes the same way.
+``WriteShards`` is the same for a pipeline of your own: its batches carry their own integer ids (or,
+from ``ReadSamples``, their planned shard); they are grouped by shard first (a ``GroupByKey``, which
+holds one shard's records at a time), and each shard is written by one call of ``WriteShardFn.process``,
+which yields its record: every output of the step comes out of ``process``.
 
 Processing is idempotent: a failed attempt's temporary file is removed (or, if the process died, never
 counts and is removed by the next run), and only the rename makes a shard count, so a retried bundle
@@ -19,8 +19,8 @@ leaves neither a half shard nor a duplicate.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -31,106 +31,110 @@ from typing import Any
 
 import apache_beam as beam
 import numpy as np
-from apache_beam.pvalue import TaggedOutput
 from apache_beam.typehints.decorators import no_annotations
-from apache_beam.utils.windowed_value import WindowedValue
 
 from jacobeam.transforms import aggregates, self_check
-from jacobeam.transforms.aggregates import Aggregate
 from jacobeam.transforms.elements import JacobianBatch
 from jacobeam.transforms.errors import OutputError, SelfCheckError
 from jacobeam.transforms.finalize import Finalize
 from jacobeam.transforms.inputs.readers import shape_from_record, shape_record
 from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.metrics import ShardMetrics
-from jacobeam.transforms.output.layout import PIPELINE_INPUT, SAMPLE_ID, SELF_CHECK, shard_file
+from jacobeam.transforms.output.layout import SAMPLE_ID, SELF_CHECK, shard_file
 from jacobeam.transforms.output.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_path
 from jacobeam.transforms.spec import EngineOptions, JobSpec, ModelSource, SelfCheck, ShardRange, shard_inputs, version
 
 log = logging.getLogger(__name__)
-AGGREGATES = "aggregates"  # the writer's output of per-shard partial sums
 
 
-@dataclasses.dataclass
-class _OpenShard:
-    writer: ShardWriter
-    files: contextlib.ExitStack
-    began: float  # perf_counter when the shard's first batch began computing
-    engine: dict[str, Any]  # what the engine ran, as the first batch reports it
-    worker: dict[str, int]
-    sums: aggregates.Partial | None = None
-    checks: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # the self-check's records
+class ShardOutput:
+    """One shard being written: ``add`` its batches (``JacobianBatch`` of the shard, in id order), then
+    ``commit`` returns its ``ShardRecord`` (or ``commit_later`` queues the commit on the writer's thread,
+    so that the caller can compute on, and ``record`` waits for it). A context manager: leaving the
+    block without a commit (an error, a self-check mismatch under ``on_mismatch: fail``) deletes the
+    temporary file.
 
-
-@dataclasses.dataclass
-class _Committing:
-    shard: ShardRange
-    state: _OpenShard
-    checksum: concurrent.futures.Future[str]
-    element: WindowedValue  # the batch that completed the shard: its record goes to the same window
-
-
-# Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
-# annotations (strings: ``from __future__ import annotations``), so ``no_annotations`` keeps them for readers.
-@beam.typehints.with_input_types(JacobianBatch)
-@beam.typehints.with_output_types(ShardRecord)
-class WriteShardFn(beam.DoFn):
-    """``JacobianBatch -> ShardRecord`` once the batch's shard has all its rows and is committed; the
-    shard's partial sums ``(shard position, Partial)`` to ``aggregates``.
-
-    A complete shard's commit (checksum, flush to disk, rename) runs on its writer's thread while the
-    next shard computes; its record follows at a later batch or at the end of the bundle, in the window
-    of the batch that completed the shard. At most one commit is in flight: the next waits for it.
+    The shard's file is opened at the first batch (its attributes come from the spec and from what the
+    engine reports). Each batch's partial sums (``jacobian.aggregate``) are added up and stored in the
+    shard; each self-check record is kept and stored in its ``self_check`` attribute.
     """
 
-    def __init__(self, spec: JobSpec):
-        self._spec = spec
-        self._metrics = ShardMetrics()
+    def __init__(self, spec: JobSpec, shard: ShardRange, metrics: ShardMetrics):
+        self._spec, self._shard, self._metrics = spec, shard, metrics
+        self._writer: ShardWriter | None = None
+        self._closed = False
+        self._began = 0.0  # perf_counter when the shard's first batch began computing
+        self._engine: dict[str, Any] = {}  # what the engine ran, as the first batch reports it
+        self._worker: dict[str, int] = {}
+        self._sums: aggregates.Partial | None = None
+        self._checks: list[dict[str, Any]] = []  # the self-check's records
+        self._committing: concurrent.futures.Future[str] | None = None  # the commit's checksum
 
-    def setup(self) -> None:
-        self._positions = self._spec.shard_positions()
-        self._open: dict[int, _OpenShard] = {}
-        self._committing: list[_Committing] = []
+    def __enter__(self) -> ShardOutput:
+        return self
 
-    def start_bundle(self) -> None:
-        self._abort()  # what a failed bundle left open in this instance, before Beam retries it
+    def __exit__(self, *exc_info) -> None:
+        if self._writer is not None and not self._closed:
+            # Closes the writer: a commit in flight finishes (a complete shard, which a retry or rerun
+            # keeps), one not begun is dropped; without a commit the temporary file is deleted.
+            self._writer.__exit__(*exc_info)
+            self._closed = True
 
-    @no_annotations
-    def process(self, batch: JacobianBatch, element=beam.DoFn.WindowedValueParam) -> Iterator[WindowedValue | TaggedOutput]:
-        shard = batch.shard
-        if shard is None:
-            raise OutputError("WriteShards: a batch without its shard; ids must be grouped into shards first")
-        try:
-            state = self._open.get(shard.start) or self._begin(batch)
-            self._take_checks(state, shard, batch.checks or [])
-            state.writer.write(int(batch.ids[0]), {**batch.datasets, SAMPLE_ID: batch.ids})
-            state.sums = aggregates.add(state.sums, batch.partial)
-            if state.writer.rows_written == shard.rows:
-                yield from self._committed(wait=True)
-                if state.sums is not None:
-                    state.writer.attach(aggregates.PARTIALS, state.sums)
-                if state.checks:
-                    state.writer.set_attrs({SELF_CHECK: json.dumps(self._check_record(state.checks, timing=False))})
-                self._committing.append(_Committing(shard, state, state.writer.commit_later(), element))
-                del self._open[shard.start]
-            else:
-                yield from self._committed(wait=False)
-        except BaseException:
-            self._abort()  # a failed bundle leaves no writer open (Beam may never tear this instance down)
-            raise
+    def add(self, batch: JacobianBatch) -> None:
+        if self._writer is None:
+            self._begin(batch)
+        self._take_checks(batch.checks or [])
+        self._writer.write(int(batch.ids[0]), {**batch.datasets, SAMPLE_ID: batch.ids})
+        self._sums = aggregates.add(self._sums, batch.partial)
 
-    def finish_bundle(self) -> list[WindowedValue | TaggedOutput]:
-        if self._open:
-            names = sorted(state.writer.name for state in self._open.values())
-            self._abort()
-            raise OutputError(f"{', '.join(names)}: the bundle ended before every row of the shard arrived")
-        return list(self._committed(wait=True))
+    def commit_later(self) -> None:
+        """Store the sums and the self-check and queue the commit (the checksum, the flush and the
+        rename, behind the queued writes, on the writer's thread); returns at once. Raises
+        ``OutputError`` when rows are missing."""
+        shard, writer = self._shard, self._writer
+        if writer is None:
+            raise OutputError(f"{shard_file(shard.start, shard.stop)}: no rows arrived, {shard.rows} planned")
+        if self._sums is not None:
+            writer.attach(aggregates.PARTIALS, self._sums)
+        if self._checks:
+            writer.set_attrs({SELF_CHECK: json.dumps(self._check_record(timing=False))})
+        self._committing = writer.commit_later()
 
-    def teardown(self) -> None:
-        self._abort()
+    def committed(self) -> bool:
+        """Whether the queued commit is done (``record`` then returns at once)."""
+        return self._committing is not None and self._committing.done()
 
-    def _begin(self, batch: JacobianBatch) -> _OpenShard:
-        spec, shard, engine = self._spec, batch.shard, batch.engine or {}
+    def record(self) -> ShardRecord:
+        """Wait for the commit (raising its error) and close the writer; the shard's record."""
+        shard, writer = self._shard, self._writer
+        checksum = self._committing.result()
+        self.__exit__(None, None, None)
+        self._metrics.written.inc()
+        seconds = time.perf_counter() - self._began
+        log.info("shard %s: %d samples in %.2fs", writer.name, shard.rows, seconds)
+        return ShardRecord(
+            file=shard_file(shard.start, shard.stop),
+            start=shard.start,
+            stop=shard.stop,
+            sha256=checksum,
+            model_fingerprint=str(self._engine.get("model_fingerprint", "")),
+            computed=True,
+            seconds=seconds,
+            worker_pid=self._worker.get("pid", os.getpid()),
+            engine_builds=self._worker.get("engine_builds", 0),
+            engine=self._engine or None,
+            rows=shard.rows,
+            nonfinite=writer.nonfinite,
+            self_check=self._check_record(timing=True) if self._checks else None,
+        )
+
+    def commit(self) -> ShardRecord:
+        """``commit_later``, then wait for the ``record``."""
+        self.commit_later()
+        return self.record()
+
+    def _begin(self, batch: JacobianBatch) -> None:
+        spec, shard, engine = self._spec, self._shard, batch.engine or {}
         fingerprint = engine.get("model_fingerprint")
         if spec.model_fingerprint and fingerprint != spec.model_fingerprint:
             raise OutputError(
@@ -149,37 +153,34 @@ class WriteShardFn(beam.DoFn):
             "run_identity": json.dumps(spec.identity, sort_keys=True),
             "inputs": json.dumps(shard_inputs(spec.files, shard.start, shard.stop)),
         }
-        files = contextlib.ExitStack()
-        writer = files.enter_context(
-            ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression, rows=shard.rows)
-        )
-        began = time.perf_counter() - batch.seconds
-        state = self._open[shard.start] = _OpenShard(writer, files, began, engine, batch.worker or {})
-        return state
+        writer = ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression, rows=shard.rows)
+        self._writer = writer.__enter__()
+        self._began = time.perf_counter() - batch.seconds
+        self._engine, self._worker = engine, batch.worker or {}
 
-    def _take_checks(self, state: _OpenShard, shard: ShardRange, checks: list[dict[str, Any]]) -> None:
+    def _take_checks(self, checks: list[dict[str, Any]]) -> None:
         """Keep the self-check's records of a batch for its shard; a mismatch stops the run (``on_mismatch:
         fail``: this shard is never committed) or is logged (``warn``)."""
         for check in checks:
             where = self._input_row(check["id"])
             if where is not None:  # the sample's input file and row, next to its id
                 check = {"id": check["id"], "input": where, **check}
-            state.checks.append(check)
+            self._checks.append(check)
             if check["verdict"] == self_check.MISMATCH:
-                message = self._mismatch(shard, check)
+                message = self._mismatch(check)
                 if self._spec.self_check.on_mismatch == "fail":
                     raise SelfCheckError(f"{message}; jacobian.self_check.on_mismatch: warn would record it and go on")
                 log.warning("%s (recorded: jacobian.self_check.on_mismatch is warn)", message)
             elif check["verdict"] == self_check.KINK:
-                log.info("self-check: %s sample %d: %s (%s relative error %s; not a mismatch)", state.writer.name,
+                log.info("self-check: %s sample %d: %s (%s relative error %s; not a mismatch)", self._writer.name,
                          check["id"], self_check.KINK_NOTE, check["dataset"], check["max_rel_error"])
 
     def _input_row(self, sample_id: int) -> dict[str, Any] | None:
         source = next((f for f in self._spec.files if f.num_samples and f.first_id <= sample_id < f.stop_id), None)
         return None if source is None or self._spec.open_ended else {"file": source.path, "row": sample_id - source.first_id}
 
-    def _mismatch(self, shard: ShardRange, check: dict[str, Any]) -> str:
-        where = check.get("input")
+    def _mismatch(self, check: dict[str, Any]) -> str:
+        shard, where = self._shard, check.get("input")
         row = f" (input {where['file']} row {where['row']})" if where else ""
         return (
             f"self-check failed: {shard_file(shard.start, shard.stop)} (ids {shard.start}..{shard.stop - 1}), sample "
@@ -187,89 +188,50 @@ class WriteShardFn(beam.DoFn):
             f"max relative error {check['max_rel_error']}, tolerance {check['tolerance']:g}"
         )
 
-    def _check_record(self, checks: list[dict[str, Any]], timing: bool) -> dict[str, Any]:
-        """A shard's self-check as stored: in its attribute (without ``timing``, which differs from run to
+    def _check_record(self, timing: bool) -> dict[str, Any]:
+        """The shard's self-check as stored: in its attribute (without ``timing``, which differs from run to
         run: a resumed run must write the same bytes) and in its ``ShardRecord``."""
         options = self._spec.self_check
-        kept = [check if timing else {k: v for k, v in check.items() if k != "timing"} for check in checks]
+        kept = [check if timing else {k: v for k, v in check.items() if k != "timing"} for check in self._checks]
         return {"samples": options.samples, "on_mismatch": options.on_mismatch, "checked": kept}
 
-    def _committed(self, wait: bool) -> Iterator[WindowedValue | TaggedOutput]:
-        """The records of the commits that are done (with ``wait``: of all of them, waiting), in order;
-        a failed commit raises here."""
-        while self._committing and (wait or self._committing[0].checksum.done()):
-            done = self._committing.pop(0)
-            with done.state.files:  # closes the writer; after a failed commit, deletes its temporary file
-                checksum = done.checksum.result()
-            yield from self._records(done, checksum)
 
-    def _records(self, done: _Committing, checksum: str) -> Iterator[WindowedValue | TaggedOutput]:
-        shard, state = done.shard, done.state
-        self._metrics.written.inc()
-        seconds = time.perf_counter() - state.began
-        log.info("shard %s: %d samples in %.2fs", state.writer.name, shard.rows, seconds)
-        record = ShardRecord(
-            file=shard_file(shard.start, shard.stop),
-            start=shard.start,
-            stop=shard.stop,
-            sha256=checksum,
-            model_fingerprint=str(state.engine.get("model_fingerprint", "")),
-            computed=True,
-            seconds=seconds,
-            worker_pid=state.worker.get("pid", os.getpid()),
-            engine_builds=state.worker.get("engine_builds", 0),
-            engine=state.engine or None,
-            rows=shard.rows,
-            nonfinite=state.writer.nonfinite,
-            self_check=self._check_record(state.checks, timing=True) if state.checks else None,
-        )
-        yield done.element.with_value(record)
-        if state.sums is not None:
-            yield TaggedOutput(AGGREGATES, done.element.with_value((self._positions[shard.start], state.sums)))
-
-    def _abort(self) -> None:
-        """Close what is open or committing (a temporary file is deleted; a commit in flight finishes,
-        leaving a complete shard that no record names yet: a retry writes it again, a rerun keeps it)."""
-        for done in self._committing:
-            with contextlib.suppress(Exception), done.state.files:
-                done.checksum.exception()
-        for state in self._open.values():
-            state.files.close()  # closes and deletes the temporary file
-        self._open, self._committing = {}, []
+def kept_record(spec: JobSpec, shard: ShardRange, checksum: str) -> ShardRecord:
+    """The record of ``shard``, already complete on disk (``checksum``), after checking that this run
+    wrote it; ``OutputError`` for a shard of another run."""
+    path = shard_path(spec.output_dir, shard.start, shard.stop)
+    attrs = read_attrs(path)
+    expected = {"run_key": spec.run_key}
+    if spec.model_fingerprint:
+        expected["model_fingerprint"] = spec.model_fingerprint
+    for name, value in expected.items():
+        if attrs.get(name) != value:
+            raise OutputError(
+                f"{path}: complete shard from a different run ({name} {attrs.get(name)!r}, this run "
+                f"{value!r}); use a new output.path or remove that folder"
+            )
+    return existing_record(spec.output_dir, shard.start, shard.stop, str(attrs["model_fingerprint"]), checksum)
 
 
-@beam.typehints.with_input_types(tuple[ShardRange, str])
+# Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
+# annotations (strings: ``from __future__ import annotations``), so ``no_annotations`` keeps them for readers.
+@beam.typehints.with_input_types(JacobianBatch)
 @beam.typehints.with_output_types(ShardRecord)
-class KeepShardFn(beam.DoFn):
-    """``(ShardRange, sha256)`` of a shard already complete on disk -> its ``ShardRecord`` (and its stored
-    partial sums to ``aggregates``), after checking that this run wrote it."""
+class WriteShardFn(beam.DoFn):
+    """``JacobianBatch`` holding every row of its shard (``batch.shard``) -> the shard's ``ShardRecord``,
+    once it is committed."""
 
     def __init__(self, spec: JobSpec):
         self._spec = spec
         self._metrics = ShardMetrics()
 
-    def setup(self) -> None:
-        self._positions = self._spec.shard_positions()
-
     @no_annotations
-    def process(self, element: tuple[ShardRange, str]) -> Iterator[ShardRecord | TaggedOutput]:
-        shard, checksum = element
-        spec = self._spec
-        path = shard_path(spec.output_dir, shard.start, shard.stop)
-        attrs = read_attrs(path)
-        expected = {"run_key": spec.run_key}
-        if spec.model_fingerprint:
-            expected["model_fingerprint"] = spec.model_fingerprint
-        for name, value in expected.items():
-            if attrs.get(name) != value:
-                raise OutputError(
-                    f"{path}: complete shard from a different run ({name} {attrs.get(name)!r}, this run "
-                    f"{value!r}); use a new output.path or remove that folder"
-                )
-        self._metrics.kept.inc()
-        yield existing_record(spec.output_dir, shard.start, shard.stop, str(attrs["model_fingerprint"]), checksum)
-        if spec.engine.aggregate:
-            yield TaggedOutput(AGGREGATES, (self._positions[shard.start], aggregates.read_partial(path)))
+    def process(self, batch: JacobianBatch) -> Iterator[ShardRecord]:
+        if batch.shard is None:
+            raise OutputError("WriteShards: a batch without its shard; ids must be grouped into shards first")
+        with ShardOutput(self._spec, batch.shard, self._metrics) as output:
+            output.add(batch)
+            yield output.commit()
 
 
 @no_annotations
@@ -298,9 +260,9 @@ def _split_by_shard(batch: JacobianBatch, samples_per_shard: int) -> Iterator[tu
 
 
 @no_annotations
-@beam.typehints.with_input_types(tuple[int, Iterable[JacobianBatch]], int)
+@beam.typehints.with_input_types(tuple[int, Iterable[JacobianBatch]])
 @beam.typehints.with_output_types(JacobianBatch)
-def _join_shard(element: tuple[int, Sequence[JacobianBatch]], samples_per_shard: int) -> JacobianBatch:
+def _join_shard(element: tuple[int, Sequence[JacobianBatch]]) -> JacobianBatch:
     """One shard's parts, in id order, as one batch with its ``ShardRange``: ids ``[first, last + 1)``
     without a gap or a repeat."""
     _, parts = element
@@ -316,6 +278,34 @@ def _join_shard(element: tuple[int, Sequence[JacobianBatch]], samples_per_shard:
     datasets = {name: np.concatenate([part.datasets[name] for part in parts])[order] for name in parts[0].datasets}
     return dataclasses.replace(
         parts[0], ids=ids, datasets=datasets, shard=ShardRange(start, stop), seconds=sum(p.seconds for p in parts)
+    )
+
+
+@no_annotations
+@beam.typehints.with_input_types(JacobianBatch)
+@beam.typehints.with_output_types(tuple[int, JacobianBatch])
+def _planned_shard(batch: JacobianBatch) -> tuple[int, JacobianBatch]:
+    """A planned job's batch keyed by its shard's first id."""
+    if batch.shard is None:
+        raise OutputError("WriteShards: a batch of a planned job without its shard (read it with ReadSamples)")
+    return batch.shard.start, batch
+
+
+@no_annotations
+@beam.typehints.with_input_types(tuple[int, Iterable[JacobianBatch]])
+@beam.typehints.with_output_types(JacobianBatch)
+def _join_planned(element: tuple[int, Sequence[JacobianBatch]]) -> JacobianBatch:
+    """A planned shard's batches, in id order, as one batch (its self-check records with it)."""
+    _, parts = element
+    parts = sorted(parts, key=lambda part: int(part.ids[0]))
+    checks = [check for part in parts for check in part.checks or []]
+    return dataclasses.replace(
+        parts[0],
+        ids=np.concatenate([part.ids for part in parts]),
+        datasets={name: np.concatenate([part.datasets[name] for part in parts]) for name in parts[0].datasets},
+        partial=functools.reduce(aggregates.add, (part.partial for part in parts), None),
+        seconds=sum(part.seconds for part in parts),
+        checks=checks or None,
     )
 
 
@@ -356,7 +346,7 @@ def pipeline_spec(
         model=model,
         files=(
             SourceFile(
-                path=PIPELINE_INPUT,
+                path="(pipeline)",
                 key=None,
                 num_samples=0,
                 sample_shape=shape_from_record(shape),
@@ -379,17 +369,17 @@ def pipeline_spec(
 class WriteShards(beam.PTransform):
     """``PCollection[JacobianBatch] -> PCollection[manifest dict]``: an output folder.
 
-    Writes the shards (``shards/shard-<start>-<stop>.h5``, each under a temporary name and renamed when
-    complete), then ``aggregates.h5`` (if asked for), ``rejected.jsonl``, ``jacobians.h5`` and, last,
-    ``manifest.json`` in ``spec.output_dir`` (``transforms.output.layout`` names every file).
+    Groups the batches by shard (``GroupByKey``: one shard's records are held at a time), writes each
+    shard (``shards/shard-<start>-<stop>.h5``, under a temporary name and renamed when complete), then
+    ``aggregates.h5`` (if asked for), ``rejected.jsonl``, ``jacobians.h5`` and, last, ``manifest.json``
+    in ``spec.output_dir`` (``transforms.output.layout`` names every file).
 
     Args:
-        spec: a planned job's spec, or ``pipeline_spec(...)`` for a user's pipeline (whose batches' ids
-            are then the samples' ids ``0..n-1``, each once, in any order and batching).
-        complete: ``PCollection[(ShardRange, sha256)]`` of shards already on disk, kept as they are
-            (``ReadSamples``' ``complete`` output); None for none.
-        rejected: ``PCollection[Rejected]`` of samples left out (``ReadSamples``' ``rejected``); None
-            for none.
+        spec: ``pipeline_spec(...)`` for a user's pipeline (whose batches' ids are then the samples' ids
+            ``0..n-1``, each once, in any order and batching), or a planned job's spec, whose batches
+            carry their shard (``ReadSamples`` -> ``ComputeJacobians``): then every stored range of the
+            plan must arrive (``jacobeam run`` instead computes each range with ``ComputeShards``, which
+            keeps shards already complete and holds no whole shard in memory).
 
     Returns:
         A single-element ``PCollection`` holding the manifest (a dict, as written to
@@ -400,26 +390,22 @@ class WriteShards(beam.PTransform):
             keys that are not integers; a self-check mismatch under ``on_mismatch: fail``.
     """
 
-    def __init__(self, spec: JobSpec, complete=None, rejected=None):
+    def __init__(self, spec: JobSpec):
         super().__init__()
-        self._spec, self._complete, self._rejected = spec, complete, rejected
+        self._spec = spec
 
     def expand(self, batches):
         spec = self._spec
         if spec.open_ended:
-            batches = (
-                batches
-                | "ByShard" >> beam.FlatMap(_split_by_shard, spec.samples_per_shard)
-                | "GroupShards" >> beam.GroupByKey()
-                | "JoinShards" >> beam.Map(_join_shard, spec.samples_per_shard)
-            )
-        written = batches | "Write" >> beam.ParDo(WriteShardFn(spec)).with_outputs(AGGREGATES, main="records")
-        records, partials = [written.records], [written[AGGREGATES]]
-        if self._complete is not None:
-            kept = self._complete | "Keep" >> beam.ParDo(KeepShardFn(spec)).with_outputs(AGGREGATES, main="records")
-            records.append(kept.records)
-            partials.append(kept[AGGREGATES])
-        summary = None
-        if spec.engine.aggregate:
-            summary = tuple(partials) | "AllPartials" >> beam.Flatten() | "Aggregate" >> Aggregate(spec)
-        return tuple(records) | "AllRecords" >> beam.Flatten() | "Finalize" >> Finalize(spec, summary, self._rejected)
+            keyed = batches | "ByShard" >> beam.FlatMap(_split_by_shard, spec.samples_per_shard)
+            join = _join_shard
+        else:
+            keyed = batches | "ByShard" >> beam.Map(_planned_shard)
+            join = _join_planned
+        return (
+            keyed
+            | "GroupShards" >> beam.GroupByKey()
+            | "JoinShards" >> beam.Map(join)
+            | "Write" >> beam.ParDo(WriteShardFn(spec))
+            | "Finalize" >> Finalize(spec)
+        )

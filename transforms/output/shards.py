@@ -63,7 +63,7 @@ class ShardRecord:
     computed: bool  # False when an existing complete shard was kept
     seconds: float = 0.0
     worker_pid: int = 0
-    engine_builds: int = 0  # engines built in that worker process so far
+    engine_builds: int = 0  # engines that worker process built for this run (its compute step) so far
     rows: int | None = None  # samples stored; fewer than stop - start when some were rejected
     nonfinite: int = 0  # rows whose results hold NaN or Inf
     engine: dict[str, Any] | None = None  # what the engine ran and why (``JacobianEngine.describe()``)

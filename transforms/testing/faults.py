@@ -13,8 +13,9 @@ process die, or a shard fail, at named points:
     temporary file), ``view``, ``rejected``, ``manifest`` (that file's temporary file written, not yet
     renamed into place).
 ``JACOBEAM_TEST_DELAY_AT=POINT:SECONDS``
-    Sleep this long each time a process reaches ``POINT`` (the points above): a run slow enough for a
-    test to interrupt it midway.
+    Sleep SECONDS each time this process reaches ``POINT``: slows a run down (at ``shard_commit``, say,
+    with a shard complete in its temporary file) so that a test can kill a worker or the launcher while
+    shards are under way.
 ``JACOBEAM_TEST_FAIL_SHARD_ONCE=ID``
     Raise ``TransientFailure`` after part of the shard whose first id is ``ID`` has been written, once:
     the first process to fail creates the marker file ``JACOBEAM_TEST_FAIL_MARKER`` (default: a name in
@@ -45,7 +46,7 @@ class TransientFailure(RuntimeError):
 
 def reached(point: str, shard: int | None = None) -> None:
     """The one hook production code calls: die here (SIGKILL, no clean-up of any kind) if
-    ``JACOBEAM_TEST_KILL_AT`` names this point, or wait if ``JACOBEAM_TEST_DELAY_AT`` does; then, while
+    ``JACOBEAM_TEST_KILL_AT`` names this point, sleep if ``JACOBEAM_TEST_DELAY_AT`` does; then, while
     writing the shard whose first id is ``shard``, fail once if ``JACOBEAM_TEST_FAIL_SHARD_ONCE`` names it."""
     delay = os.environ.get(DELAY_AT)
     if delay:

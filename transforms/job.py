@@ -1,0 +1,108 @@
+"""A planned job's one step of work: a shard range in, its shard on disk and its ``ShardRecord`` out.
+
+``ComputeShards`` reads a range's samples (``read.shard_batches``), computes their Jacobians (the
+engine of ``ComputeJacobiansFn``, built once per worker process) and streams them into the shard's file
+(``write.ShardOutput``), all within one ``process`` call: between Beam steps only shard ranges and
+records travel, so however a runner hands elements from step to step (Dask's DaskRunner collects a
+step's outputs for a whole partition in a list), no more than a few batches of a shard are in memory,
+and every record comes out of ``process`` (never out of ``finish_bundle``, whose outputs not every
+runner keeps). A range whose shard is already complete on disk is not read: its shard is kept, after
+checking that this run wrote it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.typehints.decorators import no_annotations
+
+from jacobeam.transforms.compute import ComputeJacobiansFn, EngineFactory
+from jacobeam.transforms.metrics import ShardMetrics
+from jacobeam.transforms.output.shards import ShardRecord, proven_checksum, shard_path
+from jacobeam.transforms.read import shard_batches
+from jacobeam.transforms.spec import JobSpec, ShardRange
+from jacobeam.transforms.write import ShardOutput, kept_record
+
+
+# Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
+# annotations (strings: ``from __future__ import annotations``), so ``no_annotations`` keeps them for readers.
+@beam.typehints.with_input_types(Any)  # a ShardRange, or a tuple of them (a work item)
+@beam.typehints.with_output_types(ShardRecord)
+class ComputeShardFn(ComputeJacobiansFn):
+    """``ShardRange -> ShardRecord``, or a work item of consecutive ranges ``Sequence[ShardRange] ->
+    ShardRecord...``: ``ComputeJacobiansFn`` (its engine, set up once per process, and its self-check)
+    applied to each range's batches as they are read, each result written as it comes.
+
+    In a work item of several ranges, a shard's commit (checksum, flush, rename, on its writer's thread)
+    overlaps the computing of the next range, and its record follows as soon as the commit is done (at
+    most one commit in flight); the item's last record waits for its commit before ``process`` returns.
+    """
+
+    def __init__(self, spec: JobSpec, engine_factory: EngineFactory | None = None):
+        super().__init__(spec.model, spec.sample_shape, spec.engine, spec.tf_threads, spec.self_check, engine_factory)
+        self._spec = spec
+        self._shard_metrics = ShardMetrics()
+
+    @no_annotations
+    def process(self, work: ShardRange | Sequence[ShardRange]) -> Iterator[ShardRecord]:
+        spec = self._spec
+        output: ShardOutput | None = None  # the shard being written
+        committing: ShardOutput | None = None  # the shard whose commit is in flight
+        try:
+            for shard in [work] if isinstance(work, ShardRange) else work:
+                if shard.rows == 0:  # every sample of the range was rejected: no shard
+                    continue
+                checksum = proven_checksum(shard_path(spec.output_dir, shard.start, shard.stop))
+                if checksum is not None:
+                    self._shard_metrics.kept.inc()
+                    yield kept_record(spec, shard, checksum)
+                    continue
+                output = ShardOutput(spec, shard, self._shard_metrics)
+                for samples in shard_batches(spec, shard):
+                    for jacobians in super().process(samples):
+                        output.add(jacobians)
+                    if committing is not None and committing.committed():
+                        yield committing.record()
+                        committing = None
+                if committing is not None:
+                    yield committing.record()
+                output.commit_later()
+                committing, output = output, None
+            if committing is not None:
+                yield committing.record()
+                committing = None
+        finally:  # after an error: the shard being written is discarded, a commit in flight finishes
+            for left in (output, committing):
+                if left is not None:
+                    left.__exit__(None, None, None)
+
+
+class ComputeShards(beam.PTransform):
+    """``PCollection[ShardRange | Sequence[ShardRange]] -> PCollection[ShardRecord]``: each range of a
+    planned job read, computed and written as its shard (or its complete shard kept). An element is one
+    range, or a work item of consecutive ranges that one worker computes one after the other, each
+    shard's commit overlapping the next one's computing (``ComputeShardFn``).
+
+    Args:
+        spec: the planned job (``pipeline.plan.make_job(...).spec``).
+        engine_factory: builds each worker's engine (see ``ComputeJacobians``); None is TensorFlow's
+            ``JacobianEngine``.
+
+    Returns:
+        One ``ShardRecord`` per range that has a shard (``computed`` False for a shard kept from an
+        earlier attempt); ``Finalize(spec)`` turns them into the output folder's manifest.
+
+    Raises:
+        InputError, ModelError, OutputError, SelfCheckError: (in the workers) as ``ReadSamples``,
+            ``ComputeJacobians`` and ``WriteShards`` raise them; a failed range leaves no half shard.
+    """
+
+    def __init__(self, spec: JobSpec, engine_factory: EngineFactory | None = None):
+        super().__init__()
+        self._spec, self._engine_factory = spec, engine_factory
+
+    def expand(self, ranges):
+        fn = ComputeShardFn(self._spec, self._engine_factory)
+        return ranges | "Compute" >> beam.ParDo(fn).with_output_types(ShardRecord)
