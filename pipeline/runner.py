@@ -159,6 +159,8 @@ def unknown_options(beam_args: list[str]) -> tuple[list[str], list[str]]:
     classes Beam defines and of those registered by the modules imported so far (file systems, runners)."""
     from apache_beam.options.pipeline_options import _BeamArgumentParser
 
+    if any("dask" in arg.lower() for arg in beam_args):
+        _dask_runner_module()  # registers DaskOptions (--dask_client_address, ...), which Beam defines there
     parser = _BeamArgumentParser(allow_abbrev=False)
     # As PipelineOptions.get_all_options: each direct subclass (by name: a class may be defined twice)
     for cls in {str(cls): cls for cls in PipelineOptions.__subclasses__()}.values():

@@ -123,18 +123,27 @@ def view_datasets(view) -> dict[str, Any]:
     import h5py
 
     found: dict[str, Any] = {}
-    view.visititems(lambda name, item: found.setdefault(name, item) if isinstance(item, h5py.Dataset) else None)
+
+    def visit(name: str, item) -> None:  # returns None: visititems stops at the first value that is not
+        if isinstance(item, h5py.Dataset):
+            found[name] = item
+
+    view.visititems(visit)
     return found
 
 
 def missing_sources(root: str | Path, view) -> list[str]:
     """Problems with an open ``jacobians.h5``: each virtual source file that is missing. (HDF5 reads a
     missing source as fill values without an error, so a reader must check.)"""
-    problems = []
+    readers: dict[str, list[str]] = {}  # each source file: the datasets that read from it
     for name, dataset in view_datasets(view).items():
-        sources = sorted({s.file_name for s in dataset.virtual_sources()}) if dataset.is_virtual else []
-        missing = [s for s in sources if not storage.exists(storage.join(root, s))]
-        problems += [f"{VIEW}:{name} reads from {s}, which is missing" for s in missing]
+        for source in sorted({s.file_name for s in dataset.virtual_sources()}) if dataset.is_virtual else []:
+            readers.setdefault(source, []).append(name)
+    problems = []
+    for source, names in sorted(readers.items()):
+        if not storage.exists(storage.join(root, source)):
+            others = f" (as do {', '.join(names[1:])})" if len(names) > 1 else ""
+            problems.append(f"{VIEW}:{names[0]} reads from {source}, which is missing{others}")
     return problems
 
 

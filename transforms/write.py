@@ -40,7 +40,7 @@ from jacobeam.transforms.finalize import Finalize
 from jacobeam.transforms.inputs.readers import shape_from_record, shape_record
 from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.metrics import ShardMetrics
-from jacobeam.transforms.output.layout import SAMPLE_ID, SELF_CHECK, shard_file
+from jacobeam.transforms.output.layout import PIPELINE_INPUT, SAMPLE_ID, SELF_CHECK, shard_file
 from jacobeam.transforms.output.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_path
 from jacobeam.transforms.spec import EngineOptions, JobSpec, ModelSource, SelfCheck, ShardRange, shard_inputs, version
 
@@ -346,7 +346,7 @@ def pipeline_spec(
         model=model,
         files=(
             SourceFile(
-                path="(pipeline)",
+                path=PIPELINE_INPUT,
                 key=None,
                 num_samples=0,
                 sample_shape=shape_from_record(shape),
