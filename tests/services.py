@@ -145,3 +145,35 @@ def dask_cluster(folder: str, workers: int = 2, env: dict[str, str] | None = Non
         yield cluster
     finally:
         cluster.stop()
+
+
+def jacobeam_process(
+    args: list[str], stderr_path: str | os.PathLike, kill_at: str | None = None, stop_after: float | None = None,
+    timeout: float = 300,
+) -> tuple[int, int]:
+    """``python -m jacobeam ARGS`` from the repository, in a process group of its own, its stderr in
+    ``stderr_path``; returns its exit status (-9: killed) and its process id. With ``kill_at`` it SIGKILLs
+    itself at that fault point (``JACOBEAM_TEST_KILL_AT``); with ``stop_after`` the whole group is
+    SIGKILLed after that many seconds if it is still running; otherwise a run longer than ``timeout``
+    fails the test. Whatever is left of the group (worker processes) is killed at the end."""
+    from jacobeam.transforms.testing import faults
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": repo}
+    env.pop(faults.KILL_AT, None)
+    if kill_at:
+        env[faults.KILL_AT] = kill_at
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "jacobeam", *args], cwd=repo, env=env, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            try:
+                proc.wait(timeout=stop_after if stop_after is not None else timeout)
+            except subprocess.TimeoutExpired:
+                if stop_after is None:
+                    raise
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, proc.pid

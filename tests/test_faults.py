@@ -8,12 +8,9 @@ resume runs the same command line in-process (``cli.main``), which keeps each ca
 """
 
 import json
-import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -23,7 +20,7 @@ import pytest
 from jacobeam.pipeline import cli
 from jacobeam.pipeline.verify import verify
 from jacobeam.transforms.output.storage import sha256
-from jacobeam.transforms.testing import faults
+from tests.services import jacobeam_process
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -70,26 +67,8 @@ def job(tmp_path_factory):
 def _killed_run(config: Path, kill_at: str | None = None, after: float | None = None, args=()) -> int:
     """Run ``python -m jacobeam run`` in its own process group; SIGKILL the whole group when it dies by
     itself at ``kill_at``, or after ``after`` seconds. Returns the exit status (-9: killed)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop(faults.KILL_AT, None)
-    if kill_at:
-        env[faults.KILL_AT] = kill_at
-    with open(config.with_suffix(".stderr"), "w") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "jacobeam", "-q", "run", str(config), *args],
-            cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr,
-        )
-        try:
-            proc.wait(timeout=after if after is not None else 300)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the tree (worker processes)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    return proc.returncode
+    status, _ = jacobeam_process(["-q", "run", str(config), *args], config.with_suffix(".stderr"), kill_at, after)
+    return status
 
 
 def _contents(out: Path) -> dict:

@@ -15,11 +15,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -31,10 +28,9 @@ import pytest
 from jacobeam.pipeline import checks, cli, folder
 from jacobeam.transforms.output import shards, storage
 from jacobeam.transforms.output.layout import CHECKSUM_SUFFIX
-from jacobeam.transforms.testing import faults
 from tests.models import small_cnn
 from tests.reference import assert_close, tape_loop
-from tests.services import moto_s3
+from tests.services import jacobeam_process, moto_s3
 from tests.test_pipeline import write_inputs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -193,23 +189,9 @@ def _config_file(path: Path, data: str, out: str) -> Path:
 
 
 def _jacobeam(args: list[str], log: Path, kill_at: str | None = None, timeout: float = 300) -> tuple[int, int]:
-    """``python -m jacobeam ARGS`` in a process group of its own (killed as a whole at the end); returns
-    its exit status (-9: it killed itself at ``kill_at``) and its process id."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop(faults.KILL_AT, None)
-    if kill_at:
-        env[faults.KILL_AT] = kill_at
-    with open(log, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "jacobeam", *args], cwd=REPO, env=env, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=stderr)
-        try:
-            return proc.wait(timeout=timeout), proc.pid
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the tree (worker processes)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+    """``python -m jacobeam ARGS`` (``services.jacobeam_process``): its exit status (-9: it killed itself at
+    ``kill_at``) and its process id."""
+    return jacobeam_process(args, log, kill_at, timeout=timeout)
 
 
 @dataclasses.dataclass
