@@ -410,14 +410,12 @@ def _filesystem_options(folder: str, beam_args: list[str]) -> None:
     from apache_beam.io.filesystems import FileSystems
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    options = PipelineOptions(beam_args)
-    unknown = sorted(set(options.get_all_options(retain_unknown_options=True)) - set(options.get_all_options()))
-    # a word that is neither an option nor the value after an option given without "="
-    strays = [a for i, a in enumerate(beam_args)
-              if not a.startswith("-") and not (i and beam_args[i - 1].startswith("--") and "=" not in beam_args[i - 1])]
-    if unknown or strays:
-        _parser().error(f"unrecognized arguments: {' '.join([f'--{name}' for name in unknown] + strays)}")
-    FileSystems.set_options(options)
+    from jacobeam.pipeline import runner
+
+    unknown, _ = runner.unknown_options(beam_args)  # options no PipelineOptions class parses, and stray words
+    if unknown:
+        _parser().error(f"unrecognized arguments: {' '.join(unknown)}")
+    FileSystems.set_options(PipelineOptions(beam_args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -259,26 +259,37 @@ def _split_by_shard(batch: JacobianBatch, samples_per_shard: int) -> Iterator[tu
         )
 
 
+def _concatenate(parts: Iterable[JacobianBatch]) -> JacobianBatch:
+    """Batches of one shard as one batch, in the order of their first ids: their ids, datasets, partial
+    sums, compute seconds and self-check records together."""
+    parts = sorted(parts, key=lambda part: int(part.ids[0]))
+    checks = [check for part in parts for check in part.checks or []]
+    return dataclasses.replace(
+        parts[0],
+        ids=np.concatenate([part.ids for part in parts]),
+        datasets={name: np.concatenate([part.datasets[name] for part in parts]) for name in parts[0].datasets},
+        partial=functools.reduce(aggregates.add, (part.partial for part in parts), None),
+        seconds=sum(part.seconds for part in parts),
+        checks=checks or None,
+    )
+
+
 @no_annotations
 @beam.typehints.with_input_types(tuple[int, Iterable[JacobianBatch]])
 @beam.typehints.with_output_types(JacobianBatch)
 def _join_shard(element: tuple[int, Sequence[JacobianBatch]]) -> JacobianBatch:
     """One shard's parts, in id order, as one batch with its ``ShardRange``: ids ``[first, last + 1)``
     without a gap or a repeat."""
-    _, parts = element
-    parts = sorted(parts, key=lambda part: int(part.ids[0]))
-    ids = np.concatenate([part.ids for part in parts])
-    order = np.argsort(ids, kind="stable")
-    ids = ids[order]
+    joined = _concatenate(element[1])
+    order = np.argsort(joined.ids, kind="stable")  # a user's batches may interleave their ids
+    ids = joined.ids[order]
     start, stop = int(ids[0]), int(ids[-1]) + 1
     if len(ids) != stop - start or (len(ids) > 1 and (np.diff(ids) != 1).any()):
         repeated = ids[1:][np.diff(ids) == 0]
         problem = f"id {int(repeated[0])} twice" if len(repeated) else "a gap in the ids"
         raise OutputError(f"WriteShards: shard of ids {start}..{stop - 1} holds {problem}; ids must be 0..n-1, each once")
-    datasets = {name: np.concatenate([part.datasets[name] for part in parts])[order] for name in parts[0].datasets}
-    return dataclasses.replace(
-        parts[0], ids=ids, datasets=datasets, shard=ShardRange(start, stop), seconds=sum(p.seconds for p in parts)
-    )
+    datasets = {name: values[order] for name, values in joined.datasets.items()}
+    return dataclasses.replace(joined, ids=ids, datasets=datasets, shard=ShardRange(start, stop))
 
 
 @no_annotations
@@ -296,17 +307,7 @@ def _planned_shard(batch: JacobianBatch) -> tuple[int, JacobianBatch]:
 @beam.typehints.with_output_types(JacobianBatch)
 def _join_planned(element: tuple[int, Sequence[JacobianBatch]]) -> JacobianBatch:
     """A planned shard's batches, in id order, as one batch (its self-check records with it)."""
-    _, parts = element
-    parts = sorted(parts, key=lambda part: int(part.ids[0]))
-    checks = [check for part in parts for check in part.checks or []]
-    return dataclasses.replace(
-        parts[0],
-        ids=np.concatenate([part.ids for part in parts]),
-        datasets={name: np.concatenate([part.datasets[name] for part in parts]) for name in parts[0].datasets},
-        partial=functools.reduce(aggregates.add, (part.partial for part in parts), None),
-        seconds=sum(part.seconds for part in parts),
-        checks=checks or None,
-    )
+    return _concatenate(element[1])
 
 
 def pipeline_spec(
