@@ -1,4 +1,8 @@
-"""``python -m benchmarks run [--workloads mlp,cnn,wide,flow] [--quick] [--json out.json] [--rows ID,...]``"""
+"""``python -m benchmarks [targets] [--quick] [--only KINDS] [--json F]``: the round-four targets, each with
+its measured ratio (``benchmarks.targets``).
+
+``python -m benchmarks run [--workloads mlp,cnn,wide,flow] [--quick] [--json out.json] [--rows ID,...]``: every
+row of the suite (``benchmarks.suite``), a table per workload."""
 
 from __future__ import annotations
 
@@ -33,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "run":
+        from benchmarks import targets
+
+        return targets.main(argv[1:] if argv and argv[0] == "targets" else argv)
     args = _parser().parse_args(argv)
     plan = Plan.quick(args.workloads) if args.quick else Plan(workloads=args.workloads)
     if args.rows:

@@ -26,14 +26,25 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np
 
+from benchmarks.workloads import APPLICATIONS
 
-def _model(name: str):
-    import keras
 
-    keras.utils.set_random_seed(0)
-    if name == "resnet50":
-        return keras.applications.ResNet50(weights=None)
-    return keras.applications.MobileNetV2(weights=None)
+def hand_written_saliency(model):
+    """What ``outputs: label, reduce: sum_abs_over_channels`` stores, written by hand: one forward and one
+    backward pass per batch. Returns ``f(images, labels) -> (n, H, W)`` tensor."""
+    import tensorflow as tf
+
+    shape = tuple(model.input_shape[1:])
+
+    @tf.function(input_signature=[tf.TensorSpec((None, *shape), tf.float32), tf.TensorSpec((None,), tf.int64)])
+    def saliency(images, targets):
+        with tf.GradientTape() as tape:
+            tape.watch(images)
+            logits = model(images, training=False)
+            chosen = tf.reduce_sum(tf.gather(logits, targets, batch_dims=1))
+        return tf.reduce_sum(tf.abs(tape.gradient(chosen, images)), axis=-1)
+
+    return saliency
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,27 +54,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
 
-    import tensorflow as tf
 
     from jacobeam.transforms.engine import JacobianEngine
     from jacobeam.transforms.engine.diagnostics import relative_error
     from jacobeam.transforms.engine.models import wrap_model
     from jacobeam.transforms.spec import EngineOptions, OutputSelection, Reduction
 
-    model = _model(args.model)
+    model = APPLICATIONS[args.model]()
     shape = tuple(model.input_shape[1:])
     rng = np.random.default_rng(1)
     x = rng.standard_normal((args.batch, *shape)).astype(np.float32)
     labels = rng.integers(0, model.output_shape[-1], size=args.batch)
 
-    @tf.function(input_signature=[tf.TensorSpec((None, *shape), tf.float32), tf.TensorSpec((None,), tf.int64)])
-    def hand_written(images, targets):
-        with tf.GradientTape() as tape:
-            tape.watch(images)
-            logits = model(images, training=False)
-            chosen = tf.reduce_sum(tf.gather(logits, targets, batch_dims=1))
-        return tf.reduce_sum(tf.abs(tape.gradient(chosen, images)), axis=-1)  # (n, H, W)
-
+    hand_written = hand_written_saliency(model)
     options = EngineOptions(
         batch_size=args.batch, outputs=OutputSelection("label"), reduce=Reduction("sum_abs_over_channels")
     )

@@ -233,3 +233,26 @@ def w3_wide() -> Any:
 def w4_flow() -> Any:
     """W4: x[64] -> 4 affine couplings (Dense 128 tanh -> Dense 64), permutations between; Jacobian [64, 64]."""
     return keras_model(WORKLOADS["flow"])
+
+
+# Keras applications with seeded random weights (nothing downloaded), for per-label saliency:
+# ``model.factory: "benchmarks.workloads:resnet50"``. Every call builds the same weights.
+
+
+def resnet50() -> Any:
+    """W5: ``keras.applications.ResNet50`` (224x224x3 -> 1000 classes), weights from Keras seed 0."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.applications.ResNet50(weights=None)
+
+
+def mobilenet_v2() -> Any:
+    """``keras.applications.MobileNetV2`` (224x224x3 -> 1000 classes), weights from Keras seed 0."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.applications.MobileNetV2(weights=None)
+
+
+APPLICATIONS = {"resnet50": resnet50, "mobilenet_v2": mobilenet_v2}

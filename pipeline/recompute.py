@@ -125,14 +125,16 @@ def recompute(
     shapes = [tuple(manifest["input_shape"][n]) for n in names] if several else [tuple(manifest["input_shape"])]
     # One stored Jacobian per differentiated input: "jacobian", or "jacobian/<input>" for several inputs.
     datasets = [jacobian_dataset(n, several) for n in names]
-    outputs = int(np.prod(manifest["output_shape"], dtype=np.int64))
     stored_dtype = manifest.get("dtype", "float32")
     store = store_dtype(stored_dtype)
     # Values stored in float16/bfloat16 carry its rounding: the tolerances grow to cover it.
     eps = reference.store_roundoff(stored_dtype)
     tolerances = {name: reference.tolerance(rtol, stored_dtype) for name, rtol in
                   (("output", OUTPUT_RTOL), ("tape", TAPE_RTOL), ("finite_differences", FD_RTOL))}
-    one = reference.tape_function(loaded.call, shapes, forward=(manifest.get("engine") or {}).get("mode") == "forward")
+    forward = (manifest.get("engine") or {}).get("mode") == "forward"
+    # Reverse mode differentiates only the stored rows of a selection (a label of 1,000 classes: one
+    # backward pass, not a thousand); built at the first sample, when the shards say whether there is one.
+    references: dict[bool, object] = {}
     size = sum(int(np.prod(shape)) for shape in shapes)
     twin, why_not = (
         (None, f"inputs have {size} elements, more than {FD_MAX_ELEMENTS}")
@@ -155,9 +157,12 @@ def recompute(
             # outputs: indices/argmax/top_k/label store the selected rows of the Jacobian, and which they are.
             selected = np.asarray(h5["output_index"][row]).reshape(-1) if "output_index" in h5 else None
 
-        def stored_rows(full: np.ndarray, k: int, selected=selected, stored=stored) -> np.ndarray:
-            full = full.reshape(outputs, *shapes[k])
-            return _as_stored(full if selected is None else full[selected], store).reshape(stored[k].shape)
+        rows = selected is not None and not forward
+
+        def stored_rows(full: np.ndarray, k: int, selected=selected, stored=stored, chosen: bool = False) -> np.ndarray:
+            """The stored rows of ``full`` (all outputs, or already the ``chosen`` rows) as stored."""
+            full = full.reshape(-1, *shapes[k])
+            return _as_stored(full if selected is None or chosen else full[selected], store).reshape(stored[k].shape)
 
         at = f"sample {sample_id} ({file} row {row})"
 
@@ -168,7 +173,10 @@ def recompute(
                 label = name.replace("_", " ") + ("" if k is None or not several else f" ({datasets[k]})")
                 report.problems.append(f"{at}: {label} max relative error {error:.3g} > {tolerances[name]:g}")
 
-        y, jacobians = one(*[tf.constant(x) for x in xs])
+        if rows not in references:
+            references[rows] = reference.tape_function(loaded.call, shapes, forward=forward, rows=rows)
+        arguments = [tf.constant(x) for x in xs] + ([tf.constant(selected.astype(np.int32)[None])] if rows else [])
+        y, jacobians = references[rows](*arguments)
         nonfinite = not (all(np.isfinite(value).all() for value in stored.values()) and np.isfinite(stored_out).all())
         if flagged != nonfinite:
             report.problems.append(
@@ -176,7 +184,7 @@ def recompute(
             )
         check("output", None, stored_out, _as_stored(y.numpy(), store).reshape(stored_out.shape))
         for k, value in stored.items():
-            check("tape", k, value, stored_rows(jacobians[k].numpy(), k))
+            check("tape", k, value, stored_rows(jacobians[k].numpy(), k, chosen=rows))
         if twin is not None and not nonfinite:
             x64 = [x.astype(np.float64) for x in xs]
             if relative_error(twin(x64).reshape(stored_out.shape), stored_out, floor=1e-12) > max(1e-3, eps):

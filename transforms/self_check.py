@@ -115,6 +115,8 @@ class SelfChecker:
         # Forward mode with fixed input-side vectors (jvp, project, an input basis): the JVPs run along
         # them, as the engine's do, rather than along every input entry.
         self._directions = operands.right if self.forward else None
+        # Selected rows (outputs other than all) are all the reverse-mode reference differentiates.
+        self._rows = not self.forward and operands.kind("reverse") == "index"
         self.method = (
             ("forward-mode JVPs along the product's vectors" if self._directions is not None
              else "forward-mode JVPs per input entry") + ", one sample, in a plain loop"
@@ -133,6 +135,7 @@ class SelfChecker:
                 self._function = reference.tape_function(
                     engine.model.call, list(engine.input_shapes), forward=self.forward,
                     dtype=engine.options.compute_dtype, wrt=engine.wrt, directions=self._directions,
+                    rows=self._rows,
                 )
                 return self._function, True
             return self._function, False
@@ -145,13 +148,18 @@ class SelfChecker:
 
         engine = self.engine
         function, _ = self._reference()
-        y, jacobians = function(*[tf.constant(x) for x in xs])
+        arguments = [tf.constant(x) for x in xs]
+        if self._rows:
+            arguments.append(tf.constant(np.asarray(index, np.int32).reshape(1, -1)))
+        y, jacobians = function(*arguments)
         y = np.asarray(y, engine.options.compute_dtype).reshape(1, -1)
         m = y.shape[1]
         products, scale = {}, 0.0
         for k, jacobian in zip(engine.wrt, jacobians):
-            jacobian = np.asarray(jacobian).reshape(1, m, -1)
-            if self._directions is not None:  # already J R: only the rows are left to choose
+            jacobian = np.asarray(jacobian).reshape(1, index.shape[1] if self._rows else m, -1)
+            if self._rows:  # already the selected rows: only a projection's columns are left to apply
+                products[k] = engine.operands.apply(jacobian, None)
+            elif self._directions is not None:  # already J R: only the rows are left to choose
                 products[k] = jacobian if index is None else np.take_along_axis(jacobian, index[:, :, None], axis=1)
             else:
                 products[k] = engine.operands.apply(jacobian, index)

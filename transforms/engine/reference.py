@@ -40,10 +40,16 @@ def tape_function(
     dtype: str = "float32",
     wrt: list[int] | None = None,
     directions: np.ndarray | None = None,
+    rows: bool = False,
 ):
     """``(x_1, ..., x_k) -> (y, [dy/dx_j for j in wrt])`` for one sample of each model input (each
     ``(1, *shape)`` in ``dtype``), each ``(1, *out, 1, *in)``: the full Jacobian, no batch assumption.
     ``wrt``: the inputs to differentiate by (default all).
+
+    ``rows`` (reverse mode only): the function takes one more argument, the flat output indices
+    ``(1, k)`` int32 of the rows to differentiate, and returns only those rows, each ``(1, k, 1, *in)``:
+    for a selection from many outputs (a label of 1,000 classes) the full Jacobian of one ImageNet-size
+    sample is a thousand backward passes and tens of GB, where the rows asked for are one.
 
     Reverse mode (``tape.jacobian``) by default. ``forward``: one forward-mode JVP per input entry, in a
     sequential loop (no vectorisation), for runs whose engine used forward mode. Where the model is not
@@ -53,6 +59,8 @@ def tape_function(
     """
     import tensorflow as tf
 
+    if rows and forward:
+        raise ValueError("rows: reverse mode only")
     dtype = tf.as_dtype(dtype)
     wrt = list(range(len(shapes))) if wrt is None else list(wrt)
     given = None if directions is None else tf.constant(np.asarray(directions), dtype)
@@ -76,15 +84,21 @@ def tape_function(
 
     # No autograph: no tensor-dependent Python control flow here, and converting the source costs the
     # first call (the self-check's one-time cost per worker) time for nothing (benchmarks/README.md).
-    @tf.function(input_signature=[tf.TensorSpec((1, *shape), dtype) for shape in shapes], autograph=False)
-    def one(*xs):
+    signature = [tf.TensorSpec((1, *shape), dtype) for shape in shapes]
+    if rows:
+        signature.append(tf.TensorSpec((1, None), tf.int32))
+
+    @tf.function(input_signature=signature, autograph=False)
+    def one(*args):
+        xs = list(args[: len(shapes)])
         if forward:
-            y = tf.cast(call(list(xs)), dtype)
-            return y, [jvp_columns(list(xs), k, y) for k in wrt]
+            y = tf.cast(call(xs), dtype)
+            return y, [jvp_columns(xs, k, y) for k in wrt]
         with tf.GradientTape() as tape:
             for k in wrt:
                 tape.watch(xs[k])
-            y = tf.cast(call(list(xs)), dtype)
-        return y, tape.jacobian(y, [xs[k] for k in wrt])
+            y = tf.cast(call(xs), dtype)
+            target = tf.gather(tf.reshape(y, [1, -1]), args[-1], batch_dims=1) if rows else y
+        return y, tape.jacobian(target, [xs[k] for k in wrt])
 
     return one
