@@ -79,7 +79,10 @@ def _read_plan_cache(path: str | None) -> dict | None:
     except (OSError, ValueError) as err:  # only a cache: a run never fails on it
         log.debug("%s: unreadable, ignored (%s)", path, err)
         return None
-    return decisions if isinstance(decisions, dict) else None
+    if not isinstance(decisions, dict):
+        log.debug("%s: not set-up decisions, ignored", path)
+        return None
+    return decisions
 
 
 def _write_plan_cache(path: str, decisions: dict) -> None:
