@@ -6,6 +6,7 @@ import json
 import logging
 from pathlib import Path
 
+import keras
 import numpy as np
 import pytest
 
@@ -128,3 +129,20 @@ def test_a_resumed_run_reuses_the_decisions_and_verify_knows_the_file(tmp_path, 
     report = verify(out)
     assert report.ok
     assert report.notes == [f"{ENGINE_PLAN}: unreadable (a cache of the engine's set-up: the next run probes again)"]
+
+
+class _Unserialisable(keras.layers.Layer):
+    def call(self, x):
+        return 2.0 * x
+
+    def get_config(self):
+        raise NotImplementedError
+
+
+def test_a_model_whose_structure_cannot_be_named_always_probes(rng):
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(_Unserialisable()(inputs)))
+    engine = JacobianEngine(wrap_model(model, "custom"), (3,), EngineOptions(batch_size=4))
+    assert engine.decisions is None and engine.describe()["plan_cache"] == "probed"
+    x = rng.normal(size=(3, 3)).astype(np.float32)
+    assert_close(engine(x)["jacobian"], tape_loop(model, x))

@@ -7,7 +7,7 @@ choice is open and shrinks sizes that ran out of memory. Each outcome is decided
 structure and weights, the engine options, the operands, TensorFlow and the device: ``key`` holds all
 of them, so decisions reused under an equal key are the decisions a new set-up would take (timed
 choices aside, which were right on this device). A model whose structure cannot be named cheaply (not
-a Keras model) has no key: its engine always probes.
+a Keras model, or one whose configuration does not serialise) has no key: its engine always probes.
 """
 
 from __future__ import annotations
@@ -88,7 +88,10 @@ def key(model: LoadedModel, fingerprint: str, input_shapes: Sequence[tuple[int, 
     import keras
     import tensorflow as tf
 
-    structure = hashlib.sha256(_structure(model.keras_model).encode()).hexdigest()
+    try:
+        structure = hashlib.sha256(_structure(model.keras_model).encode()).hexdigest()
+    except Exception:  # noqa: BLE001 - a layer without a serialisable config (a Lambda, a custom layer)
+        return None  # unnamed structure: always probe
     threading = tf.config.threading
     found = {
         "format": FORMAT,
