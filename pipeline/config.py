@@ -511,7 +511,8 @@ class OutputConfig(_Section):
     """``output``: where and how the results are written.
 
     The folder holds ``shards/`` (one HDF5 file per id range), ``jacobians.h5`` (virtual datasets over
-    all shards), ``rejected.jsonl``, ``aggregates.h5`` (with ``jacobian.aggregate``) and, written last,
+    all shards), ``rejected.jsonl``, ``aggregates.h5`` (with ``jacobian.aggregate``), ``engine-plan.json``
+    (the engine's set-up decisions, a cache for resumed and incremental runs) and, written last,
     ``manifest.json``: the folder is complete exactly when it exists.
     """
 

@@ -12,6 +12,7 @@ from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import (
     AGGREGATES,
     CHECKSUM_SUFFIX,
+    ENGINE_PLAN,
     MANIFEST,
     REJECTED_FILE,
     SHARDS_DIR,
@@ -68,6 +69,14 @@ def _is_rejected_list(path: str) -> bool:
     return True
 
 
+def _is_engine_plan(path: str) -> bool:
+    try:
+        plan = json.loads(storage.read_text(path))
+    except (OSError, ValueError):
+        return False
+    return isinstance(plan, dict) and {"key", "plan"} <= set(plan)
+
+
 def read_folder(output_dir: str) -> Folder:
     """What the folder holds, judged by content: a file with one of jacobeam's names counts as jacobeam's
     only if it looks like what jacobeam writes; otherwise it is listed as alien and never touched.
@@ -82,6 +91,10 @@ def read_folder(output_dir: str) -> Folder:
         path = storage.join(root, name)
         if is_folder_temp(name):
             folder.owned.append(path)
+            continue
+        if name == ENGINE_PLAN:  # a cache of the engine's set-up: never a reason to refuse the folder
+            if _is_engine_plan(path):
+                folder.owned.append(path)
             continue
         if name not in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES) or not storage.is_file(path):
             continue

@@ -33,6 +33,9 @@
    stored rows (``output_index``) of the reference are compared; stored products of ``reduce`` other
    than ``none`` are not recomputed (the report says so).
 
+``engine-plan.json`` (the engine's set-up decisions, a cache) is no result: a note says when it is
+unreadable or made for other model weights than the manifest's (a next run ignores it then).
+
 A folder written by a pipeline of the user's own (``WriteShards(pipeline_spec(...))``) lists no input
 file: steps 1 and 2 are checked (without the input files' sample counts), no sample is recomputed, and
 the report says so in a note.
@@ -53,7 +56,7 @@ from jacobeam.pipeline.coverage import check_inputs, check_structure
 from jacobeam.pipeline.recompute import FD_RTOL, OUTPUT_RTOL, TAPE_RTOL, recompute
 from jacobeam.transforms.finalize import write_manifest
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import MANIFEST, SHARDS_DIR, is_shard_file
+from jacobeam.transforms.output.layout import ENGINE_PLAN, MANIFEST, SHARDS_DIR, is_shard_file
 
 
 @dataclasses.dataclass
@@ -107,6 +110,8 @@ def verify(folder: str | Path, samples: int = 0, seed: int = 0) -> Report:
     extra = [name for name in on_disk if is_shard_file(name) and name not in listed]
     if extra:
         report.notes.append(f"{len(extra)} shard file(s) not in the manifest (an unfinished later run?): {extra[:3]}")
+    if ENGINE_PLAN in top:
+        _check_engine_plan(storage.join(root, ENGINE_PLAN), manifest, report)
     from jacobeam.transforms.inputs.readers import from_a_pipeline
 
     if samples > 0 and from_a_pipeline(manifest):
@@ -117,6 +122,19 @@ def verify(folder: str | Path, samples: int = 0, seed: int = 0) -> Report:
     elif samples > 0 and check_inputs(manifest, report):
         recompute(root, manifest, where, samples, seed, report)
     return report
+
+
+def _check_engine_plan(path: str, manifest: dict[str, Any], report: Report) -> None:
+    """The engine's cached set-up decisions are no result: what is wrong with them is a note (a next run
+    ignores them and probes again), never a problem."""
+    try:
+        plan = json.loads(storage.read_text(path))
+        fingerprint = plan["key"]["model_fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        report.notes.append(f"{ENGINE_PLAN}: unreadable (a cache of the engine's set-up: the next run probes again)")
+        return
+    if manifest.get("model_fingerprint") not in (None, fingerprint):
+        report.notes.append(f"{ENGINE_PLAN}: made for other model weights than the manifest's (a next run ignores it)")
 
 
 def record(folder: str | Path, report: Report) -> dict[str, Any]:

@@ -87,7 +87,7 @@ def test_remote_output_equals_a_local_run_bit_for_bit(remote_and_local):
         assert hashlib.sha256(data).hexdigest() == mine["sha256"] == theirs["sha256"]
         assert _remote_bytes(f"{OUT}/{mine['file']}{CHECKSUM_SUFFIX}").decode() == mine["sha256"]
     # Nothing temporary is left, and the folder holds exactly what jacobeam writes.
-    assert storage.listdir(OUT) == ["jacobians.h5", "manifest.json", "rejected.jsonl"]
+    assert storage.listdir(OUT) == ["engine-plan.json", "jacobians.h5", "manifest.json", "rejected.jsonl"]
     assert not [n for n in storage.listdir(f"{OUT}/shards") if n.startswith(".")]
 
     copied = tmp_path / "copied"

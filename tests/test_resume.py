@@ -280,12 +280,14 @@ def test_leftover_temporary_manifest_and_view_are_removed_and_never_read(clean, 
     (out / ".manifest.json.tmp-4242").write_text('{"half": ')
     (out / ".jacobians.h5.tmp-4242").write_bytes(b"\x89HDF half a file")
     (out / ".rejected.jsonl.tmp-4242").write_text('{"id": 1')
+    (out / ".engine-plan.json.tmp-4242").write_text('{"key": ')
     (out / "shards" / ".shard-000000000016-000000000032.h5.tmp-0123456789ab").write_bytes(b"half a shard")
 
     manifest = _run(root / "data", out)
 
     assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in first["shards"]]
-    assert sorted(p.name for p in out.iterdir()) == ["jacobians.h5", "manifest.json", "rejected.jsonl", "shards"]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["engine-plan.json", "jacobians.h5", "manifest.json", "rejected.jsonl", "shards"]
     assert all(not p.name.startswith(".") for p in (out / "shards").iterdir())
 
 
@@ -336,5 +338,5 @@ def test_a_runner_that_retries_bundles_completes_the_run_without_duplicates(clea
         (s["start"], s["sha256"]) for s in first["shards"]
     ]
     assert _shas(out) == _shas(root / "out")
-    assert sorted(os.listdir(out)) == ["jacobians.h5", "manifest.json", "rejected.jsonl", "shards"]
+    assert sorted(os.listdir(out)) == ["engine-plan.json", "jacobians.h5", "manifest.json", "rejected.jsonl", "shards"]
     np.testing.assert_array_equal(_view(out)["sample_id"], np.arange(40))

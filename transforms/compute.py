@@ -13,6 +13,7 @@ tests run ``RunInference`` with a ``FakeModelHandler``).
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import threading
@@ -31,6 +32,7 @@ from jacobeam.transforms.elements import JacobianBatch, SampleBatch, stack_sampl
 from jacobeam.transforms.engine.threads import configure_tf_threads
 from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.metrics import ComputeMetrics
+from jacobeam.transforms.output import storage
 from jacobeam.transforms.self_check import SelfChecker, chosen_ids
 from jacobeam.transforms.spec import EngineOptions, ModelSource, SelfCheck
 from jacobeam.transforms.testing import faults
@@ -50,12 +52,45 @@ _builds_lock = threading.Lock()
 EngineFactory = Callable[[ModelSource, Any, EngineOptions, "int | None"], Any]
 
 
-def build_engine(model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None = None):
-    """Load the model and build, trace and warm up the Jacobian function (once per process)."""
+def build_engine(
+    model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None = None, plan_cache: str | None = None
+):
+    """Load the model and build, trace and warm up the Jacobian function (once per process).
+
+    ``plan_cache``: a file (``layout.ENGINE_PLAN`` in the output folder) of an earlier engine's set-up
+    decisions: reused where they were made for this model, options, TensorFlow and device, else (and
+    when unreadable) ignored; written after a set-up that probed."""
     from jacobeam.transforms.engine import JacobianEngine
 
     configure_tf_threads(tf_threads)
-    return JacobianEngine(model.load(), input_shape, options)
+    engine = JacobianEngine(model.load(), input_shape, options, decisions=_read_plan_cache(plan_cache))
+    if plan_cache is not None and engine.telemetry.get("plan_cache") == "probed" and engine.decisions is not None:
+        _write_plan_cache(plan_cache, engine.decisions)
+    return engine
+
+
+def _read_plan_cache(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    try:
+        if not storage.exists(path):
+            return None
+        decisions = json.loads(storage.read_text(path))
+    except (OSError, ValueError) as err:  # only a cache: a run never fails on it
+        log.debug("%s: unreadable, ignored (%s)", path, err)
+        return None
+    if not isinstance(decisions, dict):
+        log.debug("%s: not set-up decisions, ignored", path)
+        return None
+    return decisions
+
+
+def _write_plan_cache(path: str, decisions: dict) -> None:
+    text = json.dumps(decisions, indent=1, default=str) + "\n"
+    try:
+        storage.write_atomically(path, lambda temp: temp.write_text(text))
+    except OSError as err:  # only a cache: the next run probes again
+        log.warning("%s: set-up decisions not written: %s", path, err)
 
 
 # Engines being built in this process now: a token for each, with the time.monotonic() its build began.
@@ -71,14 +106,18 @@ def engine_setup() -> tuple[float | None, int]:
 
 
 def _built(
-    run: str, factory: EngineFactory, model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None
+    run: str, factory: EngineFactory, model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None,
+    plan_cache: str | None = None,
 ):
-    """``factory``'s engine, counted in ``_engine_builds[run]``."""
+    """``factory``'s engine, counted in ``_engine_builds[run]``; ``build_engine`` with ``plan_cache``."""
     token = object()
     with _builds_lock:
         _building[id(token)] = time.monotonic()
     try:
-        engine = factory(model, input_shape, options, tf_threads)
+        if factory is build_engine:
+            engine = build_engine(model, input_shape, options, tf_threads, plan_cache=plan_cache)
+        else:
+            engine = factory(model, input_shape, options, tf_threads)
     finally:
         with _builds_lock:
             del _building[id(token)]
@@ -102,13 +141,15 @@ class ComputeJacobiansFn(beam.DoFn):
 
     ``engine_factory`` builds the engine (default ``build_engine``; see ``EngineFactory``). Whatever it
     builds is shared by the DoFn instances of a process with the same model, shapes, options and factory.
+    ``plan_cache`` is ``build_engine``'s (a planned job's ``ENGINE_PLAN`` file; other factories ignore it).
     """
 
     def __init__(
         self, model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None = None,
-        self_check: SelfCheck | None = None, engine_factory: EngineFactory | None = None,
+        self_check: SelfCheck | None = None, engine_factory: EngineFactory | None = None, plan_cache: str | None = None,
     ):
         self._model, self._input_shape, self._options, self._tf_threads = model, input_shape, options, tf_threads
+        self._plan_cache = plan_cache
         self._self_check = self_check if self_check is not None and self_check.samples > 0 else None
         self._engine_factory = build_engine if engine_factory is None else engine_factory
         # Beam's Shared keeps the last engine acquired in a process alive between bundles (a runner that
@@ -125,7 +166,10 @@ class ComputeJacobiansFn(beam.DoFn):
             key = f"{key} {self._engine_factory!r}"
         factory = self._engine_factory
         self._engine = self._shared.acquire(
-            lambda: _built(self._run, factory, self._model, self._input_shape, self._options, self._tf_threads), tag=key
+            lambda: _built(
+                self._run, factory, self._model, self._input_shape, self._options, self._tf_threads, self._plan_cache
+            ),
+            tag=key,
         )
         self._checker, self._chosen = None, {}
         if self._self_check is not None:  # its reference function is traced at the first check

@@ -20,6 +20,8 @@ from apache_beam.typehints.decorators import no_annotations
 
 from jacobeam.transforms.compute import ComputeJacobiansFn, EngineFactory
 from jacobeam.transforms.metrics import ShardMetrics
+from jacobeam.transforms.output import storage
+from jacobeam.transforms.output.layout import ENGINE_PLAN
 from jacobeam.transforms.output.shards import ShardRecord, proven_checksum, shard_path
 from jacobeam.transforms.read import shard_batches
 from jacobeam.transforms.spec import JobSpec, ShardRange
@@ -41,7 +43,10 @@ class ComputeShardFn(ComputeJacobiansFn):
     """
 
     def __init__(self, spec: JobSpec, engine_factory: EngineFactory | None = None):
-        super().__init__(spec.model, spec.sample_shape, spec.engine, spec.tf_threads, spec.self_check, engine_factory)
+        super().__init__(
+            spec.model, spec.sample_shape, spec.engine, spec.tf_threads, spec.self_check, engine_factory,
+            plan_cache=storage.join(spec.output_dir, ENGINE_PLAN),
+        )
         self._spec = spec
         self._shard_metrics = ShardMetrics()
 

@@ -192,6 +192,13 @@ class BlockCache:
             self._built[key] = fn if self._wrap is None else self._wrap(fn)
         return self._built[key]
 
+    def trace(self, path: Path, wrt: int, rows: int, total: int, operand: str) -> None:
+        """Build a block and trace it without running it (set-up decisions taken from an earlier engine)."""
+        before = len(self._compiled)
+        self.get(path, wrt, rows, total, operand)
+        if len(self._compiled) > before:
+            self._compiled[-1].get_concrete_function()
+
     @property
     def traces(self) -> int:
         """How many times the blocks built so far have traced."""

@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from jacobeam.transforms.engine import budget, model_checks
+from jacobeam.transforms.engine import decisions as setup_decisions
 from jacobeam.transforms.engine.blocks import BlockCache
 from jacobeam.transforms.engine.diagnostics import activation_size
 from jacobeam.transforms.engine.executor import Plan, execute, join
@@ -49,6 +50,9 @@ class JacobianEngine:
         options: how to compute and what to keep (``EngineOptions``).
         wrap_block: a test seam: applied to every compiled block function the engine builds (to inject
             out-of-memory errors, say); None in production.
+        decisions: an earlier engine's ``decisions``: taken instead of checking and probing where they
+            were made for the same model, options, TensorFlow and device (``transforms.engine.decisions``),
+            else ignored.
 
     Raises:
         ModelError: the model does not take these samples, its samples interact inside a batch, the
@@ -72,6 +76,7 @@ class JacobianEngine:
         input_shapes: Sequence[int] | Mapping[str, Sequence[int]],
         options: EngineOptions,
         wrap_block: Callable[[Callable], Callable] | None = None,
+        decisions: Mapping[str, Any] | None = None,
     ):
         began = time.perf_counter()
         self.options = options
@@ -89,17 +94,20 @@ class JacobianEngine:
         self._compiled_forward = tf.function(
             lambda xs: self.model.call(list(xs)), input_signature=[self._specs], autograph=False
         )
-        self.output_shape = model_checks.output_shape(
-            # Two samples decide whether samples interact inside a batch (one against two).
-            self._forward, self._probe(2), source, self.input_shapes,
-            options.check_batch_independence, options.compute_dtype,
-        )
-        self.operands: Operands = build_operands(options, self.output_shape, self.input_shapes, self.input_names, source)
-        self._activations = activation_size(self._compiled_forward.get_concrete_function(self._specs).graph)
-        self._plan = Planner(
-            options, self.operands, self.wrt, source, self._size, self._run, self._forward, self._probe,
-            _PROBE_SAMPLES, self.telemetry,
-        ).choose()
+        self._key = setup_decisions.key(model, self.fingerprint, self.input_shapes, options)
+        if not self._reuse(decisions):
+            self.output_shape = model_checks.output_shape(
+                # Two samples decide whether samples interact inside a batch (one against two).
+                self._forward, self._probe(2), source, self.input_shapes,
+                options.check_batch_independence, options.compute_dtype,
+            )
+            self.operands: Operands = build_operands(options, self.output_shape, self.input_shapes, self.input_names, source)
+            self._activations = activation_size(self._compiled_forward.get_concrete_function(self._specs).graph)
+            self._plan = Planner(
+                options, self.operands, self.wrt, source, self._size, self._run, self._forward, self._probe,
+                _PROBE_SAMPLES, self.telemetry,
+            ).choose()
+            self.telemetry["plan_cache"] = "probed"
         self.telemetry["setup_seconds"] = round(time.perf_counter() - began, 3)
         self._traces_after_setup = self.traces
         plan = self._plan
@@ -109,6 +117,47 @@ class JacobianEngine:
         )
 
     # -- set-up helpers -----------------------------------------------------------------------
+
+    def _reuse(self, decisions: Mapping[str, Any] | None) -> bool:
+        """Take an earlier engine's set-up decisions (``self.decisions``) if their key is this engine's:
+        no check, probe or timing runs (their outcomes are decided by what the key holds), and the
+        plan's blocks are traced here as set-up would. False (and a debug log) where they do not apply."""
+        if decisions is None or self._key is None:
+            return False
+        source = self.model.source
+        try:
+            if decisions["key"] != self._key:
+                changed = sorted(k for k in self._key if decisions["key"].get(k) != self._key[k])
+                log.debug("%s: set-up decisions of another %s: probing", source, ", ".join(changed) or "key")
+                return False
+            plan = setup_decisions.decode_plan(decisions)
+            output_shape = tuple(int(d) for d in decisions["output_shape"])
+            operands = build_operands(self.options, output_shape, self.input_shapes, self.input_names, source)
+            if decisions["operands"] != setup_decisions.operands_digest(operands):
+                log.debug("%s: set-up decisions for other operand matrices: probing", source)
+                return False
+            if sorted(k for k, _ in plan.sizes.rows) != sorted(self.wrt):
+                raise ValueError(f"block rows for inputs {plan.sizes.rows}, differentiating {self.wrt}")
+            activations = int(decisions["activations"])
+            candidates, fallbacks = list(decisions["candidates"]), [str(op) for op in decisions["pfor_fallbacks"]]
+        except (KeyError, TypeError, ValueError, AttributeError, ModelError) as err:
+            log.debug("%s: unusable set-up decisions (%s: %s): probing", source, type(err).__name__, err)
+            return False
+        self.output_shape, self.operands, self._activations, self._plan = output_shape, operands, activations, plan
+        mode = plan.path.mode
+        for k, rows in plan.sizes.rows:
+            self._blocks.trace(plan.path, k, rows, operands.extent(mode, k), operands.kind(mode))
+        self.telemetry.update(candidates=candidates, pfor_fallbacks=fallbacks, plan_cache="reused")
+        log.info("%s: set-up decisions reused (no probing): %s", source, plan.path.label)
+        return True
+
+    @property
+    def decisions(self) -> dict[str, Any] | None:
+        """This engine's set-up decisions as JSON-able data, for a later engine's ``decisions`` (None
+        for a model without a key: see ``transforms.engine.decisions``)."""
+        if self._key is None:
+            return None
+        return setup_decisions.encode(self._key, self.output_shape, self._activations, self.operands, self._plan, self.telemetry)
 
     def _probe(self, n: int) -> list[np.ndarray]:
         """Seeded standard-normal samples: used to check, compare and time paths during set-up."""

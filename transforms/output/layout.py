@@ -9,6 +9,7 @@ Imports nothing else of jacobeam. ::
       jacobians.h5                           the virtual view over every shard
       aggregates.h5                          aggregate statistics (jacobian.aggregate)
       rejected.jsonl                         samples rejected under on_bad_sample: skip
+      engine-plan.json                       the engine's set-up decisions, a cache (see ENGINE_PLAN)
       manifest.json                          written last: the output exists once it does
 """
 
@@ -22,6 +23,10 @@ VIEW = "jacobians.h5"
 AGGREGATES = "aggregates.h5"
 REJECTED_FILE = "rejected.jsonl"
 CHECKSUM_SUFFIX = ".sha256"  # a remote shard's sidecar
+# The engine's set-up decisions (path, sizes, output shape) for one model fingerprint, configuration,
+# TensorFlow version and device, written by the worker that probed: a resumed or incremental run's
+# workers reuse them instead of probing again. Only a cache: unreadable or for another key, it is ignored.
+ENGINE_PLAN = "engine-plan.json"
 
 # Datasets and attributes of a shard.
 JACOBIAN = "jacobian"
@@ -41,7 +46,9 @@ WRITE_PROBE_PREFIX = ".jacobeam-write-test-"  # a writability probe's name: the 
 _SHARD_NAME = re.compile(r"^shard-(\d{12})-(\d{12})\.h5$")
 _SHARD_TEMP = re.compile(r"^\.shard-\d{12}-\d{12}\.h5\.tmp-[0-9a-f]+$")
 _FILE_TEMP = re.compile(
-    r"^\.(" + "|".join(re.escape(name) for name in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES)) + r")\.tmp-[0-9a-f]+$"
+    r"^\.("
+    + "|".join(re.escape(name) for name in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES, ENGINE_PLAN))
+    + r")\.tmp-[0-9a-f]+$"
 )
 _PROBE = re.compile("^" + re.escape(WRITE_PROBE_PREFIX) + "[0-9a-f]+$")
 
