@@ -113,7 +113,8 @@ def _engine(engine: dict | None) -> str:
     if not engine:
         return "(not recorded: every shard was kept from an earlier attempt)"
     xla = " + XLA" if engine["jit_compile"] else ""
-    by = " by double reverse" if engine.get("double_reverse") else ""  # absent in older manifests
+    # Both absent in older manifests.
+    by = " by double reverse" if engine.get("double_reverse") else " by layer rules" if engine.get("layer_rules") else ""
     return (
         f"{engine['mode']}{by}{xla}, batch {engine['batch_size']}, {engine['compute_dtype']} -> "
         f"{engine['store_dtype']} ({'; '.join(engine['reasons'])})"

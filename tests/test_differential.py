@@ -78,7 +78,7 @@ def arrays_folder(tmp_path_factory) -> Path:
 
 def _described(engine: JacobianEngine) -> str:
     d = engine.describe()
-    keys = ("mode", "double_reverse", "jit_compile", "batch_size", "block_rows", "oom_retries", "reasons")
+    keys = ("mode", "double_reverse", "layer_rules", "jit_compile", "batch_size", "block_rows", "oom_retries", "reasons")
     return ", ".join(f"{key}={d.get(key)!r}" for key in keys)
 
 

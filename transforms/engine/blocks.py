@@ -32,6 +32,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from jacobeam.transforms.engine import layer_rules
 from jacobeam.transforms.errors import ModelError
 
 MODES = ("reverse", "reverse_loop", "forward")
@@ -155,20 +156,24 @@ def build_block(
 
 
 class Path(NamedTuple):
-    """One way to compute blocks: a mode, under XLA or not, and (forward mode) by double reverse."""
+    """One way to compute blocks: a mode, under XLA or not, and (forward mode) by double reverse or by
+    layer rules (``layer_rules``)."""
 
     mode: str
     jit: bool = False
     double_reverse: bool = False
+    layer_rules: bool = False
 
     @property
     def label(self) -> str:
-        return f"{self.mode}{' by double reverse' if self.double_reverse else ''}{' + XLA' if self.jit else ''}"
+        by = " by double reverse" if self.double_reverse else " by layer rules" if self.layer_rules else ""
+        return f"{self.mode}{by}{' + XLA' if self.jit else ''}"
 
 
 class BlockCache:
     """Compiled blocks of one model, built on first use and kept: a block function traces once per
-    path and size. ``wrap`` (a test seam) is applied to every block built, e.g. to inject failures."""
+    path and size. ``wrap`` (a test seam) is applied to every block built, e.g. to inject failures.
+    ``model`` (the Keras model behind ``call``) is what paths by layer rules run through."""
 
     def __init__(
         self,
@@ -176,18 +181,22 @@ class BlockCache:
         input_shapes: Sequence[tuple[int, ...]],
         dtype: tf.DType,
         wrap: Callable[[Callable], Callable] | None = None,
+        model: object | None = None,
     ):
-        self._call, self._shapes, self._dtype, self._wrap = call, input_shapes, dtype, wrap
+        self._call, self._shapes, self._dtype, self._wrap, self._model = call, input_shapes, dtype, wrap, model
         self._built: dict[tuple, Callable] = {}
         self._compiled: list[Callable] = []
 
     def get(self, path: Path, wrt: int, rows: int, total: int, operand: str) -> Callable:
         key = (path, wrt, rows, total, operand)
         if key not in self._built:
-            fn = build_block(
-                path.mode, self._call, self._shapes, wrt, rows, total, self._dtype, path.jit,
-                operand=operand, double_reverse=path.double_reverse,
-            )
+            if path.layer_rules:
+                fn = layer_rules.build_block(self._model, self._shapes[wrt], rows, total, self._dtype, path.jit, operand)
+            else:
+                fn = build_block(
+                    path.mode, self._call, self._shapes, wrt, rows, total, self._dtype, path.jit,
+                    operand=operand, double_reverse=path.double_reverse,
+                )
             self._compiled.append(fn)
             self._built[key] = fn if self._wrap is None else self._wrap(fn)
         return self._built[key]

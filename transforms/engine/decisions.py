@@ -127,6 +127,7 @@ def encode(key: dict, output_shape: Sequence[int], activations: int, operands: O
             "mode": plan.path.mode,
             "jit_compile": plan.path.jit,
             "double_reverse": plan.path.double_reverse,
+            "layer_rules": plan.path.layer_rules,
             "batch_size": plan.sizes.batch,
             "block_rows": [list(pair) for pair in plan.sizes.rows],
             "size_notes": list(plan.sizes.notes),
@@ -147,5 +148,5 @@ def decode_plan(decisions: Mapping[str, Any]) -> Plan:
     )
     if plan["mode"] not in ("reverse", "reverse_loop", "forward") or sizes.batch < 1 or any(r < 1 for _, r in sizes.rows):
         raise ValueError(f"not a plan: {plan}")
-    path = Path(str(plan["mode"]), bool(plan["jit_compile"]), bool(plan["double_reverse"]))
+    path = Path(str(plan["mode"]), bool(plan["jit_compile"]), bool(plan["double_reverse"]), bool(plan["layer_rules"]))
     return Plan(path, sizes, tuple(str(reason) for reason in plan["reasons"]))

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from jacobeam.transforms.engine import budget, model_checks
+from jacobeam.transforms.engine import budget, layer_rules, model_checks
 from jacobeam.transforms.engine import decisions as setup_decisions
 from jacobeam.transforms.engine.blocks import BlockCache
 from jacobeam.transforms.engine.diagnostics import activation_size
@@ -87,7 +87,7 @@ class JacobianEngine:
         self.wrt = model_checks.resolve_wrt(self.input_names, options.wrt, source)  # positions of the differentiated inputs
         self.telemetry: dict[str, Any] = {"pfor_fallbacks": [], "oom_retries": 0}
         dtype = tf.as_dtype(options.compute_dtype)
-        self._blocks = BlockCache(self.model.call, self.input_shapes, dtype, wrap_block)
+        self._blocks = BlockCache(self.model.call, self.input_shapes, dtype, wrap_block, self.model.keras_model)
         # The model's outputs without derivatives (set-up checks, argmax/top_k selections): compiled once,
         # as an eager call of a large Keras model costs more than its differentiated pass.
         self._specs = [tf.TensorSpec((None, *shape), dtype) for shape in self.input_shapes]
@@ -105,7 +105,7 @@ class JacobianEngine:
             self._activations = activation_size(self._compiled_forward.get_concrete_function(self._specs).graph)
             self._plan = Planner(
                 options, self.operands, self.wrt, source, self._size, self._run, self._forward, self._probe,
-                _PROBE_SAMPLES, self.telemetry,
+                _PROBE_SAMPLES, self.telemetry, layer_rules.unsupported(self.model.keras_model) is None,
             ).choose()
             self.telemetry["plan_cache"] = "probed"
         self.telemetry["setup_seconds"] = round(time.perf_counter() - began, 3)
@@ -298,6 +298,7 @@ class JacobianEngine:
         return {
             "mode": plan.path.mode,
             "double_reverse": plan.path.double_reverse,  # forward mode's blocks by double reverse
+            "layer_rules": plan.path.layer_rules,  # forward mode's blocks by layer rules (layer_rules.py)
             "jit_compile": plan.path.jit,
             "requested": {"mode": self.options.mode, "jit_compile": self.options.jit_compile},
             "batch_size": plan.sizes.batch,

@@ -27,6 +27,7 @@ from jacobeam.transforms.engine.diagnostics import (
     relative_error,
 )
 from jacobeam.transforms.engine.executor import Plan
+from jacobeam.transforms.engine.layer_rules import NoLayerRule
 from jacobeam.transforms.engine.operands import Operands
 from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.spec import EngineOptions
@@ -60,11 +61,13 @@ class Planner:
         probe: Callable[[int], list[np.ndarray]],
         probe_samples: int,
         telemetry: dict[str, Any],
+        layer_rules: bool = False,
     ):
         self._options, self._operands, self._wrt, self._source = options, operands, wrt, source
         self._size, self._run, self._forward, self._probe = size, run, forward, probe
         self._probe_samples = probe_samples
         self._telemetry = telemetry
+        self._layer_rules = layer_rules  # every layer of the model has a forward rule (layer_rules.unsupported)
 
     def choose(self) -> Plan:
         modes, reason = self._candidates()
@@ -104,11 +107,14 @@ class Planner:
         """Paths to try for ``mode``, the reference first. Forward mode's plain graph also runs by double
         reverse (faster, but only trusted where it agrees with the accumulator); not under XLA, where
         the accumulator's graph is the faster, nor where the plain graph is only a reference
-        (``jit_compile: true``)."""
+        (``jit_compile: true``). Where every layer has a rule, it runs by layer rules too (trusted
+        likewise)."""
         jit_compile = self._options.jit_compile
         paths = [Path(mode, jit) for jit in {True: [False, True], False: [False], "auto": [False, True]}[jit_compile]]
         if mode == "forward" and jit_compile is not True:
             paths.insert(1, Path(mode, False, True))
+            if self._layer_rules:
+                paths.insert(2, Path(mode, False, layer_rules=True))
         return paths
 
     def _first_good(self, modes: list[str], notes: list[str]) -> Plan | None:
@@ -133,6 +139,10 @@ class Planner:
             for path in self._paths(mode):
                 try:
                     plan, result, seconds = self._try(path, timed, 2 if alone else self._probe_samples)
+                except NoLayerRule as err:
+                    notes.append(f"{path.label}: {err}")
+                    tried.append({"path": path.label, "error": str(err)})
+                    continue
                 except ForwardModeUnsupported as err:
                     if options.mode == "forward":
                         raise ModelError(f"{self._source}: {err}") from err
@@ -168,8 +178,9 @@ class Planner:
                 if reference_only and not path.jit:
                     entry["reference_only"] = True
                     continue
-                # Untimed, the double-reverse forward graph wins over the accumulator's it agrees with.
-                rank = (seconds,) if autotune else (modes.index(mode), seconds, not path.double_reverse)
+                # Untimed, layer rules and then the double-reverse forward graph win over the accumulator's
+                # graph they agree with.
+                rank = (seconds,) if autotune else (modes.index(mode), seconds, not path.layer_rules, not path.double_reverse)
                 if best is None or rank < best[0]:
                     best = (rank, plan)
         if best is None:

@@ -158,6 +158,7 @@ class FakeEngine:
         return {
             "mode": "fake",
             "double_reverse": False,
+            "layer_rules": False,
             "jit_compile": False,
             "requested": {"mode": options.mode, "jit_compile": options.jit_compile},
             "batch_size": self.batch_size,

@@ -1,0 +1,205 @@
+"""Forward mode by layer rules (``transforms/engine/layer_rules.py``) against independent references:
+a per-sample tape loop, float64 finite differences, and the accumulator's NaN/inf behaviour."""
+
+import keras
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jacobeam.transforms.engine import JacobianEngine, layer_rules
+from jacobeam.transforms.engine.models import seeded_weights, wrap_model
+from jacobeam.transforms.spec import EngineOptions, Reduction
+from tests.reference import assert_close, central_differences, tape_loop
+
+ACTIVATIONS = ["linear", "tanh", "relu", "sigmoid", "softplus", "exponential"]
+
+
+def _engine(model, **options):
+    options.setdefault("batch_size", 8)
+    return JacobianEngine(wrap_model(model, model.name), model.input_shape[1:], EngineOptions(**options))
+
+
+def _samples(model, n, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, *model.input_shape[1:])).astype(np.float32)
+
+
+def dense_chain(widths=(3, 7, 5, 9), activations=("tanh", "relu", None), dtype="float32", seed=3) -> keras.Model:
+    """Dense layers with every kind of activation rule, an Activation layer, Dropout and a Reshape and
+    Flatten between: 3 inputs -> 9 outputs, so mode auto runs forward."""
+    layers = [keras.Input((widths[0],), dtype=dtype)]
+    for width, activation in zip(widths[1:], activations):
+        layers.append(keras.layers.Dense(width, activation=activation, dtype=dtype))
+    layers[2:2] = [
+        keras.layers.Activation("sigmoid", dtype=dtype), keras.layers.Dropout(0.5, dtype=dtype),
+        keras.layers.Reshape((widths[1], 1), dtype=dtype), keras.layers.Flatten(dtype=dtype),
+    ]
+    model = keras.Sequential(layers, name="dense_chain")
+    seeded_weights(model, seed)
+    return model
+
+
+def ops_flow(dtype="float32", seed=5) -> keras.Model:
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(dtype)  # the models' own dtype: the engine cannot clone Keras ops into float64
+    try:
+        return _ops_flow(dtype, seed)
+    finally:
+        keras.config.set_dtype_policy(policy)
+
+
+def _ops_flow(dtype: str, seed: int) -> keras.Model:
+    """Affine couplings written with Keras ops (as benchmarks/workloads.py's W4): slices of the features,
+    exp, *, +, -, concatenate and a permutation by take; a nested Sequential as the coupling's network."""
+    x = inputs = keras.Input((6,), dtype=dtype)
+    rng = np.random.default_rng(seed)
+    for index in range(2):
+        net = keras.Sequential(
+            [keras.Input((3,), dtype=dtype), keras.layers.Dense(8, activation="softplus", dtype=dtype),
+             keras.layers.Dense(6, dtype=dtype)],
+            name=f"net{index}",
+        )
+        st_ = net(x[:, :3])
+        moved = x[:, 3:] * keras.ops.exp(st_[:, :3]) + st_[:, 3:] - 0.5 * x[:, 3:]
+        x = keras.ops.concatenate([x[:, :3], moved], axis=-1)
+        x = keras.ops.take(x, rng.permutation(6) - 6 * index, axis=1)  # negative indices the second time
+    model = keras.Model(inputs, x, name="ops_flow")
+    seeded_weights(model, seed)
+    return model
+
+
+@pytest.mark.parametrize("build", [dense_chain, ops_flow], ids=["dense_chain", "ops_flow"])
+def test_layer_rules_match_the_tape_loop_and_are_chosen_where_they_agree(build):
+    model = build()
+    assert layer_rules.unsupported(model) is None
+    x = _samples(model, 11)
+    engine = _engine(model)
+    described = engine.describe()
+    assert (described["mode"], described["layer_rules"], described["double_reverse"]) == ("forward", True, False)
+    paths = [c["path"] for c in described["candidates"]]
+    assert paths == ["forward", "forward by double reverse", "forward by layer rules"]
+    assert described["candidates"][2]["relative_error"] < 1e-5
+    result = engine(x)
+    assert_close(result["jacobian"], tape_loop(model, x), rtol=1e-5)
+    assert_close(result["output"], model(x).numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("build", [dense_chain, ops_flow], ids=["dense_chain", "ops_flow"])
+def test_float64_layer_rules_match_float64_finite_differences(build):
+    model64 = build(dtype="float64")
+    x = _samples(model64, 3)
+    engine = _engine(model64, compute_dtype="float64", store_dtype="float64")
+    assert engine.describe()["layer_rules"]
+    assert_close(engine(x)["jacobian"], central_differences(model64, x), rtol=1e-7)
+
+
+def test_blocks_of_columns_and_projections_run_by_layer_rules():
+    """A small memory budget cuts the columns into blocks (``start`` > 0); ``reduce: project`` pushes
+    the projection's columns instead of the identity's."""
+    from jacobeam.transforms.engine.reductions import projection_matrix
+
+    model = ops_flow()
+    x = _samples(model, 10)
+    blocked = _engine(model, memory_budget=4_000)
+    assert blocked.describe()["layer_rules"] and blocked.describe()["block_rows"]["x"] < 6
+    assert_close(blocked(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+    projected = _engine(model, reduce=Reduction(kind="project", project_dim=4))
+    assert projected.describe()["layer_rules"]
+    expected = tape_loop(model, x) @ projection_matrix(6, 4, "rademacher", 0)
+    assert_close(projected(x)["projection"], expected, rtol=1e-5)
+
+
+def test_a_layer_without_a_rule_falls_back_to_the_existing_forward_paths():
+    dtype = "float32"
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(6, activation="tanh"), keras.layers.LayerNormalization(),
+         keras.layers.Dense(8, activation="gelu")],
+        name="normalised",
+    )
+    seeded_weights(model, 2)
+    reason = layer_rules.unsupported(model)
+    assert reason is not None and "LayerNormalization" in reason
+    x = _samples(model, 7)
+    described = _engine(model).describe()
+    assert (described["mode"], described["layer_rules"]) == ("forward", False)
+    assert "forward by layer rules" not in [c["path"] for c in described["candidates"]]
+    assert_close(_engine(model)(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+    gelu = keras.Sequential([keras.Input((2,), dtype=dtype), keras.layers.Dense(3, activation="gelu")])
+    assert "activation" in layer_rules.unsupported(gelu)
+
+
+def test_an_argument_without_a_rule_found_while_tracing_falls_back():
+    """``x[:, None]`` (a new axis) passes the layer check but has no rule: the path is noted and skipped."""
+    x = inputs = keras.Input((3,))
+    x = keras.layers.Dense(5, activation="tanh")(x)
+    x = keras.layers.Flatten()(x[:, None, :])
+    model = keras.Model(inputs, x, name="new_axis")
+    seeded_weights(model, 4)
+    assert layer_rules.unsupported(model) is None
+    engine = _engine(model)
+    described = engine.describe()
+    assert (described["mode"], described["layer_rules"], described["double_reverse"]) == ("forward", False, True)
+    assert any(r.startswith("forward by layer rules: x[") for r in described["reasons"])
+    samples = _samples(model, 5)
+    assert_close(engine(samples)["jacobian"], tape_loop(model, samples), rtol=1e-5)
+
+
+def test_layer_rules_that_disagree_with_the_accumulator_are_not_used(monkeypatch):
+    build_block = layer_rules.build_block
+
+    def wrong(*args, **kwargs):
+        block = build_block(*args, **kwargs)
+
+        def scaled(*inputs):
+            y, columns = block(*inputs)
+            return y, columns * 1.5
+
+        scaled.experimental_get_tracing_count = block.experimental_get_tracing_count
+        return scaled
+
+    monkeypatch.setattr(layer_rules, "build_block", wrong)
+    model = dense_chain()
+    x = _samples(model, 9)
+    engine = _engine(model)
+    described = engine.describe()
+    assert (described["mode"], described["layer_rules"], described["double_reverse"]) == ("forward", False, True)
+    assert any("forward by layer rules disagrees with the reference" in r for r in described["reasons"])
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
+@pytest.mark.parametrize("build", [dense_chain, ops_flow], ids=["dense_chain", "ops_flow"])
+def test_nan_and_inf_samples_give_what_the_accumulator_gives(build, monkeypatch):
+    """Non-finite samples (and relu's kink at exactly 0): the Jacobians the accumulator's path computes
+    (the same entries finite, equal values there), the outputs of the model's own call. The other
+    forward paths' outputs can differ there: their graphs fuse MatMul, BiasAdd and Relu, and the fused
+    Relu maps NaN to 0 (eager Keras and these rules keep NaN)."""
+    model = build()
+    x = _samples(model, 6)
+    x[1, 0], x[2, 1], x[3, 2], x[4] = np.nan, np.inf, -np.inf, 0.0
+    by_rules = _engine(model)
+    assert by_rules.describe()["layer_rules"]
+    monkeypatch.setattr(layer_rules, "unsupported", lambda model: "switched off")
+    accumulator = _engine(model, mode="forward", jit_compile=False)
+    assert not accumulator.describe()["layer_rules"]
+    ours = by_rules(x)
+    for key, expected in (("jacobian", accumulator(x)["jacobian"]), ("output", model(x).numpy())):
+        np.testing.assert_array_equal(np.isfinite(ours[key]), np.isfinite(expected))
+        finite = np.isfinite(expected)
+        np.testing.assert_allclose(ours[key][finite], expected[finite], rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    widths=st.lists(st.integers(1, 6), min_size=2, max_size=4),
+    activations=st.lists(st.sampled_from(ACTIVATIONS), min_size=3, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_any_dense_chain_by_layer_rules_matches_the_tape_loop(widths, activations, seed):
+    layers = [keras.Input((widths[0],))]
+    layers += [keras.layers.Dense(w, activation=a) for w, a in zip(widths[1:], activations)]
+    model = keras.Sequential(layers, name="chain")
+    seeded_weights(model, seed)
+    engine = _engine(model, mode="forward")
+    assert engine.describe()["layer_rules"]
+    x = _samples(model, 5, seed)
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
