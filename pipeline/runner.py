@@ -87,7 +87,7 @@ def local_worker_processes(options: PipelineOptions) -> int:
 
 def engine_in_workers(options: PipelineOptions) -> bool:
     """Whether every engine of the run is built in worker processes of this machine (a local runner's
-    ``multi_processing``): the launcher then leaves loading and checking the model to them."""
+    ``multi_processing``), none in the launcher (see ``launcher_loads_model``)."""
     return is_local(options) and options.view_as(DirectOptions).direct_running_mode == "multi_processing"
 
 
