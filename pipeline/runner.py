@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 
 from jacobeam.pipeline import plan
 from jacobeam.pipeline.config import Config, ConfigError
+from jacobeam.pipeline.folder import read_folder
 from jacobeam.pipeline.progress import ShardProgress
 from jacobeam.transforms.compute import EngineFactory
 from jacobeam.transforms.finalize import Finalize
@@ -83,6 +85,21 @@ def local_worker_processes(options: PipelineOptions) -> int:
     return direct.direct_num_workers or os.cpu_count() or 1
 
 
+def engine_in_workers(options: PipelineOptions) -> bool:
+    """Whether every engine of the run is built in worker processes of this machine (a local runner's
+    ``multi_processing``), none in the launcher (see ``launcher_loads_model``)."""
+    return is_local(options) and options.view_as(DirectOptions).direct_running_mode == "multi_processing"
+
+
+def launcher_loads_model(config: Config, options: PipelineOptions) -> bool:
+    """Whether the launcher loads the model to check it while planning (``plan.make_job``): always, but
+    for a fresh output folder whose engines local worker processes build. Those load the model first
+    thing (building the engine checks it against the samples; ``Finalize`` checks that every shard has
+    the same weights), and the launcher's own import of TensorFlow would take seconds of the cores they
+    share. A folder that holds shards or a manifest has weights to compare with: the launcher checks."""
+    return not (engine_in_workers(options) and read_folder(config.output.path).empty)
+
+
 def tf_threads(config: Config, options: PipelineOptions) -> int | None:
     """TensorFlow threads per worker: the config's number, or the local cores split between workers."""
     if config.jacobian.threads != "auto":
@@ -94,15 +111,23 @@ def tf_threads(config: Config, options: PipelineOptions) -> int | None:
 
 def work_items(spec: JobSpec, worker_processes: int | None = None) -> list:
     """The job's elements. With ``worker_processes`` (a local runner, whose worker processes are known):
-    one run of consecutive shard ranges per process, in which each shard's commit overlaps the next
-    shard's computing. Without (a runner that spreads elements over workers it knows: Dask, Dataflow,
+    one run of consecutive shard ranges per process (as many runs as processes, at most one per range),
+    in which each shard's commit overlaps the next shard's computing; the runs are cut where their
+    samples come closest to equal shares (5 shards of 4,096, 4,096, 4,096, 4,096 and 3,616 samples: 2 and
+    3, not 3 and 2). Without (a runner that spreads elements over workers it knows: Dask, Dataflow,
     Flink, ...): one range per element, so that the ranges spread, a lost worker's ranges are run again
     alone, and a cancelled run stops after the ranges under way."""
     ranges = spec.stored_ranges()
-    if not worker_processes:
+    if not worker_processes or not ranges:
         return ranges
-    size = -(-len(ranges) // worker_processes)
-    return [tuple(ranges[lo : lo + size]) for lo in range(0, len(ranges), size)]
+    runs = min(worker_processes, len(ranges))
+    total, done = sum(r.rows for r in ranges), list(itertools.accumulate(r.rows for r in ranges))
+    cuts = [0]
+    for k in range(1, runs):  # the k-th cut: after ranges[:cut], each run keeping at least one range
+        cut = min(range(cuts[-1] + 1, len(ranges) - runs + k + 1), key=lambda i: abs(done[i - 1] - total * k / runs))
+        cuts.append(cut)
+    cuts.append(len(ranges))
+    return [tuple(ranges[lo:hi]) for lo, hi in zip(cuts, cuts[1:])]
 
 
 def build(
@@ -272,7 +297,8 @@ def run(
     # The plan reads inputs and the output folder before a Pipeline exists (which would do this): file
     # systems that take options (--hdfs_host, --s3_region_name, ...) need them here already.
     FileSystems.set_options(options)
-    job = plan.make_job(config, tf_threads(config, options), overwrite=overwrite, check_model=engine_factory is None)
+    check_model = engine_factory is None and (pipeline is not None or launcher_loads_model(config, options))
+    job = plan.make_job(config, tf_threads(config, options), overwrite=overwrite, check_model=check_model)
     spec, already_done = job.spec, job.already_done
     plan.prepare_output(job)
     if planned is not None:

@@ -4,13 +4,17 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import h5py
 import numpy as np
 import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
 
-from jacobeam.pipeline import config, runner
+from jacobeam.pipeline import checks, config, runner
 from jacobeam.transforms.engine.models import build_cnn
+from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.spec import ShardRange
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
 from tests.test_pipeline import write_inputs
@@ -30,12 +34,70 @@ def _config(data, out):
     )
 
 
+def rescaled_cnn():
+    """small_cnn with its weights scaled by ``$JACOBEAM_TEST_WEIGHT_SCALE`` in every process that builds it,
+    worker processes included (``pid``: by a number of the process's own, as an unseeded initializer
+    would): the same factory name, other weights."""
+    model = test_models.small_cnn()
+    scale = os.environ.get("JACOBEAM_TEST_WEIGHT_SCALE", "1")
+    factor = 1 + os.getpid() / 1e6 if scale == "pid" else float(scale)
+    model.set_weights([w * factor for w in model.get_weights()])
+    return model
+
+
+def _never_in_the_launcher(*args, **kwargs):
+    raise AssertionError("the launcher loaded the model that its worker processes load")
+
+
+@pytest.mark.parametrize(
+    "beam_args, processes",
+    [
+        ([], 1),
+        (["--direct_running_mode", "multi_threading"], 1),
+        (TWO_PROCESSES, 2),
+        (["--direct_running_mode", "multi_processing"], 1),  # Beam's default: one worker process
+        (["--direct_running_mode=multi_processing", "--direct_num_workers=0"], 4),  # 0: one per core
+    ],
+)
+def test_tensorflow_threads_are_the_cores_split_between_worker_processes(tmp_path, monkeypatch, beam_args, processes):
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    options = PipelineOptions(beam_args)
+    cfg = _config(tmp_path / "*.npy", tmp_path / "out")
+    assert runner.local_worker_processes(options) == processes
+    assert runner.tf_threads(cfg, options) == 4 // processes
+    assert runner.engine_in_workers(options) == any("multi_processing" in arg for arg in beam_args)
+    threads = config.validate({**config.to_dict(cfg), "jacobian": {"threads": 3}})
+    assert runner.tf_threads(threads, options) == 3  # the config's number, however many processes
+
+
+@pytest.mark.parametrize(
+    "sizes, processes, runs",
+    [
+        ([4096, 4096, 4096, 4096, 3616], 2, [2, 3]),  # 20,000 samples: 8,192 and 11,808, not 12,288 and 7,712
+        ([5] * 8, 2, [4, 4]),
+        ([5] * 5, 4, [1, 1, 2, 1]),  # every process gets a run
+        ([5] * 3, 4, [1, 1, 1]),
+        ([16, 16, 16, 4], None, [1, 1, 1, 1]),  # a runner that spreads single ranges
+    ],
+)
+def test_each_worker_process_gets_one_run_of_consecutive_shards_of_about_equal_samples(sizes, processes, runs):
+    starts = np.cumsum([0, *sizes])
+    ranges = [ShardRange(int(start), int(stop)) for start, stop in zip(starts, starts[1:])]
+    items = runner.work_items(SimpleNamespace(stored_ranges=lambda: ranges), processes)
+    if processes is None:
+        assert items == ranges
+        return
+    assert [len(item) for item in items] == runs
+    assert [r for item in items for r in item] == ranges  # each range once, in order
+
+
 @pytest.mark.slow
 def test_two_worker_processes_give_identical_shards_and_build_the_engine_once_each(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # worker processes import tests.models as the factory
     samples = write_inputs(tmp_path / "data", (8, 8, 1))
     single = runner.run(_config(tmp_path / "data" / "*.npy", tmp_path / "one"), [], show_progress=False).manifest
 
+    monkeypatch.setattr(checks, "check_model", _never_in_the_launcher)
     multi = runner.run(_config(tmp_path / "data" / "*.npy", tmp_path / "two"), TWO_PROCESSES, show_progress=False)
 
     shards = multi.manifest["shards"]
@@ -49,6 +111,39 @@ def test_two_worker_processes_give_identical_shards_and_build_the_engine_once_ea
     assert multi.metrics["shards_written"] == 8 and multi.metrics["samples"] == 40
     with h5py.File(tmp_path / "two" / "jacobians.h5") as view:
         assert_close(view["jacobian"][:], tape_loop(test_models.small_cnn(), samples), rtol=1e-5)
+    assert multi.manifest["model_fingerprint"] == single["model_fingerprint"]  # the workers' engine's
+
+
+def _rescaled_config(tmp_path):
+    raw = config.to_dict(_config(tmp_path / "data" / "*.npy", tmp_path / "out"))
+    return config.validate({**raw, "model": {"factory": f"{__name__}:rescaled_cnn"}})
+
+
+@pytest.mark.slow
+def test_worker_processes_resuming_a_folder_of_other_weights_are_refused_by_the_launcher(tmp_path, monkeypatch):
+    """A fresh folder's launcher leaves loading the model to the worker processes; a folder holding shards
+    has weights to compare with, and the launcher loads the model to refuse other weights before writing."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # worker processes import this module's factory
+    write_inputs(tmp_path / "data", (8, 8, 1))
+    cfg = _rescaled_config(tmp_path)
+    runner.run(cfg, [], show_progress=False)
+    (tmp_path / "out" / "manifest.json").unlink()  # the folder of an interrupted run: shards only
+    kept = {p.name: p.read_bytes() for p in (tmp_path / "out" / "shards").glob("*.h5")}
+
+    monkeypatch.setenv("JACOBEAM_TEST_WEIGHT_SCALE", "1.5")
+    with pytest.raises(OutputError, match=r"shard-000000000000-000000000005.h5: model weights differ"):
+        runner.run(cfg, TWO_PROCESSES, show_progress=False)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out" / "shards").glob("*.h5")} == kept
+
+
+@pytest.mark.slow
+def test_worker_processes_that_load_other_weights_leave_no_manifest(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("JACOBEAM_TEST_WEIGHT_SCALE", "pid")  # each worker process its own weights
+    write_inputs(tmp_path / "data", (8, 8, 1))
+    with pytest.raises(Exception, match=r"the shards were computed with 2 different model weights"):
+        runner.run(_rescaled_config(tmp_path), TWO_PROCESSES, show_progress=False)
+    assert not (tmp_path / "out" / "manifest.json").exists()
 
 
 @pytest.mark.slow

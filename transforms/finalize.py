@@ -307,6 +307,13 @@ def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
         spec = dataclasses.replace(spec, files=(dataclasses.replace(spec.files[0], num_samples=count),))
     rejected = spec.rejected()
     ordered = check_coverage(records, spec.num_samples, rejected)
+    weights = sorted({record.model_fingerprint for record in ordered})
+    if len(weights) > 1:  # worker processes that each loaded the model (runner.launcher_loads_model)
+        raise OutputError(
+            f"the shards were computed with {len(weights)} different model weights (fingerprints "
+            + ", ".join(f"{w[:16]}…" for w in weights) + "): the model must load the same weights in every "
+            "process (a factory: seed its initializers)"
+        )
     summary = write_aggregates(combine_shards(spec), spec)
     fields = write_virtual_view(spec.output_dir, ordered)
     rejected_sha256 = write_rejected(spec.output_dir, rejected)
