@@ -3,6 +3,7 @@ uploads, rename as copy + delete, no folders, no local paths). Every result is c
 the same job, bit for bit, and with the per-sample tape reference. ``tests/test_s3.py`` runs the same kind of
 jobs on Beam's own S3 file system against a local S3 server; ``tests/remote_fs.py`` says why this fake stays."""
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -124,6 +125,27 @@ def test_resume_keeps_proven_remote_shards(remote_and_local):
 
     assert [s["computed_in_this_run"] for s in resumed["shards"]] == [False, True, False]
     assert [s["crc32c"] for s in resumed["shards"]] == [s["crc32c"] for s in local["shards"]]
+
+
+def test_a_remote_folder_written_before_crc32c_resumes_on_its_sha256_sidecars(remote_and_local):
+    """Shards proven by ``.sha256`` sidecars, as before CRC32C: those whose bytes match are kept and listed
+    with their sha256, one whose bytes changed is computed again (with a ``.crc32c`` sidecar)."""
+    _, _, local, _, remote_cfg = remote_and_local
+    paths = [f"{OUT}/{s['file']}" for s in local["shards"]]
+    sha256 = [hashlib.sha256(_remote_bytes(path)).hexdigest() for path in paths]
+    for path, digest in zip(paths, sha256):
+        storage.delete(path + CRC32C_SUFFIX)
+        storage.write_bytes(path + ".sha256", digest.encode())
+    changed = remote_fs.local_path(paths[1])
+    changed.write_bytes(changed.read_bytes()[:-100])
+
+    resumed = run(remote_cfg)
+
+    assert [s["computed_in_this_run"] for s in resumed["shards"]] == [False, True, False]
+    assert [s.get("sha256") for s in resumed["shards"]] == [sha256[0], None, sha256[2]]
+    assert [s.get("crc32c") for s in resumed["shards"]] == [None, local["shards"][1]["crc32c"], None]
+    assert _remote_bytes(paths[1] + CRC32C_SUFFIX).decode() == local["shards"][1]["crc32c"]
+    assert cli.main(["verify", OUT, "--samples", "0"]) == 0
 
 
 def test_inspect_and_verify_read_a_remote_folder(remote_and_local, capsys):

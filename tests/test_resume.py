@@ -256,6 +256,30 @@ def test_overwrite_on_this_runs_own_partial_result_resumes_it(clean, tmp_path):
     assert [s["crc32c"] for s in manifest["shards"]] == [s["crc32c"] for s in first["shards"]]
 
 
+def test_a_folder_written_before_crc32c_resumes_and_its_manifest_then_lists_crc32c(clean, tmp_path):
+    """A folder whose manifest lists sha256 (as before CRC32C), its run cut short: the complete shards are
+    kept (locally their names prove them), the missing one computed, and every shard is then listed with
+    its crc32c; the folder verifies."""
+    from jacobeam.pipeline.verify import verify
+
+    root, _, first = clean
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        entry["sha256"] = sha256(out / entry["file"])
+        del entry["crc32c"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / "shards" / "shard-000000000016-000000000032.h5").unlink()
+
+    resumed = _run(root / "data", out)
+
+    assert [s["computed_in_this_run"] for s in resumed["shards"]] == [False, True, False]
+    assert [s["crc32c"] for s in resumed["shards"]] == [s["crc32c"] for s in first["shards"]]
+    assert not any("sha256" in s for s in resumed["shards"])
+    assert verify(out, samples=0).ok
+
+
 def test_files_with_jacobeams_names_but_not_its_content_are_never_touched(clean, tmp_path, capsys):
     root, _, _ = clean
     out = tmp_path / "out"

@@ -8,10 +8,12 @@ import time
 
 import google_crc32c
 import h5py
+import ml_dtypes
 import numpy as np
 import pytest
 
 from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.output import shards, storage
 from jacobeam.transforms.output.shards import ShardWriter
 from jacobeam.transforms.testing import faults
 
@@ -199,3 +201,42 @@ def test_a_later_commit_that_fails_gives_its_error_through_the_future_and_leaves
         ):
             future.result(timeout=30)
     assert _leftovers(tmp_path) == []
+
+
+def test_crc32c_is_the_castagnoli_checksum_of_the_files_bytes(tmp_path):
+    """RFC 3720's check value for "123456789", a file longer than one read, and an empty file."""
+    (tmp_path / "digits").write_bytes(b"123456789")
+    assert storage.crc32c(tmp_path / "digits") == "e3069283"
+    (tmp_path / "long").write_bytes(data := np.random.default_rng(0).bytes(3 * storage._CRC_READ_BYTES + 5))
+    assert storage.crc32c(tmp_path / "long") == f"{google_crc32c.value(data):08x}"
+    (tmp_path / "empty").write_bytes(b"")
+    assert storage.crc32c(tmp_path / "empty") == "00000000"
+
+
+@pytest.mark.parametrize("compression", ["none", "gzip"])
+@pytest.mark.parametrize("sizes", [(8, 8, 8, 8, 8, 2), (5, 11, 3, 16, 5, 2), (42,)])
+def test_rows_across_chunks_and_batches_are_stored_exactly(tmp_path, rng, monkeypatch, sizes, compression):
+    """Chunks of 4 jacobian rows (6 would fit: a power of two is taken, without compression) against
+    batches of 8, of uneven sizes, or one batch; a last chunk that ends past the last row; bfloat16; a
+    dataset that is one chunk. Every row reads back as written."""
+    monkeypatch.setattr(shards, "_CHUNK_BYTES", 6 * 60)  # 6 rows of the jacobian's 60 bytes
+    rows = sum(sizes)
+    jacobian = rng.normal(size=(rows, 3, 5)).astype(np.float32)
+    jacobian[9, 0, 0] = np.inf
+    saliency = rng.normal(size=(rows, 7)).astype(ml_dtypes.bfloat16)
+    with ShardWriter(str(tmp_path), 100, 100 + rows, {}, compression=compression) as writer:
+        first = 0
+        for size in sizes:
+            part = slice(first, first + size)
+            writer.write(100 + first, {"jacobian": jacobian[part], "saliency": saliency[part],
+                                       "sample_id": np.arange(100 + first, 100 + first + size)})
+            first += size
+        checksum = writer.commit()
+    assert checksum == _crc32c(writer.final_path)
+    with h5py.File(writer.final_path) as shard:
+        assert shard["jacobian"].chunks == ((4 if compression == "none" else 6), 3, 5)
+        assert shard["sample_id"].chunks == (rows,)
+        np.testing.assert_array_equal(shard["jacobian"][:], jacobian)
+        np.testing.assert_array_equal(shard["saliency"][:], saliency.astype(np.float32))
+        np.testing.assert_array_equal(shard["sample_id"][:], np.arange(100, 100 + rows))
+        np.testing.assert_array_equal(shard["nonfinite"][:], np.arange(rows) == 9)

@@ -1,5 +1,6 @@
 """``jacobeam verify``: checksums, coverage, independent recomputation; and ``run --verify K``."""
 
+import hashlib
 import json
 import shutil
 
@@ -62,6 +63,38 @@ def test_a_flipped_byte_in_a_shard_is_caught(copy, capsys):
     out = capsys.readouterr().out
     assert "VERIFICATION FAILED" in out
     assert "shards/shard-000000000016-000000000032.h5: crc32c differs from the manifest's" in out
+
+
+def _as_written_before_crc32c(out):
+    """The folder as a run before CRC32C left it: its manifest lists each shard's sha256, no crc32c."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        del entry["crc32c"]
+        entry["sha256"] = hashlib.sha256((out / entry["file"]).read_bytes()).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_manifest_with_sha256_from_before_crc32c_verifies_and_catches_a_flipped_byte(copy):
+    _as_written_before_crc32c(copy)
+    report = verify(copy, samples=0)
+    assert report.ok and report.shards_checked == 3, report.problems
+
+    shard = copy / "shards" / "shard-000000000016-000000000032.h5"
+    raw = bytearray(shard.read_bytes())
+    raw[-100] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    assert verify(copy, samples=0).problems == [
+        "shards/shard-000000000016-000000000032.h5: sha256 differs from the manifest's (the file was changed)"
+    ]
+
+
+def test_a_shard_without_a_checksum_in_the_manifest_is_a_problem(copy):
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["shards"][0]["crc32c"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert verify(copy, samples=0).problems == [
+        "shards/shard-000000000000-000000000016.h5: the manifest lists no checksum (crc32c or sha256)"
+    ]
 
 
 def test_wrong_values_behind_a_matching_checksum_are_caught_by_recomputation(copy):

@@ -213,6 +213,7 @@ class ShardWriter:
         self._cancelled = False
         self._committed: concurrent.futures.Future[str] | None = None  # set by commit_later
         self._checksum: str | None = None
+        self._datasets: dict[str, Any] = {}  # h5py's datasets by name, once created
         self._rows: dict[str, _Rows] = {}  # the datasets written chunk by chunk (without compression)
 
     def __enter__(self) -> ShardWriter:
@@ -283,7 +284,7 @@ class ShardWriter:
     # -- writing ------------------------------------------------------------------------------------
 
     def _dataset(self, name: str, like: np.ndarray):
-        if name not in self._h5:
+        if name not in self._datasets:  # kept: h5py looks a name up in the file at each call
             rows = self.rows
             row_bytes = max(1, like[0].nbytes if len(like) else like.itemsize)
             chunk_rows = max(1, min(rows, _CHUNK_BYTES // row_bytes))
@@ -300,7 +301,8 @@ class ShardWriter:
             )
             if self._compression is None:
                 self._rows[name] = _Rows(dataset, like.dtype)
-        return self._h5[name]
+            self._datasets[name] = dataset
+        return self._datasets[name]
 
     def _h5_dtype(self, dtype: np.dtype):
         """bfloat16 has no numpy-native HDF5 type: store it as an HDF5 float of bfloat16's layout
