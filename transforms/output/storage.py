@@ -154,7 +154,7 @@ _CRC_READ_BYTES = 256 << 10  # google_crc32c takes bytes only (no memory map): r
 
 def crc32c(path: str | os.PathLike) -> str:
     """The CRC32C (Castagnoli) of a file's bytes, as 8 hex digits of the big-endian value: a shard's
-    checksum (``sha256`` is that of shards written before it; a sixth of its cost, benchmarks/README.md)."""
+    checksum (``sha256`` is that of shards written before it; about a fifth of its CPU, benchmarks/README.md)."""
     import google_crc32c
 
     value = 0
