@@ -240,3 +240,22 @@ def test_rows_across_chunks_and_batches_are_stored_exactly(tmp_path, rng, monkey
         np.testing.assert_array_equal(shard["saliency"][:], saliency.astype(np.float32))
         np.testing.assert_array_equal(shard["sample_id"][:], np.arange(100, 100 + rows))
         np.testing.assert_array_equal(shard["nonfinite"][:], np.arange(rows) == 9)
+
+
+def test_rows_of_another_shape_or_type_than_the_first_batch(tmp_path, rng):
+    """A later batch of another row shape fails (never a chunk of wrong bytes); one of another float type
+    is converted to the dataset's, as h5py converts."""
+    jacobian = rng.normal(size=(8, 3, 5))
+    with ShardWriter(str(tmp_path), 0, 8, {}) as writer:
+        writer.write(0, {"jacobian": jacobian[:4].astype(np.float32)})
+        writer.write(4, {"jacobian": jacobian[4:]})  # float64
+        writer.commit()
+    with h5py.File(writer.final_path) as shard:
+        np.testing.assert_array_equal(shard["jacobian"][:], jacobian.astype(np.float32))
+    with ShardWriter(str(tmp_path), 8, 16, {}) as writer:
+        writer.write(8, {"jacobian": jacobian[:4].astype(np.float32)})
+        writer.write(12, {"jacobian": jacobian[4:, :1].astype(np.float32)})
+        with pytest.raises(OutputError, match=r"shard-000000000008-000000000016.h5: writing the shard failed: rows of "
+                                              r"shape \(1, 5\) for a dataset of rows \(3, 5\)"):
+            writer.commit()
+    assert _leftovers(tmp_path) == ["shard-000000000000-000000000008.h5"]

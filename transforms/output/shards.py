@@ -411,13 +411,14 @@ class _Rows:
     (``write_direct_chunk``): a chunk that lies within one batch goes from the batch's buffer (the
     engine's result) into the file; only rows of a chunk that spans batches are copied, into a chunk of
     its own. h5py's slice assignment instead copies every row through HDF5's chunk cache, and writes
-    each small dataset (ids, outputs, flags) once per batch: 4x the CPU of the copy into the file alone
+    each small dataset (ids, outputs, flags) once per batch: 2-4x the CPU of the copy into the file alone
     (benchmarks/README.md). The bytes are the file's: ``dtype`` is the dataset's own (bfloat16's
     layout is the shard's ``bfloat16`` type)."""
 
     def __init__(self, dataset, dtype: np.dtype):
         self._id = dataset.id
         self._rows = dataset.shape[0]
+        self._dtype = dtype
         self._chunk = np.zeros(dataset.chunks, np.uint16 if dtype.name == "bfloat16" else dtype)
         self._filled = 0  # rows in self._chunk
         self._next = 0  # the first row of the chunk being filled
@@ -425,9 +426,11 @@ class _Rows:
     def write(self, offset: int, values: np.ndarray) -> None:
         if offset != self._next + self._filled:
             raise OutputError(f"rows from {offset} arrive out of order")
-        if values.dtype.name == "bfloat16":
+        if values.shape[1:] != self._chunk.shape[1:]:
+            raise OutputError(f"rows of shape {values.shape[1:]} for a dataset of rows {self._chunk.shape[1:]}")
+        values = np.ascontiguousarray(values, dtype=self._dtype)  # converted as h5py would, else as they are
+        if self._dtype.name == "bfloat16":
             values = values.view(np.uint16)
-        values = np.ascontiguousarray(values)
         size, taken = len(self._chunk), 0
         if self._filled:  # complete the chunk begun by an earlier batch
             taken = min(len(values), size - self._filled)
@@ -451,8 +454,8 @@ class _Rows:
             raise OutputError(f"{self._next} of {self._rows} rows written")
 
     def _put(self, chunk: np.ndarray) -> None:
-        # HDF5 takes the chunk's bytes as they are: anything but a whole chunk would be garbage.
-        assert chunk.shape == self._chunk.shape
+        # HDF5 takes the chunk's bytes as they are (write() made them the dataset's type and row shape):
+        # only a whole chunk may go.
         self._id.write_direct_chunk((self._next,) + (0,) * (chunk.ndim - 1), chunk)
         self._next += len(chunk)
         self._filled = 0
