@@ -292,12 +292,23 @@ class ShardWriter:
                 # A power of two, so that batches of a power-of-two size fill whole chunks: those go from
                 # the batch into the file without a copy (_Rows)
                 chunk_rows = 1 << (chunk_rows.bit_length() - 1)
+            dcpl = None
+            if self._compression is None:
+                import h5py
+
+                # Every chunk's place in the file fixed when the dataset is made, so that the file's bytes
+                # do not depend on how rows were batched (WriteShards, a resumed run): chunks written
+                # directly would otherwise lie in the order they came.
+                dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+                dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
             dataset = self._h5.create_dataset(
                 name,
                 shape=(rows, *like.shape[1:]),
                 dtype=self._h5_dtype(like.dtype),
                 chunks=(chunk_rows, *like.shape[1:]),
                 compression=self._compression,
+                dcpl=dcpl,
+                fill_time="never" if dcpl is not None else None,
             )
             if self._compression is None:
                 self._rows[name] = _Rows(dataset, like.dtype)
