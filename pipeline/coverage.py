@@ -32,8 +32,12 @@ def check_structure(root: str, manifest: dict[str, Any], report: Report) -> list
         if not storage.exists(path):
             report.problems.append(f"{shard['file']}: listed in the manifest but missing")
             continue
-        if storage.sha256(path) != shard["sha256"]:
-            report.problems.append(f"{shard['file']}: sha256 differs from the manifest's (the file was changed)")
+        # crc32c; sha256 in manifests written before CRC32C (and for a kept remote shard of such a run)
+        algorithm = next((name for name in ("crc32c", "sha256") if shard.get(name)), None)
+        if algorithm is None:
+            report.problems.append(f"{shard['file']}: the manifest lists no checksum (crc32c or sha256)")
+        elif getattr(storage, algorithm)(path) != shard[algorithm]:
+            report.problems.append(f"{shard['file']}: {algorithm} differs from the manifest's (the file was changed)")
         report.shards_checked += 1
         with storage.open_h5(path) as h5:
             ids = h5[SAMPLE_ID][:]

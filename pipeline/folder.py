@@ -11,7 +11,7 @@ from jacobeam.pipeline.identity import identity_differences, run_identity
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import (
     AGGREGATES,
-    CHECKSUM_SUFFIX,
+    CHECKSUM_SUFFIXES,
     ENGINE_PLAN,
     MANIFEST,
     REJECTED_FILE,
@@ -125,14 +125,15 @@ def read_folder(output_dir: str) -> Folder:
                 attrs = {}
             # Remote: a sidecar marks a shard whose copy finished; the worker checks its bytes against
             # it (and computes the shard again on a mismatch), so the launcher need not read every shard.
-            remote, sidecar = not storage.is_local(root), name + CHECKSUM_SUFFIX in names
+            remote = not storage.is_local(root)
+            sidecar = any(name + suffix in names for suffix in CHECKSUM_SUFFIXES)
             if "run_key" in attrs and (sidecar or not remote):
                 folder.shards[name] = attrs
                 folder.owned.append(path)
             elif remote and ("run_key" in attrs or sidecar):
                 log.warning("%s: not proven complete (no readable shard with a checksum sidecar); computing it again", path)
                 folder.owned.append(path)
-                folder.unproven += [path, path + CHECKSUM_SUFFIX]
+                folder.unproven += [path, *(path + suffix for suffix in CHECKSUM_SUFFIXES)]
             else:
                 folder.alien.append(path)
     return folder

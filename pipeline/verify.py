@@ -1,6 +1,7 @@
 """``jacobeam verify OUT [--samples K]``: is what an output folder holds what its manifest says, and right?
 
-1. Every shard listed in the manifest exists and has the manifest's sha256 (as does ``rejected.jsonl``).
+1. Every shard listed in the manifest exists and has the manifest's checksum (crc32c, or sha256 in older
+   manifests; ``rejected.jsonl`` its sha256).
 2. The ids cover the input exactly once: the shards' ``sample_id`` rows and the rejected ids together
    are ``0 .. num_samples``, each once; each shard's ids lie in its range, in order; ``jacobians.h5``
    reads every shard and shows the same ``sample_id`` column; the input files still hold the number
@@ -147,7 +148,7 @@ def record(folder: str | Path, report: Report) -> dict[str, Any]:
 
 def format_report(report: Report) -> str:
     lines = [f"{report.folder}: {'verified' if report.ok else 'VERIFICATION FAILED'}"]
-    lines.append(f"  shards      {report.shards_checked} checked against the manifest's sha256")
+    lines.append(f"  shards      {report.shards_checked} checked against the manifest's checksums")
     lines.append(f"  ids         {report.ids_checked:,} checked: each stored or rejected exactly once")
     if report.samples:
         errors = report.max_rel_error

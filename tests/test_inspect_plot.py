@@ -271,7 +271,7 @@ def users_folder(tmp_path_factory):
 def test_verify_checks_the_structure_of_a_users_pipeline_folder(users_folder, tmp_path, capsys):
     assert cli.main(["verify", str(users_folder)]) == 0  # --samples 8 by default
     printed = capsys.readouterr().out
-    assert "verified" in printed and "3 checked against the manifest's sha256" in printed
+    assert "verified" in printed and "3 checked against the manifest's checksums" in printed
     assert "ids         10 checked" in printed
     (note,) = [line for line in printed.splitlines() if line.startswith("  note:")]
     assert "pipeline of your own" in note and "no sample recomputed" in note
@@ -283,7 +283,7 @@ def test_verify_checks_the_structure_of_a_users_pipeline_folder(users_folder, tm
     raw[-100] ^= 0x01
     shard.write_bytes(bytes(raw))
     assert cli.main(["verify", str(copy)]) == 1
-    assert "shards/shard-000000000004-000000000008.h5: sha256 differs from the manifest's" in capsys.readouterr().out
+    assert "shards/shard-000000000004-000000000008.h5: crc32c differs from the manifest's" in capsys.readouterr().out
 
 
 def test_plot_of_a_users_pipeline_folder_draws_what_it_holds(users_folder, tmp_path, drawn, capsys):

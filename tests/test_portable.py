@@ -47,7 +47,7 @@ def test_portable_runner_with_an_external_worker_pool_equals_the_in_process_runn
     ]
     portable = runner.run(job("portable"), portable_args, show_progress=False).manifest
 
-    assert [s["sha256"] for s in portable["shards"]] == [s["sha256"] for s in local["shards"]]
+    assert [s["crc32c"] for s in portable["shards"]] == [s["crc32c"] for s in local["shards"]]
     assert all(s["worker_pid"] != os.getpid() for s in portable["shards"])
     with h5py.File(tmp_path / "portable" / "jacobians.h5") as a, h5py.File(tmp_path / "local" / "jacobians.h5") as b:
         np.testing.assert_array_equal(a["jacobian"][:], b["jacobian"][:])

@@ -7,13 +7,14 @@ import hashlib
 import json
 from pathlib import Path
 
+import google_crc32c
 import h5py
 import numpy as np
 import pytest
 
 from jacobeam.pipeline import cli, runner
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import CHECKSUM_SUFFIX
+from jacobeam.transforms.output.layout import CRC32C_SUFFIX
 from tests import remote_fs
 from tests.models import small_cnn
 from tests.reference import assert_close, tape_loop
@@ -84,8 +85,8 @@ def test_remote_output_equals_a_local_run_bit_for_bit(remote_and_local):
     for mine, theirs in zip(remote["shards"], local["shards"]):
         data = _remote_bytes(f"{OUT}/{mine['file']}")
         assert data == (tmp_path / "local" / theirs["file"]).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == mine["sha256"] == theirs["sha256"]
-        assert _remote_bytes(f"{OUT}/{mine['file']}{CHECKSUM_SUFFIX}").decode() == mine["sha256"]
+        assert f"{google_crc32c.value(data):08x}" == mine["crc32c"] == theirs["crc32c"]
+        assert _remote_bytes(f"{OUT}/{mine['file']}{CRC32C_SUFFIX}").decode() == mine["crc32c"]
     # Nothing temporary is left, and the folder holds exactly what jacobeam writes.
     assert storage.listdir(OUT) == ["engine-plan.json", "jacobians.h5", "manifest.json", "rejected.jsonl"]
     assert not [n for n in storage.listdir(f"{OUT}/shards") if n.startswith(".")]
@@ -106,14 +107,14 @@ def test_resume_after_a_remote_shard_is_deleted_or_unproven(remote_and_local):
     storage.delete(first)  # gone: computed again
     path = remote_fs.local_path(second)
     path.write_bytes(path.read_bytes()[:-100])  # a partial copy under the final name: its sidecar no longer matches
-    storage.delete(third + CHECKSUM_SUFFIX)  # no proof at all: computed again
+    storage.delete(third + CRC32C_SUFFIX)  # no proof at all: computed again
 
     resumed = run(remote_cfg)
 
     assert [s["computed_in_this_run"] for s in resumed["shards"]] == [True, True, True]
     for mine, theirs in zip(resumed["shards"], local["shards"]):
         assert _remote_bytes(f"{OUT}/{mine['file']}") == (tmp_path / "local" / theirs["file"]).read_bytes()
-        assert _remote_bytes(f"{OUT}/{mine['file']}{CHECKSUM_SUFFIX}").decode() == theirs["sha256"]
+        assert _remote_bytes(f"{OUT}/{mine['file']}{CRC32C_SUFFIX}").decode() == theirs["crc32c"]
 
 
 def test_resume_keeps_proven_remote_shards(remote_and_local):
@@ -123,7 +124,28 @@ def test_resume_keeps_proven_remote_shards(remote_and_local):
     resumed = run(remote_cfg)
 
     assert [s["computed_in_this_run"] for s in resumed["shards"]] == [False, True, False]
-    assert [s["sha256"] for s in resumed["shards"]] == [s["sha256"] for s in local["shards"]]
+    assert [s["crc32c"] for s in resumed["shards"]] == [s["crc32c"] for s in local["shards"]]
+
+
+def test_a_remote_folder_written_before_crc32c_resumes_on_its_sha256_sidecars(remote_and_local):
+    """Shards proven by ``.sha256`` sidecars, as before CRC32C: those whose bytes match are kept and listed
+    with their sha256, one whose bytes changed is computed again (with a ``.crc32c`` sidecar)."""
+    _, _, local, _, remote_cfg = remote_and_local
+    paths = [f"{OUT}/{s['file']}" for s in local["shards"]]
+    sha256 = [hashlib.sha256(_remote_bytes(path)).hexdigest() for path in paths]
+    for path, digest in zip(paths, sha256):
+        storage.delete(path + CRC32C_SUFFIX)
+        storage.write_bytes(path + ".sha256", digest.encode())
+    changed = remote_fs.local_path(paths[1])
+    changed.write_bytes(changed.read_bytes()[:-100])
+
+    resumed = run(remote_cfg)
+
+    assert [s["computed_in_this_run"] for s in resumed["shards"]] == [False, True, False]
+    assert [s.get("sha256") for s in resumed["shards"]] == [sha256[0], None, sha256[2]]
+    assert [s.get("crc32c") for s in resumed["shards"]] == [None, local["shards"][1]["crc32c"], None]
+    assert _remote_bytes(paths[1] + CRC32C_SUFFIX).decode() == local["shards"][1]["crc32c"]
+    assert cli.main(["verify", OUT, "--samples", "0"]) == 0
 
 
 def test_inspect_and_verify_read_a_remote_folder(remote_and_local, capsys):
@@ -144,7 +166,7 @@ def test_inspect_and_verify_read_a_remote_folder(remote_and_local, capsys):
     path.write_bytes(bytes(data))
     assert cli.main(["verify", OUT, "--json"]) == 1
     problems = json.loads(capsys.readouterr().out)["problems"]
-    assert any(local["shards"][0]["file"] in p and "sha256" in p for p in problems)
+    assert any(local["shards"][0]["file"] in p and "crc32c" in p for p in problems)
 
 
 def test_a_remote_folder_without_manifest_is_reported_incomplete(store, capsys):
@@ -161,7 +183,7 @@ def test_remote_output_from_worker_processes(tmp_path, store):
     _, local_cfg, remote_cfg = _jobs(tmp_path)
     local = run(local_cfg)
     remote = run(remote_cfg, ["--direct_running_mode=multi_processing", "--direct_num_workers=2"])
-    assert [s["sha256"] for s in remote["shards"]] == [s["sha256"] for s in local["shards"]]
+    assert [s["crc32c"] for s in remote["shards"]] == [s["crc32c"] for s in local["shards"]]
     assert any(s["worker_pid"] != __import__("os").getpid() for s in remote["shards"])
 
 
@@ -175,9 +197,9 @@ def test_remote_output_through_the_standalone_job_service(tmp_path, store):
         local = run(local_cfg)
         args = ["--runner=PortableRunner", f"--job_endpoint=localhost:{port}", "--environment_type=LOOPBACK"]
         remote = run(remote_cfg, args)
-    assert [s["sha256"] for s in remote["shards"]] == [s["sha256"] for s in local["shards"]]
+    assert [s["crc32c"] for s in remote["shards"]] == [s["crc32c"] for s in local["shards"]]
     for shard in remote["shards"]:
-        assert _remote_bytes(f"{OUT}/{shard['file']}{CHECKSUM_SUFFIX}").decode() == shard["sha256"]
+        assert _remote_bytes(f"{OUT}/{shard['file']}{CRC32C_SUFFIX}").decode() == shard["crc32c"]
 
 
 @pytest.mark.slow
@@ -217,7 +239,7 @@ def test_a_run_killed_while_writing_a_remote_folder_resumes_to_the_same_output(t
             pass
     assert "manifest.json" not in storage.listdir(OUT)
     left = storage.listdir(f"{OUT}/shards")
-    unproven = [n for n in left if n.endswith(".h5") and not n.startswith(".") and n + CHECKSUM_SUFFIX not in left]
+    unproven = [n for n in left if n.endswith(".h5") and not n.startswith(".") and n + CRC32C_SUFFIX not in left]
     assert len(unproven) == (1 if point.startswith("shard_renamed") else 0)
 
     assert cli.main(["-q", "run", str(config)]) == 0
@@ -225,10 +247,10 @@ def test_a_run_killed_while_writing_a_remote_folder_resumes_to_the_same_output(t
     resumed = json.loads(_remote_bytes(f"{OUT}/manifest.json"))
     computed = {Path(s["file"]).name for s in resumed["shards"] if s["computed_in_this_run"]}
     assert set(unproven) <= computed  # a shard without its sidecar is never trusted
-    assert [s["sha256"] for s in resumed["shards"]] == [s["sha256"] for s in clean["shards"]]
+    assert [s["crc32c"] for s in resumed["shards"]] == [s["crc32c"] for s in clean["shards"]]
     for shard in resumed["shards"]:
         assert _remote_bytes(f"{OUT}/{shard['file']}") == (tmp_path / "local" / shard["file"]).read_bytes()
-        assert _remote_bytes(f"{OUT}/{shard['file']}{CHECKSUM_SUFFIX}").decode() == shard["sha256"]
+        assert _remote_bytes(f"{OUT}/{shard['file']}{CRC32C_SUFFIX}").decode() == shard["crc32c"]
     names = storage.listdir(OUT) + storage.listdir(f"{OUT}/shards")
     assert not [n for n in names if n.startswith(".")], names
 
@@ -268,4 +290,4 @@ def test_a_foreign_remote_folder_is_refused_and_overwrite_removes_only_our_files
     assert all(s["computed_in_this_run"] for s in replaced["shards"])
     assert _remote_bytes(f"{OUT}/notes.txt") == b"mine"
     for shard in replaced["shards"]:
-        assert _remote_bytes(f"{OUT}/{shard['file']}{CHECKSUM_SUFFIX}").decode() == shard["sha256"]
+        assert _remote_bytes(f"{OUT}/{shard['file']}{CRC32C_SUFFIX}").decode() == shard["crc32c"]

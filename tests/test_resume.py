@@ -253,7 +253,31 @@ def test_overwrite_on_this_runs_own_partial_result_resumes_it(clean, tmp_path):
     (out / "manifest.json").unlink()
     manifest = runner.run(_config(root / "data", out), [], show_progress=False, overwrite=True).manifest
     assert [s["computed_in_this_run"] for s in manifest["shards"]] == [False, True, False]
-    assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in first["shards"]]
+    assert [s["crc32c"] for s in manifest["shards"]] == [s["crc32c"] for s in first["shards"]]
+
+
+def test_a_folder_written_before_crc32c_resumes_and_its_manifest_then_lists_crc32c(clean, tmp_path):
+    """A folder whose manifest lists sha256 (as before CRC32C), its run cut short: the complete shards are
+    kept (locally their names prove them), the missing one computed, and every shard is then listed with
+    its crc32c; the folder verifies."""
+    from jacobeam.pipeline.verify import verify
+
+    root, _, first = clean
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        entry["sha256"] = sha256(out / entry["file"])
+        del entry["crc32c"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / "shards" / "shard-000000000016-000000000032.h5").unlink()
+
+    resumed = _run(root / "data", out)
+
+    assert [s["computed_in_this_run"] for s in resumed["shards"]] == [False, True, False]
+    assert [s["crc32c"] for s in resumed["shards"]] == [s["crc32c"] for s in first["shards"]]
+    assert not any("sha256" in s for s in resumed["shards"])
+    assert verify(out, samples=0).ok
 
 
 def test_files_with_jacobeams_names_but_not_its_content_are_never_touched(clean, tmp_path, capsys):
@@ -285,7 +309,7 @@ def test_leftover_temporary_manifest_and_view_are_removed_and_never_read(clean, 
 
     manifest = _run(root / "data", out)
 
-    assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in first["shards"]]
+    assert [s["crc32c"] for s in manifest["shards"]] == [s["crc32c"] for s in first["shards"]]
     names = sorted(p.name for p in out.iterdir())
     assert names == ["engine-plan.json", "jacobians.h5", "manifest.json", "rejected.jsonl", "shards"]
     assert all(not p.name.startswith(".") for p in (out / "shards").iterdir())
@@ -321,7 +345,7 @@ def test_in_process_runner_does_not_retry_a_failed_bundle_it_fails_cleanly_and_a
     manifest = _run(root / "data", out)
 
     assert _shas(out) == _shas(root / "out")
-    assert [s["sha256"] for s in manifest["shards"]] == [s["sha256"] for s in first["shards"]]
+    assert [s["crc32c"] for s in manifest["shards"]] == [s["crc32c"] for s in first["shards"]]
     assert _view(out).keys() == _view(root / "out").keys()
     for name, values in _view(out).items():
         np.testing.assert_array_equal(values, _view(root / "out")[name])
@@ -334,8 +358,8 @@ def test_a_runner_that_retries_bundles_completes_the_run_without_duplicates(clea
     out = tmp_path / "out"
     manifest = _run(root / "data", out, ["--runner", "BundleBasedDirectRunner"])
     assert fail_once.exists()  # it did fail once
-    assert [(s["start"], s["sha256"]) for s in manifest["shards"]] == [
-        (s["start"], s["sha256"]) for s in first["shards"]
+    assert [(s["start"], s["crc32c"]) for s in manifest["shards"]] == [
+        (s["start"], s["crc32c"]) for s in first["shards"]
     ]
     assert _shas(out) == _shas(root / "out")
     assert sorted(os.listdir(out)) == ["engine-plan.json", "jacobians.h5", "manifest.json", "rejected.jsonl", "shards"]

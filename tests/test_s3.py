@@ -21,13 +21,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
 import h5py
 import numpy as np
 import pytest
 
 from jacobeam.pipeline import checks, cli, folder
 from jacobeam.transforms.output import shards, storage
-from jacobeam.transforms.output.layout import CHECKSUM_SUFFIX
+from jacobeam.transforms.output.layout import CRC32C_SUFFIX
 from tests.models import small_cnn
 from tests.reference import assert_close, tape_loop
 from tests.services import jacobeam_process, moto_s3
@@ -159,6 +160,7 @@ def test_objects_from_5_mib_go_through_beams_multipart_stream(bucket, tmp_path, 
         else:
             assert re.fullmatch(r"[0-9a-f]{32}-[1-9][0-9]*", etag), etag
     assert storage.sha256(bucket.url("big")) == hashlib.sha256(data).hexdigest()
+    assert storage.crc32c(bucket.url("big")) == f"{google_crc32c.value(data):08x}"
 
 
 def test_an_output_folder_that_cannot_be_written_fails_before_the_run(bucket):
@@ -237,15 +239,15 @@ def _assert_same_as_local(bucket: Bucket, prefix: str, local: Path, copied: Path
     manifest = json.loads(bucket.get(f"{prefix}/manifest.json"))
     reference = json.loads((local / "manifest.json").read_text())
     names = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
-    sidecars = [f"{s['file']}{CHECKSUM_SUFFIX}" for s in reference["shards"]]
+    sidecars = [f"{s['file']}{CRC32C_SUFFIX}" for s in reference["shards"]]
     assert bucket.keys(prefix + "/") == sorted(f"{prefix}/{n}" for n in names + sidecars)
 
-    assert [(s["file"], s["sha256"]) for s in manifest["shards"]] == [(s["file"], s["sha256"]) for s in reference["shards"]]
+    assert [(s["file"], s["crc32c"]) for s in manifest["shards"]] == [(s["file"], s["crc32c"]) for s in reference["shards"]]
     for shard in reference["shards"]:
         data = bucket.get(f"{prefix}/{shard['file']}")
         assert data == (local / shard["file"]).read_bytes(), shard["file"]
-        assert hashlib.sha256(data).hexdigest() == shard["sha256"]
-        assert bucket.get(f"{prefix}/{shard['file']}{CHECKSUM_SUFFIX}").decode() == shard["sha256"]
+        assert f"{google_crc32c.value(data):08x}" == shard["crc32c"]
+        assert bucket.get(f"{prefix}/{shard['file']}{CRC32C_SUFFIX}").decode() == shard["crc32c"]
     assert bucket.get(f"{prefix}/rejected.jsonl") == (local / "rejected.jsonl").read_bytes() == b""  # an empty object
     assert manifest["num_samples"] == reference["num_samples"] and manifest["datasets"] == reference["datasets"]
 
@@ -308,7 +310,7 @@ def test_a_shard_without_its_checksum_sidecar_is_not_counted_complete(runs, monk
     for key in bucket.keys("out/"):
         bucket.client.copy_object(Bucket=bucket.name, Key="proof/" + key[4:], CopySource={"Bucket": bucket.name, "Key": key})
     first, second, third = (f"proof/{s['file']}" for s in runs.manifest["shards"])
-    bucket.delete(second + CHECKSUM_SUFFIX)
+    bucket.delete(second + CRC32C_SUFFIX)
     changed = bytearray(bucket.get(third))
     changed[-1] ^= 0xFF
     bucket.put(third, bytes(changed))  # bytes that no longer match the sidecar
@@ -317,7 +319,7 @@ def test_a_shard_without_its_checksum_sidecar_is_not_counted_complete(runs, monk
 
     assert list(found.shards) == [Path(first).name, Path(third).name]  # a launcher checks the sidecar exists
     assert bucket.url(second) in found.unproven
-    assert shards.proven_checksum(bucket.url(first)) == runs.manifest["shards"][0]["sha256"]
+    assert shards.proven_checksum(bucket.url(first)) == {"crc32c": runs.manifest["shards"][0]["crc32c"]}
     assert shards.proven_checksum(bucket.url(second)) is None
     assert shards.proven_checksum(bucket.url(third)) is None  # a worker checks the bytes
 
@@ -341,7 +343,7 @@ def test_a_run_into_s3_killed_midway_resumes_to_the_same_bits(runs, monkeypatch,
     left = [key[len(prefix) + 1:] for key in bucket.keys(prefix + "/")]
     assert "manifest.json" not in left
     shard_names = [n for n in left if n.startswith("shards/shard-") and n.endswith(".h5")]
-    proven = [n for n in shard_names if n + CHECKSUM_SUFFIX in left]
+    proven = [n for n in shard_names if n + CRC32C_SUFFIX in left]
     unproven = [n for n in shard_names if n not in proven]
     assert len(unproven) == (1 if point.startswith("shard_renamed") else 0) and proven, left
     if point == "manifest":

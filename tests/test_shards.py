@@ -6,13 +6,15 @@ import sys
 import threading
 import time
 
+import google_crc32c
 import h5py
+import ml_dtypes
 import numpy as np
 import pytest
 
 from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.output import shards, storage
 from jacobeam.transforms.output.shards import ShardWriter
-from jacobeam.transforms.output.storage import sha256
 from jacobeam.transforms.testing import faults
 
 
@@ -38,6 +40,12 @@ def _batches(rng, rows=40, batch=16):
     )
 
 
+def _crc32c(path):
+    """The reference: CRC32C of the whole file at once (the writer's reads it in pieces)."""
+    with open(path, "rb") as stream:
+        return f"{google_crc32c.value(stream.read()):08x}"
+
+
 def _leftovers(folder):
     shards = folder / "shards"
     return sorted(p.name for p in shards.iterdir()) if shards.exists() else []
@@ -52,7 +60,7 @@ def test_a_committed_shard_holds_every_row_in_order_and_its_checksum(tmp_path, r
         checksum = writer.commit()
 
     assert _leftovers(tmp_path) == ["shard-000000000000-000000000040.h5"]
-    assert checksum == sha256(writer.final_path)
+    assert checksum == _crc32c(writer.final_path)
     assert writer.nonfinite == 1
     with h5py.File(writer.final_path) as shard:
         np.testing.assert_array_equal(shard["jacobian"][:], jacobian)
@@ -171,7 +179,7 @@ def test_a_later_commit_returns_at_once_and_its_future_gives_the_checksum(tmp_pa
             writer.attach("late", {"sum": np.ones(3)})
         release.set()
         checksum = future.result(timeout=30)
-    assert checksum == sha256(writer.final_path)
+    assert checksum == _crc32c(writer.final_path)
     assert _leftovers(tmp_path) == ["shard-000000000000-000000000040.h5"]
     with h5py.File(writer.final_path) as shard:
         np.testing.assert_array_equal(shard["jacobian"][:], jacobian)
@@ -193,3 +201,61 @@ def test_a_later_commit_that_fails_gives_its_error_through_the_future_and_leaves
         ):
             future.result(timeout=30)
     assert _leftovers(tmp_path) == []
+
+
+def test_crc32c_is_the_castagnoli_checksum_of_the_files_bytes(tmp_path):
+    """RFC 3720's check value for "123456789", a file longer than one read, and an empty file."""
+    (tmp_path / "digits").write_bytes(b"123456789")
+    assert storage.crc32c(tmp_path / "digits") == "e3069283"
+    (tmp_path / "long").write_bytes(data := np.random.default_rng(0).bytes(3 * storage._CRC_READ_BYTES + 5))
+    assert storage.crc32c(tmp_path / "long") == f"{google_crc32c.value(data):08x}"
+    (tmp_path / "empty").write_bytes(b"")
+    assert storage.crc32c(tmp_path / "empty") == "00000000"
+
+
+@pytest.mark.parametrize("compression", ["none", "gzip"])
+@pytest.mark.parametrize("sizes", [(8, 8, 8, 8, 8, 2), (5, 11, 3, 16, 5, 2), (42,)])
+def test_rows_across_chunks_and_batches_are_stored_exactly(tmp_path, rng, monkeypatch, sizes, compression):
+    """Chunks of 4 jacobian rows (6 would fit: a power of two is taken, without compression) against
+    batches of 8, of uneven sizes, or one batch; a last chunk that ends past the last row; bfloat16; a
+    dataset that is one chunk. Every row reads back as written."""
+    monkeypatch.setattr(shards, "_CHUNK_BYTES", 6 * 60)  # 6 rows of the jacobian's 60 bytes
+    rows = sum(sizes)
+    jacobian = rng.normal(size=(rows, 3, 5)).astype(np.float32)
+    jacobian[9, 0, 0] = np.inf
+    saliency = rng.normal(size=(rows, 7)).astype(ml_dtypes.bfloat16)
+    with ShardWriter(str(tmp_path), 100, 100 + rows, {}, compression=compression) as writer:
+        first = 0
+        for size in sizes:
+            part = slice(first, first + size)
+            writer.write(100 + first, {"jacobian": jacobian[part], "saliency": saliency[part],
+                                       "sample_id": np.arange(100 + first, 100 + first + size)})
+            first += size
+        checksum = writer.commit()
+    assert checksum == _crc32c(writer.final_path)
+    with h5py.File(writer.final_path) as shard:
+        assert shard["jacobian"].chunks == ((4 if compression == "none" else 6), 3, 5)
+        assert shard["sample_id"].chunks == (rows,)
+        np.testing.assert_array_equal(shard["jacobian"][:], jacobian)
+        np.testing.assert_array_equal(shard["saliency"][:], saliency.astype(np.float32))
+        np.testing.assert_array_equal(shard["sample_id"][:], np.arange(100, 100 + rows))
+        np.testing.assert_array_equal(shard["nonfinite"][:], np.arange(rows) == 9)
+
+
+def test_rows_of_another_shape_or_type_than_the_first_batch(tmp_path, rng):
+    """A later batch of another row shape fails (never a chunk of wrong bytes); one of another float type
+    is converted to the dataset's, as h5py converts."""
+    jacobian = rng.normal(size=(8, 3, 5))
+    with ShardWriter(str(tmp_path), 0, 8, {}) as writer:
+        writer.write(0, {"jacobian": jacobian[:4].astype(np.float32)})
+        writer.write(4, {"jacobian": jacobian[4:]})  # float64
+        writer.commit()
+    with h5py.File(writer.final_path) as shard:
+        np.testing.assert_array_equal(shard["jacobian"][:], jacobian.astype(np.float32))
+    with ShardWriter(str(tmp_path), 8, 16, {}) as writer:
+        writer.write(8, {"jacobian": jacobian[:4].astype(np.float32)})
+        writer.write(12, {"jacobian": jacobian[4:, :1].astype(np.float32)})
+        with pytest.raises(OutputError, match=r"shard-000000000008-000000000016.h5: writing the shard failed: rows of "
+                                              r"shape \(1, 5\) for a dataset of rows \(3, 5\)"):
+            writer.commit()
+    assert _leftovers(tmp_path) == ["shard-000000000000-000000000008.h5"]

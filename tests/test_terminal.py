@@ -63,7 +63,7 @@ def _write_job(root: Path) -> Path:
 
 
 def _checksums(folder: Path) -> list[str]:
-    return [shard["sha256"] for shard in json.loads((folder / "manifest.json").read_text())["shards"]]
+    return [shard["crc32c"] for shard in json.loads((folder / "manifest.json").read_text())["shards"]]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """``jacobeam verify``: checksums, coverage, independent recomputation; and ``run --verify K``."""
 
+import hashlib
 import json
 import shutil
 
@@ -10,7 +11,7 @@ import pytest
 from jacobeam.pipeline import cli, config, runner
 from jacobeam.pipeline.recompute import FD_RTOL, TAPE_RTOL, finite_differences, float64_twin
 from jacobeam.pipeline.verify import verify
-from jacobeam.transforms.output.storage import sha256
+from jacobeam.transforms.output.storage import crc32c
 from tests import models as test_models
 from tests.test_pipeline import write_inputs
 
@@ -44,7 +45,7 @@ def test_clean_output_verifies_with_small_errors(clean, capsys):
     status = cli.main(["verify", str(clean / "out"), "--samples", "6"])
     printed = capsys.readouterr().out
     assert status == 0, printed
-    assert "verified" in printed and "3 checked against the manifest's sha256" in printed
+    assert "verified" in printed and "3 checked against the manifest's checksums" in printed
     report = verify(clean / "out", samples=6, seed=3)
     assert report.ok and len(report.samples) == 6 and len(set(report.samples)) == 6
     assert report.max_rel_error["tape"] < TAPE_RTOL / 10
@@ -61,7 +62,39 @@ def test_a_flipped_byte_in_a_shard_is_caught(copy, capsys):
     assert cli.main(["verify", str(copy), "--samples", "0"]) == 1
     out = capsys.readouterr().out
     assert "VERIFICATION FAILED" in out
-    assert "shards/shard-000000000016-000000000032.h5: sha256 differs from the manifest's" in out
+    assert "shards/shard-000000000016-000000000032.h5: crc32c differs from the manifest's" in out
+
+
+def _as_written_before_crc32c(out):
+    """The folder as a run before CRC32C left it: its manifest lists each shard's sha256, no crc32c."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        del entry["crc32c"]
+        entry["sha256"] = hashlib.sha256((out / entry["file"]).read_bytes()).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_manifest_with_sha256_from_before_crc32c_verifies_and_catches_a_flipped_byte(copy):
+    _as_written_before_crc32c(copy)
+    report = verify(copy, samples=0)
+    assert report.ok and report.shards_checked == 3, report.problems
+
+    shard = copy / "shards" / "shard-000000000016-000000000032.h5"
+    raw = bytearray(shard.read_bytes())
+    raw[-100] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    assert verify(copy, samples=0).problems == [
+        "shards/shard-000000000016-000000000032.h5: sha256 differs from the manifest's (the file was changed)"
+    ]
+
+
+def test_a_shard_without_a_checksum_in_the_manifest_is_a_problem(copy):
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["shards"][0]["crc32c"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert verify(copy, samples=0).problems == [
+        "shards/shard-000000000000-000000000016.h5: the manifest lists no checksum (crc32c or sha256)"
+    ]
 
 
 def test_wrong_values_behind_a_matching_checksum_are_caught_by_recomputation(copy):
@@ -74,13 +107,13 @@ def test_wrong_values_behind_a_matching_checksum_are_caught_by_recomputation(cop
         h5["jacobian"][5] = jac
     manifest = json.loads((copy / "manifest.json").read_text())
     for entry in manifest["shards"]:
-        entry["sha256"] = sha256(copy / entry["file"])
+        entry["crc32c"] = crc32c(copy / entry["file"])
     (copy / "manifest.json").write_text(json.dumps(manifest))
 
     report = verify(copy, samples=40)
 
     assert not report.ok
-    assert not any("sha256" in p for p in report.problems)
+    assert not any("crc32c" in p for p in report.problems)
     assert any(p.startswith("sample 21 (shards/shard-000000000016-000000000032.h5 row 5): tape max relative error 0.01")
                for p in report.problems), report.problems
     assert any(p.startswith("sample 21 ") and "finite differences" in p for p in report.problems)
@@ -192,7 +225,7 @@ def test_selected_rows_and_half_precision_storage_are_verified_against_the_same_
         index = h5["output_index"][3]
         h5["output_index"][3] = index[::-1]  # claim the two rows are the other way round
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    manifest["shards"][0]["sha256"] = sha256(shard)
+    manifest["shards"][0]["crc32c"] = crc32c(shard)
     (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
     report = verify(tmp_path / "out", samples=40)
     assert [p.split(" (")[0] for p in report.problems if p.startswith("sample")] == ["sample 3", "sample 3"]

@@ -243,7 +243,7 @@ def build_manifest(
                 "num_samples": record.num_samples,
                 "rejected": rejected_in(record),
                 "nonfinite": record.nonfinite,
-                "sha256": record.sha256,
+                **record.checksums,  # crc32c; sha256 for a kept remote shard written before CRC32C
                 "computed_in_this_run": record.computed,
                 **({"worker_pid": record.worker_pid, "engine_builds": record.engine_builds} if record.computed else {}),
                 **({"self_check": record.self_check["checked"]} if record.self_check else {}),

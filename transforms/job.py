@@ -59,10 +59,10 @@ class ComputeShardFn(ComputeJacobiansFn):
             for shard in [work] if isinstance(work, ShardRange) else work:
                 if shard.rows == 0:  # every sample of the range was rejected: no shard
                     continue
-                checksum = proven_checksum(shard_path(spec.output_dir, shard.start, shard.stop))
-                if checksum is not None:
+                checksums = proven_checksum(shard_path(spec.output_dir, shard.start, shard.stop))
+                if checksums is not None:
                     self._shard_metrics.kept.inc()
-                    yield kept_record(spec, shard, checksum)
+                    yield kept_record(spec, shard, checksums)
                     continue
                 output = ShardOutput(spec, shard, self._shard_metrics)
                 for samples in shard_batches(spec, shard):

@@ -68,7 +68,7 @@ class ShardOutput:
         self._worker: dict[str, int] = {}
         self._sums: aggregates.Partial | None = None
         self._checks: list[dict[str, Any]] = []  # the self-check's records
-        self._committing: concurrent.futures.Future[str] | None = None  # the commit's checksum
+        self._committing: concurrent.futures.Future[str] | None = None  # the commit's CRC32C
 
     def __enter__(self) -> ShardOutput:
         return self
@@ -116,7 +116,8 @@ class ShardOutput:
             file=shard_file(shard.start, shard.stop),
             start=shard.start,
             stop=shard.stop,
-            sha256=checksum,
+            sha256=None,
+            crc32c=checksum,
             model_fingerprint=str(self._engine.get("model_fingerprint", "")),
             computed=True,
             seconds=seconds,
@@ -196,9 +197,9 @@ class ShardOutput:
         return {"samples": options.samples, "on_mismatch": options.on_mismatch, "checked": kept}
 
 
-def kept_record(spec: JobSpec, shard: ShardRange, checksum: str) -> ShardRecord:
-    """The record of ``shard``, already complete on disk (``checksum``), after checking that this run
-    wrote it; ``OutputError`` for a shard of another run."""
+def kept_record(spec: JobSpec, shard: ShardRange, checksums: dict[str, str]) -> ShardRecord:
+    """The record of ``shard``, already complete on disk (``checksums``: ``proven_checksum``'s), after
+    checking that this run wrote it; ``OutputError`` for a shard of another run."""
     path = shard_path(spec.output_dir, shard.start, shard.stop)
     attrs = read_attrs(path)
     expected = {"run_key": spec.run_key}
@@ -210,7 +211,7 @@ def kept_record(spec: JobSpec, shard: ShardRange, checksum: str) -> ShardRecord:
                 f"{path}: complete shard from a different run ({name} {attrs.get(name)!r}, this run "
                 f"{value!r}); use a new output.path or remove that folder"
             )
-    return existing_record(spec.output_dir, shard.start, shard.stop, str(attrs["model_fingerprint"]), checksum)
+    return existing_record(spec.output_dir, shard.start, shard.stop, str(attrs["model_fingerprint"]), checksums)
 
 
 # Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's

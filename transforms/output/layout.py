@@ -5,7 +5,8 @@ Imports nothing else of jacobeam. ::
     OUT/
       shards/shard-<first id>-<stop id>.h5   one per id range; datasets: jacobian (or jacobian/<input>),
                                              output, output_index, reductions, sample_id, nonfinite
-      shards/shard-....h5.sha256             a remote shard's checksum sidecar
+      shards/shard-....h5.crc32c             a remote shard's checksum sidecar (shards written before
+                                             CRC32C: shard-....h5.sha256)
       jacobians.h5                           the virtual view over every shard
       aggregates.h5                          aggregate statistics (jacobian.aggregate)
       rejected.jsonl                         samples rejected under on_bad_sample: skip
@@ -22,7 +23,9 @@ MANIFEST = "manifest.json"
 VIEW = "jacobians.h5"
 AGGREGATES = "aggregates.h5"
 REJECTED_FILE = "rejected.jsonl"
-CHECKSUM_SUFFIX = ".sha256"  # a remote shard's sidecar
+CRC32C_SUFFIX = ".crc32c"  # a remote shard's sidecar: the CRC32C of its bytes
+CHECKSUM_SUFFIX = ".sha256"  # the sidecar of a remote shard written before CRC32C: their sha256
+CHECKSUM_SUFFIXES = (CRC32C_SUFFIX, CHECKSUM_SUFFIX)
 # The engine's set-up decisions (path, sizes, output shape) for one model fingerprint, configuration,
 # TensorFlow version and device, written by the worker that probed: a resumed or incremental run's
 # workers reuse them instead of probing again. Only a cache: unreadable or for another key, it is ignored.
@@ -89,7 +92,7 @@ def is_shard_file(name: str) -> bool:
 
 
 def is_checksum_file(name: str) -> bool:
-    return name.endswith(CHECKSUM_SUFFIX) and is_shard_file(name[: -len(CHECKSUM_SUFFIX)])
+    return any(name.endswith(suffix) and is_shard_file(name[: -len(suffix)]) for suffix in CHECKSUM_SUFFIXES)
 
 
 def is_shard_temp(name: str) -> bool:

@@ -6,7 +6,8 @@ leave a file that opens and looks plausible, so nothing else may be trusted.
 In a remote folder (``gs://``, ``s3://``, ...) h5py writes the shard to a local temporary file, which is
 stream-copied to a temporary remote name and renamed (on GCS and S3 a copy and a delete). A rename made
 of a copy is not what a local rename is (a non-atomic store could show a partial copy), so after it a
-sidecar ``shards/NAME.sha256`` records the sha256 of the shard's bytes. A remote shard counts as
+sidecar ``shards/NAME.crc32c`` records the CRC32C of the shard's bytes (``shards/NAME.sha256``, their
+sha256, for a shard written before CRC32C; a ``.crc32c`` sidecar counts first). A remote shard counts as
 complete only when its sidecar exists and matches its bytes (the launcher checks that the sidecar is
 there, the worker that it matches); any other file under a shard's name is computed again. (Resuming
 already reads every kept shard to checksum it for the manifest, so the proof costs one small read per
@@ -39,6 +40,7 @@ from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import (
     CHECKSUM_SUFFIX,
+    CRC32C_SUFFIX,
     NONFINITE,
     SAMPLE_ID,
     SELF_CHECK,
@@ -58,7 +60,7 @@ class ShardRecord:
     file: str  # relative to the output folder
     start: int
     stop: int
-    sha256: str
+    sha256: str | None  # of a kept remote shard written before CRC32C; else None
     model_fingerprint: str
     computed: bool  # False when an existing complete shard was kept
     seconds: float = 0.0
@@ -70,6 +72,12 @@ class ShardRecord:
     # The shard's self-check (its ``self_check`` attribute; for a shard computed in this run, each check's
     # ``timing`` too); None when it checked nothing.
     self_check: dict[str, Any] | None = None
+    crc32c: str | None = None  # the CRC32C of the shard's bytes (``storage.crc32c``), or None beside a sha256
+
+    @property
+    def checksums(self) -> dict[str, str]:
+        """The shard's checksums by algorithm, as the manifest lists them: ``crc32c``, or ``sha256``."""
+        return {name: value for name, value in (("crc32c", self.crc32c), ("sha256", self.sha256)) if value}
 
     @property
     def num_samples(self) -> int:
@@ -81,19 +89,22 @@ def shard_path(output_dir: str, start: int, stop: int) -> str:
     return storage.join(output_dir, SHARDS_DIR, shard_name(start, stop))
 
 
-def proven_checksum(path: str) -> str | None:
-    """The sha256 of a complete shard at ``path``, or None when there is no complete shard there.
+def proven_checksum(path: str) -> dict[str, str] | None:
+    """The checksum of a complete shard at ``path`` (``{"crc32c": hex}``; ``{"sha256": hex}`` for a remote
+    shard written before CRC32C), or None when there is no complete shard there.
 
     Locally a shard's name is proof (only a rename gives it); remotely, the sidecar must match the bytes.
     """
     if storage.is_local(path):
-        return storage.sha256(path) if os.path.exists(path) else None
-    sidecar = path + CHECKSUM_SUFFIX
-    if not (storage.exists(sidecar) and storage.exists(path)):
+        return {"crc32c": storage.crc32c(path)} if os.path.exists(path) else None
+    if not storage.exists(path):
         return None
-    recorded = storage.read_text(sidecar).strip()
-    actual = storage.sha256(path)
-    return actual if recorded == actual else None
+    for suffix, algorithm in ((CRC32C_SUFFIX, "crc32c"), (CHECKSUM_SUFFIX, "sha256")):
+        if storage.exists(path + suffix):
+            recorded = storage.read_text(path + suffix).strip()
+            actual = getattr(storage, algorithm)(path)
+            return {algorithm: actual} if recorded == actual else None
+    return None
 
 
 def read_attrs(path: str | os.PathLike) -> dict[str, Any]:
@@ -106,17 +117,20 @@ def existing_record(
     start: int,
     stop: int,
     model_fingerprint: str,
-    checksum: str | None = None,
+    checksums: dict[str, str] | None = None,
 ) -> ShardRecord:
-    """The record of a complete shard found on disk (kept, not recomputed); ``checksum`` when known."""
+    """The record of a complete shard found on disk (kept, not recomputed); ``checksums`` when known (as
+    ``proven_checksum`` gives them), else its CRC32C is computed."""
     path = shard_path(output_dir, start, stop)
     attrs = read_attrs(path)
     checked = attrs.get(SELF_CHECK)
+    checksums = checksums or {"crc32c": storage.crc32c(path)}
     return ShardRecord(
         file=shard_file(start, stop),
         start=start,
         stop=stop,
-        sha256=checksum or storage.sha256(path),
+        sha256=checksums.get("sha256"),
+        crc32c=checksums.get("crc32c"),
         model_fingerprint=model_fingerprint,
         computed=False,
         rows=int(attrs.get("num_rows", stop - start)),
@@ -199,6 +213,8 @@ class ShardWriter:
         self._cancelled = False
         self._committed: concurrent.futures.Future[str] | None = None  # set by commit_later
         self._checksum: str | None = None
+        self._datasets: dict[str, Any] = {}  # h5py's datasets by name, once created
+        self._rows: dict[str, _Rows] = {}  # the datasets written chunk by chunk (without compression)
 
     def __enter__(self) -> ShardWriter:
         import h5py
@@ -268,18 +284,36 @@ class ShardWriter:
     # -- writing ------------------------------------------------------------------------------------
 
     def _dataset(self, name: str, like: np.ndarray):
-        if name not in self._h5:
+        if name not in self._datasets:  # kept: h5py looks a name up in the file at each call
             rows = self.rows
             row_bytes = max(1, like[0].nbytes if len(like) else like.itemsize)
             chunk_rows = max(1, min(rows, _CHUNK_BYTES // row_bytes))
-            self._h5.create_dataset(
+            if self._compression is None and chunk_rows < rows:
+                # A power of two, so that batches of a power-of-two size fill whole chunks: those go from
+                # the batch into the file without a copy (_Rows)
+                chunk_rows = 1 << (chunk_rows.bit_length() - 1)
+            dcpl = None
+            if self._compression is None:
+                import h5py
+
+                # Every chunk's place in the file fixed when the dataset is made, so that the file's bytes
+                # do not depend on how rows were batched (WriteShards, a resumed run): chunks written
+                # directly would otherwise lie in the order they came.
+                dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+                dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+            dataset = self._h5.create_dataset(
                 name,
                 shape=(rows, *like.shape[1:]),
                 dtype=self._h5_dtype(like.dtype),
                 chunks=(chunk_rows, *like.shape[1:]),
                 compression=self._compression,
+                dcpl=dcpl,
+                fill_time="never" if dcpl is not None else None,
             )
-        return self._h5[name]
+            if self._compression is None:
+                self._rows[name] = _Rows(dataset, like.dtype)
+            self._datasets[name] = dataset
+        return self._datasets[name]
 
     def _h5_dtype(self, dtype: np.dtype):
         """bfloat16 has no numpy-native HDF5 type: store it as an HDF5 float of bfloat16's layout
@@ -321,6 +355,9 @@ class ShardWriter:
         mask = nonfinite_rows(arrays)
         for name, values in {**arrays, NONFINITE: mask}.items():
             dataset = self._dataset(name, values)
+            if name in self._rows:
+                self._rows[name].write(offset, values)
+                continue
             if values.dtype.name == "bfloat16":  # exact: HDF5 converts float32 holding bfloat16 values
                 values = values.astype(np.float32)
             dataset[offset : offset + count] = values
@@ -346,13 +383,13 @@ class ShardWriter:
         self._submit(store)
 
     def commit(self) -> str:
-        """Wait for the queued writes; close, checksum and rename into place; returns the sha256 of the
-        complete shard."""
+        """Wait for the queued writes; close, checksum and rename into place; returns the CRC32C of the
+        complete shard (``storage.crc32c``)."""
         return self.commit_later().result()
 
     def commit_later(self) -> concurrent.futures.Future[str]:
         """Queue the commit (close, checksum, flush, rename) behind the queued writes and return at once:
-        the future gives the sha256 of the complete shard, or raises an ``OutputError`` naming it. Once
+        the future gives the CRC32C of the complete shard, or raises an ``OutputError`` naming it. Once
         the writer's thread has done it, the shard is complete on disk; nothing more may be written."""
         self._raise_failure()
         if self._committed is not None:
@@ -366,13 +403,70 @@ class ShardWriter:
 
     def _finish(self) -> None:
         """The commit, on the writer's thread: in the file before the rename makes it count."""
+        for rows in self._rows.values():
+            rows.close()
         self._h5.attrs.update(num_rows=self.rows, nonfinite_count=self.nonfinite)
         self._h5.close()
         self._h5 = None
-        checksum = storage.sha256(self._file.local)
+        checksum = storage.crc32c(self._file.local)
         self._file.commit()
         if self._remote:
             faults.reached("shard_renamed")
-            storage.write_bytes(self.final_path + CHECKSUM_SUFFIX, checksum.encode())
+            storage.write_bytes(self.final_path + CRC32C_SUFFIX, checksum.encode())
         faults.reached("shard_done")
         self._checksum = checksum
+
+
+class _Rows:
+    """One uncompressed dataset's rows on their way into the file, in order, a whole chunk at a time
+    (``write_direct_chunk``): a chunk that lies within one batch goes from the batch's buffer (the
+    engine's result) into the file; only rows of a chunk that spans batches are copied, into a chunk of
+    its own. h5py's slice assignment instead copies every row through HDF5's chunk cache, and writes
+    each small dataset (ids, outputs, flags) once per batch: 2-4x the CPU of the copy into the file alone
+    (benchmarks/README.md). The bytes are the file's: ``dtype`` is the dataset's own (bfloat16's
+    layout is the shard's ``bfloat16`` type)."""
+
+    def __init__(self, dataset, dtype: np.dtype):
+        self._id = dataset.id
+        self._rows = dataset.shape[0]
+        self._dtype = dtype
+        self._chunk = np.zeros(dataset.chunks, np.uint16 if dtype.name == "bfloat16" else dtype)
+        self._filled = 0  # rows in self._chunk
+        self._next = 0  # the first row of the chunk being filled
+
+    def write(self, offset: int, values: np.ndarray) -> None:
+        if offset != self._next + self._filled:
+            raise OutputError(f"rows from {offset} arrive out of order")
+        if values.shape[1:] != self._chunk.shape[1:]:
+            raise OutputError(f"rows of shape {values.shape[1:]} for a dataset of rows {self._chunk.shape[1:]}")
+        values = np.ascontiguousarray(values, dtype=self._dtype)  # converted as h5py would, else as they are
+        if self._dtype.name == "bfloat16":
+            values = values.view(np.uint16)
+        size, taken = len(self._chunk), 0
+        if self._filled:  # complete the chunk begun by an earlier batch
+            taken = min(len(values), size - self._filled)
+            self._chunk[self._filled : self._filled + taken] = values[:taken]
+            self._filled += taken
+            if self._filled == size:
+                self._put(self._chunk)
+        while len(values) - taken >= size:
+            self._put(values[taken : taken + size])
+            taken += size
+        if taken < len(values):
+            self._chunk[: len(values) - taken] = values[taken:]
+            self._filled = len(values) - taken
+
+    def close(self) -> None:
+        """Write the last chunk, when rows end within it (the rest of it is zeros, outside the dataset)."""
+        if self._filled:
+            self._chunk[self._filled :] = 0
+            self._put(self._chunk)
+        if self._next < self._rows:
+            raise OutputError(f"{self._next} of {self._rows} rows written")
+
+    def _put(self, chunk: np.ndarray) -> None:
+        # HDF5 takes the chunk's bytes as they are (write() made them the dataset's type and row shape):
+        # only a whole chunk may go.
+        self._id.write_direct_chunk((self._next,) + (0,) * (chunk.ndim - 1), chunk)
+        self._next += len(chunk)
+        self._filled = 0
