@@ -27,7 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
-from jacobeam.pipeline import quiet
+from jacobeam.pipeline import process_exit, quiet
 from jacobeam.transforms.errors import JacobeamError
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import JACOBIAN, SAMPLE_ID, VIEW, result_datasets
@@ -421,7 +421,16 @@ def _filesystem_options(folder: str, beam_args: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """The command. ``argv`` None: the process's own command line (``jacobeam ...``, ``python -m
     jacobeam``), and the command owns the process: native stderr filtered unless ``-v``, Ctrl-C handled
-    (see ``_CtrlC``). A list (a test calling the command in its process): the arguments, and neither."""
+    (see ``_CtrlC``), and the process ends without Python's teardown of TensorFlow once the command has
+    returned (``process_exit``). A list (a test calling the command in its process): the arguments, and
+    none of these."""
+    status = _main(argv)
+    if argv is None:
+        process_exit.end(status)
+    return status
+
+
+def _main(argv: list[str] | None) -> int:
     own_process = argv is None
     argv, passthrough = _split_at_double_dash(list(sys.argv[1:] if argv is None else argv))
     parser = _parser()

@@ -17,11 +17,11 @@ Importing it in any other process changes nothing unless ``JACOBEAM_WORKERS`` is
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import sys
 import threading
 
+from jacobeam.pipeline import process_exit
 from jacobeam.pipeline.quiet import start_worker
 
 BEAM_WORKER_MAIN = "apache_beam.runners.worker.sdk_worker_main"
@@ -53,16 +53,7 @@ def _note_failure(hook):
 
 def _exit_now() -> None:
     """The last exit handler that matters (registered before TensorFlow's, so it runs after theirs)."""
-    for handler in logging.getLogger().handlers:
-        try:
-            handler.flush()
-        except Exception:
-            pass
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            stream.flush()
-        except Exception:
-            pass
+    process_exit.flush()
     os._exit(1 if _failed else 0)
 
 
