@@ -308,3 +308,23 @@ def test_a_missing_h5_dataset_lists_the_datasets(tmp_path):
         h5.attrs["note"] = "not a dataset"
     with pytest.raises(InputError, match=r"a.h5: no dataset 'nope' \(input.key\); found \['group/y', 'x'\]$"):
         describe(str(tmp_path / "a.h5"), "nope")
+
+
+def test_the_process_ends_as_python_would_without_tearing_down_modules():
+    """``process_exit.end``: other threads finish, exit handlers run, buffered output and logging are
+    flushed, and the status is the one given."""
+    code = (
+        "import atexit, logging, sys, threading, time\n"
+        "from jacobeam.pipeline import process_exit\n"
+        "logging.basicConfig(stream=sys.stderr, level=logging.INFO, format='%(message)s')\n"
+        "atexit.register(lambda: print('handler ran'))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done'))).start()\n"
+        "print('buffered', end='')\n"
+        "logging.info('logged')\n"
+        "process_exit.end(3)\n"
+        "print('never')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=60)
+    assert done.returncode == 3
+    assert done.stdout == "bufferedthread done\nhandler ran\n"
+    assert done.stderr.strip() == "logged"
