@@ -1,6 +1,6 @@
 """The performance targets of round four, each measured side by side and printed with its ratio.
 
-``python -m benchmarks [targets] [--quick] [--only end_to_end,peers,setup,first_shard,processes,self_check] [--json F]``
+``python -m benchmarks [targets] [--quick] [--only end_to_end,peers,...,setup:resnet50] [--json F]``
 
 Every measurement runs in a fresh process (``python -m benchmarks.targets --task KIND:WORKLOAD``), one
 after the other, and compares rows timed in that one process with their repeats interleaved, so that load
@@ -120,7 +120,11 @@ def _config(workload: str, glob: str, out: Path, extra: dict | None = None) -> A
                 "reduce": "sum_abs_over_channels",
             },
             "output": {"path": str(out)},
+            # With seeded random weights these models' logits are ~1e-3: the hand-written function alone
+            # differs by up to 3% between a batch of 8 and one sample (float32 round-off and ReLU kinks
+            # through 50 layers), which the self-check would stop the run for (benchmarks/README.md).
         }
+        raw["jacobian"]["self_check"] = {"on_mismatch": "warn"}
     for section, values in (extra or {}).items():
         raw.setdefault(section, {}).update(values)
     return config.validate(raw)
@@ -347,18 +351,18 @@ class Sizes:
     repeats: int
     dense_samples: int  # W1/W3 end to end: N
     cnn_samples: int
-    saliency_samples: int
+    saliency_samples: int  # ResNet50 (MobileNetV2, about 3x as fast: twice as many)
     peer_samples: int
     process_samples: int
     self_check_samples: int
 
     @classmethod
     def full(cls) -> Sizes:
-        return cls(3, 20_480, 1_024, 24, 2_048, 20_000, 20_480)
+        return cls(3, 20_480, 1_024, 48, 2_048, 20_000, 20_480)
 
     @classmethod
     def quick(cls) -> Sizes:
-        return cls(2, 8_192, 512, 16, 1_024, 20_000, 8_192)
+        return cls(2, 8_192, 512, 24, 1_024, 20_000, 8_192)
 
 
 def tasks(sizes: Sizes, only: set[str]) -> list[str]:
@@ -370,14 +374,20 @@ def tasks(sizes: Sizes, only: set[str]) -> list[str]:
         "processes": ["processes:mlp"],
         "self_check": ["self_check:mlp"],
     }
-    return [task for kind, found in kinds.items() if kind in only for task in found]
+    return [task for kind, found in kinds.items() for task in found if kind in only or task in only]
 
 
 def run_task(task: str, sizes: Sizes) -> list[Result]:
     kind, workload = task.split(":")
     if kind == "end_to_end":
-        samples = {"mlp": sizes.dense_samples, "wide": sizes.dense_samples, "cnn": sizes.cnn_samples}
-        return end_to_end(workload, samples.get(workload, sizes.saliency_samples), sizes.repeats)
+        samples = {
+            "mlp": sizes.dense_samples,
+            "wide": sizes.dense_samples,
+            "cnn": sizes.cnn_samples,
+            "resnet50": sizes.saliency_samples,
+            "mobilenet_v2": 2 * sizes.saliency_samples,
+        }
+        return end_to_end(workload, samples[workload], sizes.repeats)
     if kind == "peers":
         return peers(workload, sizes.peer_samples, sizes.repeats + 2)
     if kind == "setup":
@@ -417,7 +427,11 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (about half the time)")
-    parser.add_argument("--only", default="end_to_end,peers,setup,first_shard,processes,self_check", help="kinds to run")
+    parser.add_argument(
+        "--only",
+        default="end_to_end,peers,setup,first_shard,processes,self_check",
+        help="kinds to run, or single tasks (KIND:WORKLOAD)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     parser.add_argument("--task", default=None, help=argparse.SUPPRESS)  # one measurement, in this process
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
