@@ -427,7 +427,10 @@ class _Rows:
     layout is the shard's ``bfloat16`` type)."""
 
     def __init__(self, dataset, dtype: np.dtype):
+        from h5py._objects import phil
+
         self._id = dataset.id
+        self._hdf5_lock = phil  # see _put
         self._rows = dataset.shape[0]
         self._dtype = dtype
         self._chunk = np.zeros(dataset.chunks, np.uint16 if dtype.name == "bfloat16" else dtype)
@@ -466,7 +469,11 @@ class _Rows:
 
     def _put(self, chunk: np.ndarray) -> None:
         # HDF5 takes the chunk's bytes as they are (write() made them the dataset's type and row shape):
-        # only a whole chunk may go.
-        self._id.write_direct_chunk((self._next,) + (0,) * (chunk.ndim - 1), chunk)
+        # only a whole chunk may go. h5py's write_direct_chunk does not take h5py's global lock as its other
+        # calls do, and HDF5 is not thread-safe: without the lock, a chunk written while another thread is
+        # in HDF5 (the next shard's writer, a reader of .h5 inputs) failed now and then with "Unspecified
+        # error in H5Dwrite_chunk".
+        with self._hdf5_lock:
+            self._id.write_direct_chunk((self._next,) + (0,) * (chunk.ndim - 1), chunk)
         self._next += len(chunk)
         self._filled = 0
