@@ -182,3 +182,31 @@ def test_native_npy_reader_names_a_file_truncated_since_the_plan(tmp_path, rng):
         stream.truncate(stream.seek(0, 2) - 48)  # the last row, gone
     with pytest.raises(InputError, match=r"x\.npy: truncated: rows 0\.\.12 .* changed during the run"):
         _read_all(spec, spec.ranges()[0])
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.zeros((7, 784), "<f4"),
+        np.zeros((3,), ">f8"),
+        np.zeros(()),
+        np.zeros((2, 3), order="F"),
+        np.zeros((5, 2), "i8"),
+        np.zeros((1, 2, 3), "?"),
+        np.zeros((4,), dtype=[("a", "<f4"), ("b", "<i2")]),  # not a plain header: numpy's parser
+    ],
+    ids=["f4", "big-endian f8", "scalar", "fortran", "i8", "bool", "structured"],
+)
+def test_npy_headers_read_without_ast_match_numpy(array):
+    """Plain .npy headers are read without ast.literal_eval (CPython 3.11.7 cannot build two ASTs in two
+    threads at once, gh-106905; it failed a suite run); each must give numpy's own reading."""
+    import io
+
+    from jacobeam.transforms.inputs.arrays import _npy_header
+
+    stream = io.BytesIO()
+    np.save(stream, array)
+    stream.seek(0)
+    fortran = array.flags.f_contiguous and not array.flags.c_contiguous
+    assert _npy_header(stream) == (array.shape, fortran, array.dtype)
+    assert stream.tell() == len(stream.getvalue()) - array.nbytes  # at the first row

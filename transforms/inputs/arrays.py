@@ -11,6 +11,7 @@ each. The format follows from the file name (``SUFFIXES``).
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import zipfile
 import zlib
@@ -46,10 +47,29 @@ class Rows(Protocol):
 _HEADER_LOCK = threading.Lock()
 
 
+# The header numpy writes for a plain array, read without ast: the lock above serialises jacobeam's own
+# parses, but any other thread building an AST at the same moment (compiling source, autograph) trips the
+# same bug, and did once in a suite run.
+_PLAIN_HEADER = re.compile(
+    r"""^\{'descr': '([<>|=][a-zA-Z]\d*)', 'fortran_order': (True|False), 'shape': \(((?:\d+, ?)*\d*)\), \}\s*$"""
+)
+
+
 def _npy_header(stream: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype]:
     """A ``.npy`` stream's ``(shape, fortran_order, dtype)``, leaving the stream at its first row."""
     fmt = np.lib.format
     version = fmt.read_magic(stream)
+    start = stream.tell()
+    length_bytes = 2 if version == (1, 0) else 4
+    raw = stream.read(length_bytes)
+    if len(raw) == length_bytes:
+        length = int.from_bytes(raw, "little")
+        text = stream.read(length).decode("latin1")
+        plain = _PLAIN_HEADER.match(text) if len(text) == length else None
+        if plain is not None:
+            shape = tuple(int(n) for n in plain.group(3).replace(" ", "").split(",") if n)
+            return shape, plain.group(2) == "True", np.dtype(plain.group(1))
+    stream.seek(start)
     header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
     with _HEADER_LOCK:
         return header(stream)
