@@ -79,3 +79,29 @@ def test_self_check_benchmark_times_the_pipeline_with_and_without_the_check():
     assert found["shards"] == 3 and found["wall_on"] > 0 and found["wall_off"] > 0
     assert 0 < found["checking"] < found["wall_on"] and found["first_check"] > 0
     assert found["max_rel_error"] < found["tolerance"] == 1e-4
+
+
+def test_targets_say_whether_each_goal_is_met():
+    from benchmarks.targets import Result, Sizes, table, tasks
+
+    results = [
+        Result("1 end to end", "mlp", 0.9, 0.8, True, "x", "a"),
+        Result("3 set-up", "cnn", 4.0, 3.0, False, "batches", "b"),
+        Result("1 end to end", "mobilenet_v2", 0.9, None, True, "x", "c"),
+    ]
+    assert [r.met for r in results] == [True, False, None]
+    lines = table(results, "abc1234").splitlines()
+    assert "abc1234" in lines[0]
+    assert [(" yes " in line, " NO " in line) for line in lines[3:]] == [(True, False), (False, True), (False, False)]
+    assert tasks(Sizes.quick(), {"setup:resnet50", "processes"}) == ["setup:resnet50", "processes:mlp"]
+
+
+@pytest.mark.slow
+def test_targets_measure_the_pipeline_and_set_up_against_the_hand_written_loop():
+    from benchmarks import targets
+
+    (end_to_end,) = targets.end_to_end("mlp", samples=256, repeats=1)
+    assert end_to_end.goal == 0.8 and np.isfinite(end_to_end.measured)
+    assert "hand-written loop" in end_to_end.detail
+    (setup,) = targets.setup("mlp", repeats=1)
+    assert setup.measured > 0 and setup.goal == 3.0 and not setup.at_least
