@@ -6,6 +6,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -33,10 +34,21 @@ class Timing:
         return asdict(self)
 
 
-def _seconds(call: Callable[[], object]) -> float:
+def seconds(call: Callable[[], object]) -> float:
+    """Wall seconds of one ``call()``."""
     start = time.perf_counter()
     call()
     return time.perf_counter() - start
+
+
+def interleaved(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[Any]]:
+    """Each call's results over ``repeats`` rounds, every round running every call once, in order: load
+    from other work on a shared machine falls on every call alike."""
+    found: dict[str, list[Any]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            found[name].append(call())
+    return found
 
 
 def time_row(build: Callable[[], Built], x: np.ndarray, budget: Budget) -> tuple[Timing, np.ndarray]:
@@ -77,7 +89,7 @@ def time_row(build: Callable[[], Built], x: np.ndarray, budget: Budget) -> tuple
 
     repeats = []
     for _ in range(budget.repeats):
-        repeats.append(_seconds(lambda: [built.jacobians(x[i * batch : (i + 1) * batch]) for i in range(calls)]))
+        repeats.append(seconds(lambda: [built.jacobians(x[i * batch : (i + 1) * batch]) for i in range(calls)]))
     timing = Timing(
         samples_per_second=calls * batch / statistics.median(repeats),
         repeat_seconds=repeats,

@@ -72,6 +72,27 @@ def _run_child(workload: str, cache: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def first_shard_seconds(config: Path, out: Path) -> float:
+    """``python -m jacobeam run config`` (writing to ``out``): seconds from starting the process until the
+    first complete shard is in ``out/shards`` (at the latest, until the process ended); waits for it to end.
+    RuntimeError if it fails or writes no shard."""
+    shards = out / "shards"
+    began = time.perf_counter()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jacobeam", "run", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    first = None
+    while process.poll() is None:
+        if first is None and shards.is_dir() and any(shards.glob("shard-*.h5")):
+            first = time.perf_counter() - began
+        time.sleep(0.01)
+    if process.returncode:
+        raise RuntimeError(f"jacobeam run exited {process.returncode}")
+    if first is None and not any(shards.glob("shard-*.h5")):
+        raise RuntimeError("jacobeam run wrote no shard")
+    return first if first is not None else time.perf_counter() - began
+
+
 def _first_shard(samples: int, repeats: int) -> None:
     from benchmarks import workloads
 
@@ -92,19 +113,10 @@ def _first_shard(samples: int, repeats: int) -> None:
                 if label == "decisions kept":
                     for path in [*(out / "shards").iterdir(), out / "manifest.json", out / "jacobians.h5"]:
                         path.unlink()
-                began = time.perf_counter()
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "jacobeam", "run", str(root / "config.yaml")],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                )
-                first = None
-                while process.poll() is None:
-                    if first is None and (out / "shards").is_dir() and any((out / "shards").glob("shard-*.h5")):
-                        first = time.perf_counter() - began
-                    time.sleep(0.02)
-                if process.returncode:
-                    raise SystemExit(f"jacobeam run failed ({label})")
-                found[label].append(first if first is not None else time.perf_counter() - began)
+                try:
+                    found[label].append(first_shard_seconds(root / "config.yaml", out))
+                except RuntimeError as err:
+                    raise SystemExit(f"{err} ({label})") from err
         print(f"\nW2 cnn, python -m jacobeam run on {samples:,} samples: time from process start to the first shard, "
               f"median of {repeats}; load average {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
         for label, times in found.items():

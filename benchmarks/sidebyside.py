@@ -22,21 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.measure import interleaved
 from benchmarks.rows import build, engine_modes, row_specs
 from benchmarks.suite import write_inputs
 from benchmarks.workloads import WORKLOADS, Workload, inputs
 from jacobeam.transforms.engine.diagnostics import relative_error
 
 BATCH = 256
-
-
-def _interleaved(calls: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
-    """Each call returns samples/s; every repeat runs every call once, in order."""
-    found: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            found[name].append(call())
-    return found
 
 
 def in_memory(workload: Workload, row_ids: list[str], samples: int, repeats: int) -> list[dict]:
@@ -57,7 +49,7 @@ def in_memory(workload: Workload, row_ids: list[str], samples: int, repeats: int
 
         return call
 
-    speeds = _interleaved({row_id: timed(row) for row_id, row in built.items()}, repeats)
+    speeds = interleaved({row_id: timed(row) for row_id, row in built.items()}, repeats)
     base, reference = statistics.median(speeds[row_ids[0]]), checked[row_ids[0]]
     return [
         {
@@ -107,8 +99,8 @@ def end_to_end(workload: Workload, samples: int, repeats: int) -> list[dict]:
             return samples / (time.perf_counter() - began)
 
         calls = {"pipeline, in-process": pipeline, "engine in memory": memory}
-        _interleaved(calls, 1)  # warm-up: imports, tracing, first-touch memory
-        speeds = _interleaved(calls, repeats)
+        interleaved(calls, 1)  # warm-up: imports, tracing, first-touch memory
+        speeds = interleaved(calls, repeats)
     base = statistics.median(speeds["engine in memory"])
     return [
         {"row": name, "samples_per_second": statistics.median(found), "ratio": statistics.median(found) / base}

@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.measure import interleaved, seconds
+
 REPO = Path(__file__).resolve().parent.parent
 DENSE = ("mlp", "wide", "cnn", "flow")
 SALIENCY = ("resnet50", "mobilenet_v2")
@@ -71,14 +73,6 @@ class Result:
 # -- measurements (each runs inside its own process) ------------------------------------------------
 
 
-def _interleaved(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[Any]]:
-    found: dict[str, list[Any]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            found[name].append(call())
-    return found
-
-
 def _rate(call: Callable[[], None], samples: int) -> Callable[[], float]:
     def timed() -> float:
         began = time.perf_counter()
@@ -98,7 +92,7 @@ def _inputs(workload: str, samples: int) -> tuple[np.ndarray, np.ndarray | None]
     return rng.standard_normal((samples, 224, 224, 3), dtype=np.float32), rng.integers(0, 1000, size=samples)
 
 
-def _config(workload: str, glob: str, out: Path, extra: dict | None = None) -> Any:
+def _config(workload: str, glob: str, out: Path) -> Any:
     from benchmarks.workloads import WORKLOADS
     from jacobeam.pipeline import config
 
@@ -118,19 +112,17 @@ def _config(workload: str, glob: str, out: Path, extra: dict | None = None) -> A
                 "outputs": "label",
                 "labels": {"key": "labels"},
                 "reduce": "sum_abs_over_channels",
+                # With seeded random weights these models' logits are ~1e-3: the hand-written function alone
+                # differs by up to 3% between a batch of 8 and one sample (float32 round-off and ReLU kinks
+                # through 50 layers), which the self-check would stop the run for (benchmarks/README.md).
+                "self_check": {"on_mismatch": "warn"},
             },
             "output": {"path": str(out)},
-            # With seeded random weights these models' logits are ~1e-3: the hand-written function alone
-            # differs by up to 3% between a batch of 8 and one sample (float32 round-off and ReLU kinks
-            # through 50 layers), which the self-check would stop the run for (benchmarks/README.md).
         }
-        raw["jacobian"]["self_check"] = {"on_mismatch": "warn"}
-    for section, values in (extra or {}).items():
-        raw.setdefault(section, {}).update(values)
     return config.validate(raw)
 
 
-def _write(workload: str, x: np.ndarray, labels: np.ndarray | None, folder: Path) -> str:
+def _write(x: np.ndarray, labels: np.ndarray | None, folder: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     if labels is None:
         np.save(folder / "x.npy", x)
@@ -163,10 +155,7 @@ def end_to_end(workload: str, samples: int, repeats: int) -> list[Result]:
     x, labels = _inputs(workload, 2 * samples)
     hand_samples = min(samples, 2048)  # the loop's rate is steady; W3's batch_jacobian is slow
     with tempfile.TemporaryDirectory(prefix="jacobeam-targets-") as temp:
-        globs = {
-            n: _write(workload, x[:n], None if labels is None else labels[:n], Path(temp) / f"in-{n}")
-            for n in (samples, 2 * samples)
-        }
+        globs = {n: _write(x[:n], None if labels is None else labels[:n], Path(temp) / f"in-{n}") for n in (samples, 2 * samples)}
         loops: list[Callable] = []  # built after the first pipeline run, which sets TensorFlow's threads
 
         def pipeline(n: int) -> Callable[[], float]:
@@ -188,8 +177,8 @@ def end_to_end(workload: str, samples: int, repeats: int) -> list[Result]:
                 loop(x[lo : lo + batch], None if labels is None else labels[lo : lo + batch])
 
         calls = {"N": pipeline(samples), "2N": pipeline(2 * samples), "loop": _rate(in_memory, hand_samples)}
-        _interleaved(calls, 1)  # warm-up: imports, tracing, first-touch memory
-        found = _interleaved(calls, repeats)
+        interleaved(calls, 1)  # warm-up: imports, tracing, first-touch memory
+        found = interleaved(calls, repeats)
     marginal = [samples / (two - one) for one, two in zip(found["N"], found["2N"])]
     pipeline_rate, loop_rate = statistics.median(marginal), statistics.median(found["loop"])
     goal = {"mlp": 0.8, "wide": 0.8, "cnn": 0.95, "resnet50": 0.95}.get(workload)
@@ -245,12 +234,12 @@ def setup(workload: str, repeats: int) -> list[Result]:
     call = (lambda: engine(x)) if labels is None else (lambda: engine(x, labels))
     call()
     first = time.perf_counter() - built
-    steady = statistics.median(_interleaved({"batch": lambda: _timed(call)}, repeats)["batch"])
+    steady = statistics.median(seconds(call) for _ in range(repeats))
     set_up = built - loaded + max(0.0, first - steady)
     # The floor any first call pays: the hand-written function's tracing (its first call over a steady one).
     loop = _hand_written(workload)
-    hand_first = _timed(lambda: loop(x, labels))
-    hand_steady = statistics.median(_timed(lambda: loop(x, labels)) for _ in range(repeats))
+    hand_first = seconds(lambda: loop(x, labels))
+    hand_steady = statistics.median(seconds(lambda: loop(x, labels)) for _ in range(repeats))
     detail = (
         f"construct {built - loaded:.2f} s + first call {first:.2f} s against a batch of {batch} {steady:.3f} s; "
         f"model load {loaded - began:.2f} s; the hand-written function's first call takes "
@@ -259,17 +248,12 @@ def setup(workload: str, repeats: int) -> list[Result]:
     return [Result("3 set-up", workload, set_up / steady, 3.0, False, "batches", detail)]
 
 
-def _timed(call: Callable[[], Any]) -> float:
-    began = time.perf_counter()
-    call()
-    return time.perf_counter() - began
-
-
 def first_shard(repeats: int) -> list[Result]:
     """``python -m jacobeam run`` on the demo's settings (W2, batch 128, shards of 512, 2,048 samples): from
     starting the process to the first complete shard."""
     import yaml
 
+    from benchmarks.setup import first_shard_seconds
     from benchmarks.workloads import WORKLOADS, inputs
 
     found = []
@@ -284,50 +268,18 @@ def first_shard(repeats: int) -> list[Result]:
         (Path(temp) / "run.yaml").write_text(yaml.safe_dump(cfg))
         for _ in range(repeats):
             shutil.rmtree(Path(temp) / "out", ignore_errors=True)
-            shards = Path(temp) / "out" / "shards"
-            began = time.perf_counter()
-            process = subprocess.Popen(
-                [sys.executable, "-m", "jacobeam", "run", str(Path(temp) / "run.yaml")],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            first = None
-            while process.poll() is None or first is None:
-                if first is None and shards.is_dir() and any(p.suffix == ".h5" for p in shards.iterdir()):
-                    first = time.perf_counter() - began
-                if process.poll() is not None and first is None:
-                    raise RuntimeError(f"jacobeam run exited {process.returncode} before a shard was written")
-                time.sleep(0.01)
-            found.append(first)
+            found.append(first_shard_seconds(Path(temp) / "run.yaml", Path(temp) / "out"))
     load = os.getloadavg()[0]
     detail = f"median of {repeats}: " + ", ".join(f"{s:.2f}" for s in found) + f" s; load average {load:.1f} (2 cores)"
     return [Result("3 first shard", "cnn", statistics.median(found), 4.0, False, "s", detail)]
 
 
 def processes(samples: int, repeats: int) -> list[Result]:
-    from jacobeam.pipeline import runner
+    from benchmarks.processes import measure
 
-    x, _ = _inputs("mlp", samples)
-    with tempfile.TemporaryDirectory(prefix="jacobeam-targets-") as temp:
-        glob = _write("mlp", x, None, Path(temp) / "in")
-
-        def run(beam_args: list[str]) -> Callable[[], float]:
-            def timed() -> float:
-                out = Path(temp) / "out"
-                shutil.rmtree(out, ignore_errors=True)
-                began = time.perf_counter()
-                runner.run(_config("mlp", glob, out), beam_args, show_progress=False)
-                return time.perf_counter() - began
-
-            return timed
-
-        two = ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
-        calls = {"one": run([]), "two": run(two)}
-        _interleaved(calls, 1)
-        found = _interleaved(calls, repeats)
-    one, two_s = statistics.median(found["one"]), statistics.median(found["two"])
-    detail = f"{samples:,} W1 samples: one process {one:.1f} s, two {two_s:.1f} s (median of {repeats})"
-    return [Result("4 two processes", "mlp", one / two_s, 1.0, True, "x", detail)]
+    found = measure(samples, repeats, 4096, launch="api")
+    detail = f"{samples:,} W1 samples: one process {found['one']:.1f} s, two {found['two']:.1f} s (median of {repeats})"
+    return [Result("4 two processes", "mlp", found["ratio"], 1.0, True, "x", detail)]
 
 
 def self_check(samples: int, repeats: int) -> list[Result]:
