@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 DENSE = ("mlp", "wide", "cnn", "flow")
 SALIENCY = ("resnet50", "mobilenet_v2")
 SALIENCY_BATCH = 8
+SALIENCY_SHAPE = (224, 224, 3)
 BATCH = 256
 
 
@@ -82,6 +83,13 @@ def _rate(call: Callable[[], None], samples: int) -> Callable[[], float]:
     return timed
 
 
+def _factory(workload: str) -> str:
+    """The workload's ``model.factory``."""
+    from benchmarks.workloads import WORKLOADS
+
+    return WORKLOADS[workload].factory if workload in WORKLOADS else f"benchmarks.workloads:{workload}"
+
+
 def _inputs(workload: str, samples: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Standard normal samples from seed 1 (labels too, for the saliency models)."""
     from benchmarks.workloads import WORKLOADS, inputs
@@ -89,7 +97,7 @@ def _inputs(workload: str, samples: int) -> tuple[np.ndarray, np.ndarray | None]
     if workload in WORKLOADS:
         return inputs(WORKLOADS[workload], samples), None
     rng = np.random.default_rng(1)
-    return rng.standard_normal((samples, 224, 224, 3), dtype=np.float32), rng.integers(0, 1000, size=samples)
+    return rng.standard_normal((samples, *SALIENCY_SHAPE), dtype=np.float32), rng.integers(0, 1000, size=samples)
 
 
 def _config(workload: str, glob: str, out: Path) -> Any:
@@ -98,14 +106,14 @@ def _config(workload: str, glob: str, out: Path) -> Any:
 
     if workload in WORKLOADS:
         raw = {
-            "model": {"factory": WORKLOADS[workload].factory},
+            "model": {"factory": _factory(workload)},
             "input": {"paths": [glob]},
             "jacobian": {"batch_size": BATCH},
             "output": {"path": str(out)},
         }
     else:
         raw = {
-            "model": {"factory": f"benchmarks.workloads:{workload}"},
+            "model": {"factory": _factory(workload)},
             "input": {"paths": [glob], "key": "x"},
             "jacobian": {
                 "batch_size": SALIENCY_BATCH,
@@ -223,10 +231,8 @@ def setup(workload: str, repeats: int) -> list[Result]:
     batch = SALIENCY_BATCH if workload in SALIENCY else BATCH
     x, labels = _inputs(workload, batch)
     began = time.perf_counter()
-    if workload in WORKLOADS:
-        model, shape = load(factory=WORKLOADS[workload].factory), WORKLOADS[workload].input_shape
-    else:
-        model, shape = load(factory=f"benchmarks.workloads:{workload}"), (224, 224, 3)
+    model = load(factory=_factory(workload))
+    shape = WORKLOADS[workload].input_shape if workload in WORKLOADS else SALIENCY_SHAPE
     loaded = time.perf_counter()
     options = _config(workload, "unused", Path("unused")).jacobian.engine_options()
     engine = JacobianEngine(model, shape, options)
