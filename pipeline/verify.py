@@ -9,7 +9,7 @@
 3. ``K`` randomly chosen stored samples (seeded: ``--seed``) are recomputed from their input rows with
    methods independent of the engine's batched ``batch_jacobian``:
 
-   - a per-sample ``tf.GradientTape().jacobian`` of the float32 model (where the engine ran in forward
+   - per sample, a ``tf.GradientTape`` gradient of each output row of the float32 model (where the engine ran in forward
      mode: one forward-mode JVP per input entry, in a plain loop, so that non-finite entries fall where
      the run's do; ``transforms.engine.reference``, which the run's self-check uses too). Both are
      float32 computations of the same derivative, differing only in the order of operations:

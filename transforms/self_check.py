@@ -2,8 +2,8 @@
 
 The engine computes each batch in compiled, vectorised blocks; the self-check recomputes chosen
 samples of each shard with an independent per-sample method (``transforms.engine.reference``: a
-``tf.GradientTape().jacobian`` of the one sample, or, where the engine ran in forward mode, one
-forward-mode JVP per input entry or product column in a plain loop), turns that full Jacobian into
+``tf.GradientTape`` gradient of the one sample per output row, or, where the engine ran in forward mode,
+one forward-mode JVP per input entry or product column in a plain loop), turns that full Jacobian into
 what the run stores with the engine's own post-processing (``operands.apply``, ``assemble``: the
 selected rows, products, reductions, store dtype), and compares dataset by dataset.
 
@@ -121,7 +121,7 @@ class SelfChecker:
             ("forward-mode JVPs along the product's vectors" if self._directions is not None
              else "forward-mode JVPs per input entry") + ", one sample, in a plain loop"
             if self.forward
-            else "tf.GradientTape().jacobian of one sample"
+            else "tf.GradientTape gradient of one sample, one output row at a time"
         )
         self._function = None
         self._lock = threading.Lock()

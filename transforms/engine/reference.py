@@ -51,11 +51,17 @@ def tape_function(
     for a selection from many outputs (a label of 1,000 classes) the full Jacobian of one ImageNet-size
     sample is a thousand backward passes and tens of GB, where the rows asked for are one.
 
-    Reverse mode (``tape.jacobian``) by default. ``forward``: one forward-mode JVP per input entry, in a
-    sequential loop (no vectorisation), for runs whose engine used forward mode. Where the model is not
-    differentiable (``sqrt`` at 0), the two modes put NaN and inf in different places, and the reference
-    must fail where the run did. With ``directions`` ``(c, d)`` (forward only, one input in ``wrt``), the
-    JVPs run along its rows instead of the input entries: ``J R`` as ``(1, *out, c)``.
+    Reverse mode by default: one vector-Jacobian product per output row, each a compiled ``tape.gradient``
+    of the one sample seeded with that row's one-hot cotangent, called in a Python loop. Unlike
+    ``tape.jacobian`` it shares no vectorisation (``pfor``) with the engine, holds one backward pass in
+    memory whatever the number of rows, and its graph traces in a third of the time (the trace, once per
+    worker, is most of the self-check's cost: benchmarks/README.md).
+
+    ``forward``: one forward-mode JVP per input entry, in a sequential loop (no vectorisation), for runs whose
+    engine used forward mode. Where the model is not differentiable (``sqrt`` at 0), the two modes put NaN and
+    inf in different places, and the reference must fail where the run did. With ``directions`` ``(c, d)``
+    (forward only, one input in ``wrt``), the JVPs run along its rows instead of the input entries: ``J R`` as
+    ``(1, *out, c)``.
     """
     import tensorflow as tf
 
@@ -85,20 +91,38 @@ def tape_function(
     # No autograph: no tensor-dependent Python control flow here, and converting the source costs the
     # first call (the self-check's one-time cost per worker) time for nothing (benchmarks/README.md).
     signature = [tf.TensorSpec((1, *shape), dtype) for shape in shapes]
-    if rows:
-        signature.append(tf.TensorSpec((1, None), tf.int32))
+    if forward:
 
-    @tf.function(input_signature=signature, autograph=False)
-    def one(*args):
-        xs = list(args[: len(shapes)])
-        if forward:
+        @tf.function(input_signature=signature, autograph=False)
+        def jvps(*xs):
+            xs = list(xs)
             y = tf.cast(call(xs), dtype)
             return y, [jvp_columns(xs, k, y) for k in wrt]
+
+        return jvps
+
+    @tf.function(input_signature=[*signature, tf.TensorSpec((), tf.int32)], autograph=False)
+    def row(*args):
+        """``(y, [dy_row/dx_j])``: the one-hot cotangent of flat output ``row`` pulled back, each ``(1, *in)``."""
+        xs = list(args[:-1])
         with tf.GradientTape() as tape:
             for k in wrt:
                 tape.watch(xs[k])
             y = tf.cast(call(xs), dtype)
-            target = tf.gather(tf.reshape(y, [1, -1]), args[-1], batch_dims=1) if rows else y
-        return y, tape.jacobian(target, [xs[k] for k in wrt])
+        cotangent = tf.reshape(tf.one_hot(args[-1], tf.size(y), dtype=dtype), tf.shape(y))
+        return y, tape.gradient(y, [xs[k] for k in wrt], output_gradients=cotangent,
+                                unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    row = row.get_concrete_function()  # traced now; called directly, as per-row calls add up
+
+    def one(*args):
+        xs = args[: len(shapes)]
+        chosen = np.asarray(args[-1]).reshape(-1).tolist() if rows else [0]
+        y, first = row(*xs, tf.constant(chosen[0], tf.int32))
+        if not rows:
+            chosen = range(int(np.prod(y.shape)))
+        pulled = [first, *(row(*xs, tf.constant(i, tf.int32))[1] for i in chosen[1:])]
+        lead = [1, len(chosen)] if rows else list(y.shape)
+        return y, [tf.reshape(tf.stack([p[j] for p in pulled]), [*lead, 1, *shapes[k]]) for j, k in enumerate(wrt)]
 
     return one
