@@ -117,8 +117,8 @@ class _Segment:
 
 
 def _npy_segments(spec: JobSpec, shard: ShardRange) -> list[_Segment] | None:
-    """The range's kept samples as segments of local ``.npy`` files that TensorFlow can read natively,
-    or None where some are not (other formats, remote files, labels, dtypes ``decode_raw`` lacks)."""
+    """The range's kept samples as segments of local ``.npy`` files whose rows can be read as raw records,
+    or None where some are not (other formats, remote files, labels, dtypes other than plain numbers)."""
     if spec.engine.outputs.rule == "label":
         return None
     segments: list[_Segment] = []
