@@ -163,6 +163,36 @@ def test_native_npy_batches_equal_the_python_slices_across_files_and_rejected_ro
         np.testing.assert_array_equal(kept, [i for lo, hi in shard.kept() for i in range(lo, hi)])
 
 
+def test_native_npy_batches_are_whole_across_files_shorter_than_a_batch(tmp_path, rng):
+    """Files of 3, 2 (float64) and 9 rows, batches of 4: the second file only partly completes the batch
+    the first began; every batch but the last is whole, in id order, with the files' values (np.load)."""
+    from jacobeam.pipeline import config, plan
+    from jacobeam.transforms import read
+
+    data = tmp_path / "data"
+    data.mkdir()
+    arrays = [rng.normal(size=(3, 6)).astype(np.float32), rng.normal(size=(2, 6)), rng.normal(size=(9, 6)).astype(np.float32)]
+    for i, array in enumerate(arrays):
+        np.save(data / f"part-{i}.npy", array)
+    cfg = config.validate(
+        {
+            "model": {"factory": "tests.models:small_mlp"},
+            "input": {"paths": [str(data / "*.npy")]},
+            "jacobian": {"batch_size": 4},
+            "output": {"path": str(tmp_path / "out")},
+        }
+    )
+    spec = plan.make_job(cfg, check_model=False).spec
+    (shard,) = spec.ranges()
+    assert read._npy_segments(spec, shard) is not None  # the native reader
+    batches = _read_all(spec, shard)
+    assert [len(ids) for ids, _, _ in batches] == [4, 4, 4, 2]
+    expected = np.concatenate([np.load(data / f"part-{i}.npy").astype(np.float32) for i in range(3)])
+    np.testing.assert_array_equal(np.concatenate([ids for ids, _, _ in batches]), np.arange(14))
+    np.testing.assert_array_equal(np.concatenate([inputs for _, inputs, _ in batches]), expected)
+    assert all(inputs.dtype == np.float32 and not labels.any() for _, inputs, labels in batches)
+
+
 def test_native_npy_reader_names_a_file_truncated_since_the_plan(tmp_path, rng):
     from jacobeam.pipeline import config, plan
 

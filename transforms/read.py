@@ -2,10 +2,11 @@
 
 Each range is one unit of work: ``shard_batches`` streams a range's samples through ``tf.data`` (file
 slices, rebatched across file boundaries, prefetched so that reading overlaps the computing
-downstream). Local ``.npy`` files are read by TensorFlow's own ``FixedLengthRecordDataset``, with no
-Python per batch (faster end to end: benchmarks/README.md); other files are read in slices in Python
-(``readers.iter_slices``) and handed over through ``Dataset.from_generator``. Samples that the plan
-rejected (``input.on_bad_sample: skip``) are never read.
+downstream). Local ``.npy`` files are read by TensorFlow's own ``FixedLengthRecordDataset``, one record
+per batch, whose bytes numpy takes as they are: no Python per batch beyond that, and no ``tf.data``
+function to trace per range (faster end to end: benchmarks/README.md); other files are read in slices
+in Python (``readers.iter_slices``) and handed over through ``Dataset.from_generator``. Samples that
+the plan rejected (``input.on_bad_sample: skip``) are never read.
 
 ``jacobeam run`` reads inside ``ComputeShards`` (``transforms.job``: read, compute and write one range
 per element); ``ReadSamples`` is the same reading as a transform of its own, for a pipeline of your own.
@@ -34,20 +35,29 @@ from jacobeam.transforms.spec import JobSpec, ShardRange
 def shard_batches(spec: JobSpec, shard: ShardRange) -> Iterator[SampleBatch]:
     """The range's kept samples as ``SampleBatch``es of at most ``spec.engine.batch_size`` (only the last
     one shorter), in id order, read by ``tf.data``."""
-    for ids, inputs, labels in _dataset(spec, shard):
+    segments = _npy_segments(spec, shard)
+    batches = _native(spec, segments) if segments is not None else _tensors(_dataset(spec, shard))
+    for ids, inputs, labels in batches:
+        _check_finite(spec, ids, inputs)
+        yield SampleBatch(ids=ids, inputs=inputs, labels=labels, shard=shard)
+
+
+def _tensors(dataset) -> Iterator[tuple[np.ndarray, Samples, np.ndarray]]:
+    for ids, inputs, labels in dataset:
         # np.asarray: read-only views of the tensors' buffers, where .numpy() would copy them.
         inputs = {k: np.asarray(v) for k, v in inputs.items()} if isinstance(inputs, dict) else np.asarray(inputs)
-        ids = np.asarray(ids)
-        _check_finite(spec, ids, inputs)
-        yield SampleBatch(ids=ids, inputs=inputs, labels=np.asarray(labels), shard=shard)
+        yield np.asarray(ids), inputs, np.asarray(labels)
 
 
 def _dataset(spec: JobSpec, shard: ShardRange):
-    """tf.data over the range's kept samples; only the range's last batch can be short."""
+    """tf.data over the range's kept samples (any format); only the range's last batch can be short."""
+    return _light(_from_generator(spec, shard).rebatch(spec.engine.batch_size))
+
+
+def _light(dataset):
+    """``dataset`` prefetched two batches ahead on a thread of its own, without tf.data's tuning."""
     import tensorflow as tf
 
-    segments = _npy_segments(spec, shard)
-    dataset = _native(spec, segments) if segments is not None else _from_generator(spec, shard)
     # A fixed two-batch prefetch needs neither autotuning nor graph rewrites, which cost each range's
     # dataset its start-up time; tf.data's own thread pool competed with the engine's threads for
     # the cores, so reading gets one private thread (benchmarks/README.md).
@@ -56,7 +66,7 @@ def _dataset(spec: JobSpec, shard: ShardRange):
     options.experimental_optimization.apply_default_optimizations = False
     options.threading.private_threadpool_size = 1
     options.threading.max_intra_op_parallelism = 1
-    return dataset.rebatch(spec.engine.batch_size).prefetch(2).with_options(options)
+    return dataset.prefetch(2).with_options(options)
 
 
 # Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
@@ -107,8 +117,8 @@ class _Segment:
 
 
 def _npy_segments(spec: JobSpec, shard: ShardRange) -> list[_Segment] | None:
-    """The range's kept samples as segments of local ``.npy`` files that TensorFlow can read natively,
-    or None where some are not (other formats, remote files, labels, dtypes ``decode_raw`` lacks)."""
+    """The range's kept samples as segments of local ``.npy`` files whose rows can be read as raw records,
+    or None where some are not (other formats, remote files, labels, dtypes other than plain numbers)."""
     if spec.engine.outputs.rule == "label":
         return None
     segments: list[_Segment] = []
@@ -126,28 +136,41 @@ def _npy_segments(spec: JobSpec, shard: ShardRange) -> list[_Segment] | None:
     return segments
 
 
-def _native(spec: JobSpec, segments: list[_Segment]):
-    """The segments' rows read by TensorFlow's own reader, with no Python per batch: each segment a
-    ``FixedLengthRecordDataset`` of one record per batch, seeking past the rows before it."""
-    import tensorflow as tf
-
-    dtype, batch_size, shape = spec.engine.compute_dtype, spec.engine.batch_size, tuple(spec.sample_shape)
-    dataset = None
+def _native(spec: JobSpec, segments: list[_Segment]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The segments' rows read by TensorFlow's own reader: each segment a ``FixedLengthRecordDataset``
+    whose records end where the range's batches do, so that a record is a batch (or, where a batch spans
+    files, a part of one, joined here). A record's bytes are its rows (``np.frombuffer``, no copy); a
+    ``map`` decoding them in the dataset was a function traced for every range (~20 ms each)."""
+    dtype, batch_size, shape = np.dtype(spec.engine.compute_dtype), spec.engine.batch_size, tuple(spec.sample_shape)
+    pieces: list[tuple[int, int, np.dtype]] = []  # each record's first id, rows and file dtype, in order
+    datasets, filled = [], 0  # filled: rows of the batch under way when a segment begins
     for segment in segments:
-        file_dtype = tf.as_dtype(np.dtype(segment.source.dtype))
+        file_dtype = np.dtype(segment.source.dtype)
+        records, sizes = _records(segment, batch_size, head=(batch_size - filled) % batch_size)
+        datasets.append(records)
+        first = segment.start
+        for rows in sizes:
+            pieces.append((first, rows, file_dtype))
+            first += rows
+        filled = (filled + segment.stop - segment.start) % batch_size
+    dataset = datasets[0]
+    for records in datasets[1:]:
+        dataset = dataset.concatenate(records)
+    parts: list[tuple[np.ndarray, np.ndarray]] = []  # the batch under way, when it spans records
+    held, last = 0, len(pieces) - 1
+    for k, (record, (first, rows, file_dtype)) in enumerate(zip(_light(dataset), pieces, strict=True)):
+        values = np.frombuffer(record.numpy(), file_dtype).reshape((rows, *shape)).astype(dtype, copy=False)
+        parts.append((np.arange(first, first + rows, dtype=np.int64), values))
+        held += rows
+        if held == batch_size or k == last:
+            ids, values = parts[0] if len(parts) == 1 else (np.concatenate(part) for part in zip(*parts))
+            yield ids, values, np.zeros(len(ids))
+            parts, held = [], 0
 
-        def decode(ids, record, file_dtype=file_dtype):
-            values = tf.cast(tf.reshape(tf.io.decode_raw(record, file_dtype), (-1, *shape)), dtype)
-            return ids, values, tf.zeros(tf.shape(ids), tf.float64)
 
-        ids = tf.data.Dataset.range(segment.start, segment.stop).batch(batch_size)
-        part = tf.data.Dataset.zip((ids, _records(segment, batch_size))).map(decode)
-        dataset = part if dataset is None else dataset.concatenate(part)
-    return dataset
-
-
-def _records(segment: _Segment, batch_size: int):
-    """The segment's rows as raw records of ``batch_size`` rows, the last one shorter."""
+def _records(segment: _Segment, batch_size: int, head: int):
+    """The segment's rows as raw records: ``head`` rows first (the rest of a batch begun in an earlier
+    segment), then ``batch_size`` rows each, the last one shorter; and the rows of each record."""
     import tensorflow as tf
 
     source = segment.source
@@ -159,9 +182,10 @@ def _records(segment: _Segment, batch_size: int):
             f"{source.path}: truncated: rows {first}..{last} are past the end of the data, which they were "
             "not when the run was planned; the input file changed during the run"
         )
-    full, tail = divmod(last - first, batch_size)
-    records = None
-    for rows, begin, count in ((batch_size, first, full), (tail, first + full * batch_size, 1 if tail else 0)):
+    head = min(head, last - first)
+    full, tail = divmod(last - first - head, batch_size)
+    records, sizes, begin = None, [], first
+    for rows, count in ((head, 1 if head else 0), (batch_size, full), (tail, 1 if tail else 0)):
         if count:
             part = tf.data.FixedLengthRecordDataset(
                 source.path,
@@ -170,7 +194,9 @@ def _records(segment: _Segment, batch_size: int):
                 footer_bytes=size - segment.offset - (begin + count * rows) * row,
             )
             records = part if records is None else records.concatenate(part)
-    return records
+            sizes += [rows] * count
+            begin += count * rows
+    return records, sizes
 
 
 def _check_finite(spec: JobSpec, ids: np.ndarray, samples: Samples) -> None:

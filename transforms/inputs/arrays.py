@@ -274,8 +274,8 @@ def describe(path: str, key: Key, sample_shape: Shape | None = None, image: Imag
 
 
 def npy_data_offset(path: str) -> int | None:
-    """Where a local ``.npy`` file's rows begin, when ``tf.io.decode_raw`` can read them as they lie
-    (C order, a plain numeric dtype in this machine's byte order); else None."""
+    """Where a local ``.npy`` file's rows begin, when their bytes can be read as they lie (C order, a plain
+    numeric dtype in this machine's byte order); else None."""
     try:
         with open(path, "rb") as stream:
             shape, fortran_order, dtype = _npy_header(stream)
