@@ -420,9 +420,12 @@ def test_label_rows_at_every_batch_size(batch_size):
     assert_close(result["jacobian"], expected, rtol=1e-5)
 
 
-def test_batch_coupled_model_is_refused():
+@pytest.mark.parametrize("options", [{}, {"mode": "forward"}, {"mode": "reverse_loop"}, {"jit_compile": "auto"}])
+def test_batch_coupled_model_is_refused(options):
+    """Checked before any path is probed: forward mode's eager reference, which runs copies of the batch
+    as one, takes samples to be independent."""
     with pytest.raises(ModelError, match=r"depends on the other samples in its batch"):
-        _engine(test_models.batch_coupled())
+        _engine(test_models.batch_coupled(), **options)
 
 
 def test_autotune_times_every_path_and_keeps_a_correct_one():
