@@ -5,9 +5,9 @@ every other path must agree with before it is trusted (a fast path can be wrong:
 max-pooling under XLA is, double reverse through image resizing is). Where nothing is timed, forward
 mode's reference is the accumulator run eagerly (no tracing: the vectorised accumulator's pfor takes
 seconds to trace on a deep model), and the paths run in the order of preference, the first to agree
-being taken: what set-up costs is then one eager pass and, as a rule, one traced path. A path that TensorFlow cannot
-run (no XLA kernel, no pfor or forward-mode rule) is left out with a reason; an error raised by
-jacobeam's own code is a bug and surfaces as itself.
+being taken: what set-up costs is then one eager pass and, as a rule, one traced path. A path that
+TensorFlow cannot run (no XLA kernel, no pfor or forward-mode rule) is left out with a reason; an error
+raised by jacobeam's own code is a bug and surfaces as itself.
 """
 
 from __future__ import annotations
