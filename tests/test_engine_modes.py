@@ -56,7 +56,7 @@ def test_forward_mode_runs_by_double_reverse_where_it_agrees_with_the_accumulato
     engine = _engine(model, mode="auto")
     described = engine.describe()
     assert (described["mode"], described["double_reverse"]) == ("forward", True)
-    assert [c["path"] for c in described["candidates"]] == ["forward", "forward by double reverse"]
+    assert [c["path"] for c in described["candidates"]] == ["forward, eagerly", "forward by double reverse"]
     assert described["candidates"][1]["relative_error"] < 1e-5
     assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
 
@@ -85,6 +85,62 @@ def test_double_reverse_that_disagrees_with_the_accumulator_is_not_used(monkeypa
     described = engine.describe()
     assert (described["mode"], described["double_reverse"]) == ("forward", False)
     assert any("forward by double reverse disagrees with the reference" in r for r in described["reasons"])
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
+def _forward_blocks_scaled(monkeypatch, factor=1.5):
+    """Every forward-mode block but the eager reference gives its columns times ``factor``."""
+    build_block = strategies.build_block
+
+    def scaled(mode, *args, eager=False, **kwargs):
+        block = build_block(mode, *args, eager=eager, **kwargs)
+        if mode != "forward" or eager:
+            return block
+
+        def wrong(*inputs):
+            y, columns = block(*inputs)
+            return y, columns * factor
+
+        wrong.experimental_get_tracing_count = block.experimental_get_tracing_count
+        return wrong
+
+    monkeypatch.setattr("jacobeam.transforms.engine.blocks.build_block", scaled)
+
+
+def test_the_vectorised_accumulator_is_checked_too_and_refused_when_it_disagrees(monkeypatch):
+    """Untimed, the reference is the accumulator run eagerly: the vectorised accumulator, the last
+    forward path tried, is trusted only once it agrees with it, like the faster paths."""
+    _forward_blocks_scaled(monkeypatch)
+    model = test_models.coupling_flow()
+    with pytest.raises(ModelError, match=r"no way to compute Jacobians worked: .*forward disagrees with the reference"):
+        _engine(model, mode="forward")
+    engine = _engine(model, mode="auto")  # falls back to reverse mode
+    described = engine.describe()
+    assert described["mode"] == "reverse"
+    refused = [c for c in described["candidates"] if c["path"] in ("forward by double reverse", "forward")]
+    assert [c["path"] for c in refused] == ["forward by double reverse", "forward"]
+    assert all(abs(c["relative_error"] - 0.5) < 1e-3 for c in refused)  # |1.5 J - J| / |J|
+    x = _samples(model, 9)
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
+def test_without_a_reference_the_fast_forward_paths_are_not_trusted(monkeypatch):
+    """If the eager reference cannot run, double reverse is not taken unchecked: the plain
+    accumulator becomes the reference and runs."""
+    build_block = strategies.build_block
+
+    def no_eager(*args, eager=False, **kwargs):
+        if eager:
+            raise tf.errors.UnimplementedError(None, None, "no kernel")
+        return build_block(*args, eager=eager, **kwargs)
+
+    monkeypatch.setattr("jacobeam.transforms.engine.blocks.build_block", no_eager)
+    model = test_models.coupling_flow()
+    engine = _engine(model, mode="forward")
+    described = engine.describe()
+    assert (described["mode"], described["double_reverse"], described["layer_rules"]) == ("forward", False, False)
+    assert any("forward by double reverse: not tried, as no reference ran" in r for r in described["reasons"])
+    x = _samples(model, 9)
     assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
 
 
@@ -364,9 +420,12 @@ def test_label_rows_at_every_batch_size(batch_size):
     assert_close(result["jacobian"], expected, rtol=1e-5)
 
 
-def test_batch_coupled_model_is_refused():
+@pytest.mark.parametrize("options", [{}, {"mode": "forward"}, {"mode": "reverse_loop"}, {"jit_compile": "auto"}])
+def test_batch_coupled_model_is_refused(options):
+    """Checked before any path is probed: forward mode's eager reference, which runs copies of the batch
+    as one, takes samples to be independent."""
     with pytest.raises(ModelError, match=r"depends on the other samples in its batch"):
-        _engine(test_models.batch_coupled())
+        _engine(test_models.batch_coupled(), **options)
 
 
 def test_autotune_times_every_path_and_keeps_a_correct_one():

@@ -76,9 +76,10 @@ def test_layer_rules_match_the_tape_loop_and_are_chosen_where_they_agree(build):
     engine = _engine(model)
     described = engine.describe()
     assert (described["mode"], described["layer_rules"], described["double_reverse"]) == ("forward", True, False)
-    paths = [c["path"] for c in described["candidates"]]
-    assert paths == ["forward", "forward by double reverse", "forward by layer rules"]
-    assert described["candidates"][2]["relative_error"] < 1e-5
+    # Checked against the accumulator run eagerly, the reference; the slower paths are not traced.
+    assert described["candidates"][0] == {"path": "forward, eagerly", "reference_only": True}
+    assert [c["path"] for c in described["candidates"]] == ["forward, eagerly", "forward by layer rules"]
+    assert described["candidates"][1]["relative_error"] < 1e-5
     result = engine(x)
     assert_close(result["jacobian"], tape_loop(model, x), rtol=1e-5)
     assert_close(result["output"], model(x).numpy(), rtol=1e-6)

@@ -60,6 +60,7 @@ def build_block(
     jit_compile: bool,
     operand: Literal["identity", "index", "matrix"] = "identity",
     double_reverse: bool = False,
+    eager: bool = False,
 ) -> Callable:
     """A compiled ``block(xs, start, operand) -> (y_flat (n, m), block)`` for model input ``wrt``.
 
@@ -68,7 +69,8 @@ def build_block(
     ``0 <= start <= total - rows``. ``operand`` says what the third argument is (see the module
     docstring); with ``"identity"`` pass an empty ``(0, 0)`` tensor. With ``rows == total`` and the
     identity, reverse modes differentiate the whole output without slicing it (a slice adds a scatter
-    of one-hot cotangents per row).
+    of one-hot cotangents per row). ``eager`` (forward mode only): not compiled, the reference the other
+    forward paths are checked against (``forward_eagerly``).
     """
     shape = tuple(input_shapes[wrt])
     size = int(np.prod(shape, dtype=np.int64))
@@ -146,6 +148,30 @@ def build_block(
         columns = outer.batch_jacobian(row, cotangent)  # (n, c, m): (J R)^T
         return y, tf.transpose(columns, (0, 2, 1))
 
+    def forward_eagerly(xs, start, given):
+        """The accumulator's block as one eager pass over ``c`` copies of the batch, copy ``j`` carrying
+        tangent ``j`` (samples being independent, checked at set-up): run once on the probe batch, it
+        costs no tracing, no graph optimisation and no pfor, which take seconds on a deep model."""
+        xs = [tf.convert_to_tensor(x, dtype) for x in xs]
+        n = tf.shape(xs[wrt])[0]
+        if operand == "matrix":
+            directions = given[start : start + rows]
+        else:
+            directions = tf.one_hot(start + tf.range(rows), size, dtype=dtype)
+        tangent = tf.reshape(tf.repeat(directions, n, axis=0), (-1, *shape))  # (c n, *shape), column-major
+        copies = [tf.tile(x, [rows, *[1] * (len(x.shape) - 1)]) for x in xs]
+        with tf.autodiff.ForwardAccumulator(copies[wrt], tangent) as accumulator:
+            y = _flat_output(call, copies, dtype)
+        columns = accumulator.jvp(y)
+        if columns is None:
+            raise ForwardModeUnsupported(
+                "forward mode dropped the tangent: an op between input and output has no "
+                "forward-mode rule (image resizing is one); use mode reverse"
+            )
+        return y[:n], tf.transpose(tf.reshape(columns, (rows, n, -1)), (1, 2, 0))
+
+    if mode == "forward" and eager:
+        return forward_eagerly
     if mode == "forward":
         body = forward_by_double_reverse if double_reverse else forward
     else:
@@ -156,17 +182,24 @@ def build_block(
 
 
 class Path(NamedTuple):
-    """One way to compute blocks: a mode, under XLA or not, and (forward mode) by double reverse or by
-    layer rules (``layer_rules``)."""
+    """One way to compute blocks: a mode, under XLA or not, and (forward mode) by double reverse, by
+    layer rules (``layer_rules``) or by the accumulator run eagerly (``eager``: only ever the reference the
+    others are checked against, never used to compute a run)."""
 
     mode: str
     jit: bool = False
     double_reverse: bool = False
     layer_rules: bool = False
+    eager: bool = False
 
     @property
     def label(self) -> str:
-        by = " by double reverse" if self.double_reverse else " by layer rules" if self.layer_rules else ""
+        by = (
+            " by double reverse" if self.double_reverse
+            else " by layer rules" if self.layer_rules
+            else ", eagerly" if self.eager
+            else ""
+        )
         return f"{self.mode}{by}{' + XLA' if self.jit else ''}"
 
 
@@ -195,9 +228,10 @@ class BlockCache:
             else:
                 fn = build_block(
                     path.mode, self._call, self._shapes, wrt, rows, total, self._dtype, path.jit,
-                    operand=operand, double_reverse=path.double_reverse,
+                    operand=operand, double_reverse=path.double_reverse, eager=path.eager,
                 )
-            self._compiled.append(fn)
+            if not path.eager:  # an eager reference never traces
+                self._compiled.append(fn)
             self._built[key] = fn if self._wrap is None else self._wrap(fn)
         return self._built[key]
 

@@ -2,9 +2,12 @@
 
 Each candidate path runs on a seeded probe batch; the plain graph of the first mode is the reference
 every other path must agree with before it is trusted (a fast path can be wrong: forward mode through
-max-pooling under XLA is, double reverse through image resizing is). A path that TensorFlow cannot
-run (no XLA kernel, no pfor or forward-mode rule) is left out with a reason; an error raised by
-jacobeam's own code is a bug and surfaces as itself.
+max-pooling under XLA is, double reverse through image resizing is). Where nothing is timed, forward
+mode's reference is the accumulator run eagerly (no tracing: the vectorised accumulator's pfor takes
+seconds to trace on a deep model), and the paths run in the order of preference, the first to agree
+being taken: what set-up costs is then one eager pass and, as a rule, one traced path. A path that
+TensorFlow cannot run (no XLA kernel, no pfor or forward-mode rule) is left out with a reason; an error
+raised by jacobeam's own code is a bug and surfaces as itself.
 """
 
 from __future__ import annotations
@@ -115,10 +118,21 @@ class Planner:
             paths.insert(1, Path(mode, False, True))
             if self._layer_rules:
                 paths.insert(2, Path(mode, False, layer_rules=True))
+        if mode == "forward" and not self._timed:
+            # Untimed, the vectorised accumulator is only the last resort: the reference is the accumulator
+            # run eagerly (the plain graph under jit_compile: true is only a reference, so it goes).
+            paths.insert(0, Path(mode, eager=True))
+            if jit_compile is True:
+                paths.remove(Path(mode))
         return paths
 
+    @property
+    def _timed(self) -> bool:
+        return self._options.mode == "autotune" or self._options.jit_compile == "auto"
+
     def _first_good(self, modes: list[str], notes: list[str]) -> Plan | None:
-        """Try each path; keep the best that works and agrees with the reference.
+        """Try each path; keep the best that works and agrees with the reference (untimed, the first in
+        the order of preference that does).
 
         Best is the fastest per sample under ``autotune``; else the first mode, and with
         ``jit_compile: auto`` the faster of its plain graph and XLA (XLA is not always faster: it
@@ -127,7 +141,7 @@ class Planner:
         """
         options = self._options
         autotune = options.mode == "autotune"
-        timed = autotune or options.jit_compile == "auto"
+        timed = self._timed
         reference_only = options.jit_compile is True
         reference: dict | None = None
         tried = self._telemetry.setdefault("candidates", [])
@@ -136,7 +150,19 @@ class Planner:
         # Paths are compared on the probe batch; a lone path only has to trace and run: two samples do.
         alone = not timed and len(modes) == 1 and len(self._paths(modes[0])) == 1
         for mode in modes:
-            for path in self._paths(mode):
+            if best is not None and not timed:
+                break  # untimed, a later mode never ranks above a plan of an earlier one
+            paths = self._paths(mode)
+            if not timed:
+                # The order of preference (layer rules, double reverse, the plain graph) after the reference:
+                # the first path that agrees with it is taken, and the others are neither traced nor run.
+                paths = paths[:1] + sorted(paths[1:], key=lambda p: (not p.layer_rules, not p.double_reverse))
+            for path in paths:
+                if reference is None and not timed and path is not paths[0] and path != Path(mode, path.jit):
+                    # A fast path is trusted only once it agrees with a reference: here none ran.
+                    notes.append(f"{path.label}: not tried, as no reference ran to check it against")
+                    tried.append({"path": path.label, "error": "no reference to check it against"})
+                    continue
                 try:
                     plan, result, seconds = self._try(path, timed, 2 if alone else self._probe_samples)
                 except NoLayerRule as err:
@@ -175,7 +201,7 @@ class Planner:
                         tried.append(entry)
                         continue
                 tried.append(entry)
-                if reference_only and not path.jit:
+                if path.eager or (reference_only and not path.jit):
                     entry["reference_only"] = True
                     continue
                 # Untimed, layer rules and then the double-reverse forward graph win over the accumulator's
@@ -183,6 +209,8 @@ class Planner:
                 rank = (seconds,) if autotune else (modes.index(mode), seconds, not path.layer_rules, not path.double_reverse)
                 if best is None or rank < best[0]:
                     best = (rank, plan)
+                if not timed and path is not paths[0]:
+                    break  # the most preferred path that agrees
         if best is None:
             return None
         plan = best[1]
