@@ -172,8 +172,8 @@ def test_a_corrupted_result_fails_the_run_in_one_line_naming_shard_and_sample(cl
     assert re.match(
         rf"jacobeam: error: self-check failed: shards/{SHARDS[1]} \(ids 16..31\), sample {chosen} "
         rf"\(input \S+/{file} row {row}\): jacobian differs from the reference \(tf.GradientTape gradient of one "
-        r"sample, one output row at a time\) by max relative error 0.5, tolerance 0.0001; jacobian.self_check.on_mismatch: warn would record it "
-        r"and go on( \[while running '[^']*'\])?$",
+        r"sample, one output row at a time\) by max relative error 0.5, tolerance 0.0001; "
+        r"jacobian.self_check.on_mismatch: warn would record it and go on( \[while running '[^']*'\])?$",
         line,
     ), line
     # The failing shard was never committed; shards completed before it are intact; nothing half-written.
