@@ -182,9 +182,9 @@ def build_block(
 
 
 class Path(NamedTuple):
-    """One way to compute blocks: a mode, under XLA or not, and (forward mode) by double reverse, by
-    layer rules (``layer_rules``) or by the accumulator run eagerly (``eager``: only ever the reference the
-    others are checked against, never used to compute a run)."""
+    """One way to compute blocks: a mode, under XLA or not, and by layer rules (``layer_rules``: forward
+    or reverse mode), or (forward mode) by double reverse or by the accumulator run eagerly (``eager``:
+    only ever the reference the others are checked against, never used to compute a run)."""
 
     mode: str
     jit: bool = False
@@ -224,7 +224,8 @@ class BlockCache:
         key = (path, wrt, rows, total, operand)
         if key not in self._built:
             if path.layer_rules:
-                fn = layer_rules.build_block(self._model, self._shapes[wrt], rows, total, self._dtype, path.jit, operand)
+                build = layer_rules.build_block if path.mode == "forward" else layer_rules.build_reverse_block
+                fn = build(self._model, self._shapes[wrt], rows, total, self._dtype, path.jit, operand)
             else:
                 fn = build_block(
                     path.mode, self._call, self._shapes, wrt, rows, total, self._dtype, path.jit,

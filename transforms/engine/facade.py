@@ -106,6 +106,7 @@ class JacobianEngine:
             self._plan = Planner(
                 options, self.operands, self.wrt, source, self._size, self._run, self._forward, self._probe,
                 _PROBE_SAMPLES, self.telemetry, layer_rules.unsupported(self.model.keras_model) is None,
+                reverse_layer_rules=layer_rules.reverse_unsupported(self.model.keras_model) is None,
             ).choose()
             self.telemetry["plan_cache"] = "probed"
         self.telemetry["setup_seconds"] = round(time.perf_counter() - began, 3)
@@ -298,7 +299,7 @@ class JacobianEngine:
         return {
             "mode": plan.path.mode,
             "double_reverse": plan.path.double_reverse,  # forward mode's blocks by double reverse
-            "layer_rules": plan.path.layer_rules,  # forward mode's blocks by layer rules (layer_rules.py)
+            "layer_rules": plan.path.layer_rules,  # blocks by layer rules (layer_rules.py)
             "jit_compile": plan.path.jit,
             "requested": {"mode": self.options.mode, "jit_compile": self.options.jit_compile},
             "batch_size": plan.sizes.batch,

@@ -65,12 +65,14 @@ class Planner:
         probe_samples: int,
         telemetry: dict[str, Any],
         layer_rules: bool = False,
+        reverse_layer_rules: bool = False,
     ):
         self._options, self._operands, self._wrt, self._source = options, operands, wrt, source
         self._size, self._run, self._forward, self._probe = size, run, forward, probe
         self._probe_samples = probe_samples
         self._telemetry = telemetry
         self._layer_rules = layer_rules  # every layer of the model has a forward rule (layer_rules.unsupported)
+        self._reverse_layer_rules = reverse_layer_rules  # and a reverse rule (layer_rules.reverse_unsupported)
 
     def choose(self) -> Plan:
         modes, reason = self._candidates()
@@ -111,13 +113,15 @@ class Planner:
         reverse (faster, but only trusted where it agrees with the accumulator); not under XLA, where
         the accumulator's graph is the faster, nor where the plain graph is only a reference
         (``jit_compile: true``). Where every layer has a rule, it runs by layer rules too (trusted
-        likewise)."""
+        likewise); reverse mode too, beside pfor's ``batch_jacobian``."""
         jit_compile = self._options.jit_compile
         paths = [Path(mode, jit) for jit in {True: [False, True], False: [False], "auto": [False, True]}[jit_compile]]
         if mode == "forward" and jit_compile is not True:
             paths.insert(1, Path(mode, False, True))
             if self._layer_rules:
                 paths.insert(2, Path(mode, False, layer_rules=True))
+        if mode == "reverse" and jit_compile is not True and self._reverse_layer_rules:
+            paths.insert(1, Path(mode, False, layer_rules=True))
         if mode == "forward" and not self._timed:
             # Untimed, the vectorised accumulator is only the last resort: the reference is the accumulator
             # run eagerly (the plain graph under jit_compile: true is only a reference, so it goes).
