@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from jacobeam.transforms.engine import JacobianEngine, layer_rules
 from jacobeam.transforms.engine.models import seeded_weights, wrap_model
-from jacobeam.transforms.spec import EngineOptions, Reduction
+from jacobeam.transforms.spec import EngineOptions, OutputSelection, Reduction
 from tests.reference import assert_close, central_differences, tape_loop
 
 ACTIVATIONS = ["linear", "tanh", "relu", "sigmoid", "softplus", "exponential"]
@@ -204,3 +204,147 @@ def test_any_dense_chain_by_layer_rules_matches_the_tape_loop(widths, activation
     assert engine.describe()["layer_rules"]
     x = _samples(model, 5, seed)
     assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
+# -- reverse mode by layer rules ----------------------------------------------------------------------
+
+
+def reverse_chain(
+    widths=(12, 9, 7, 3), activations=("tanh", "relu", None), functional=False, dtype="float32", seed=6
+) -> keras.Model:
+    """More inputs than outputs (mode auto runs reverse): Dense layers, an Activation, Dropout, Reshape
+    and Flatten, as a Sequential or as a functional chain."""
+    layers = [keras.layers.Dense(w, activation=a, dtype=dtype) for w, a in zip(widths[1:], activations)]
+    layers[1:1] = [
+        keras.layers.Activation("sigmoid", dtype=dtype), keras.layers.Dropout(0.5, dtype=dtype),
+        keras.layers.Reshape((widths[1], 1), dtype=dtype), keras.layers.Flatten(dtype=dtype),
+    ]
+    if functional:
+        x = inputs = keras.Input((widths[0],), dtype=dtype)
+        for layer in layers:
+            x = layer(x)
+        model = keras.Model(inputs, x, name="reverse_chain_functional")
+    else:
+        model = keras.Sequential([keras.Input((widths[0],), dtype=dtype), *layers], name="reverse_chain")
+    seeded_weights(model, seed)
+    return model
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["sequential", "functional"])
+def test_reverse_layer_rules_match_the_tape_loop_and_are_chosen_where_they_agree(functional):
+    model = reverse_chain(functional=functional)
+    assert layer_rules.reverse_unsupported(model) is None
+    x = _samples(model, 11)
+    engine = _engine(model)
+    described = engine.describe()
+    assert (described["mode"], described["layer_rules"]) == ("reverse", True)
+    assert [c["path"] for c in described["candidates"]] == ["reverse", "reverse by layer rules"]
+    assert described["candidates"][1]["relative_error"] < 1e-5
+    result = engine(x)
+    assert_close(result["jacobian"], tape_loop(model, x), rtol=1e-5)
+    assert_close(result["output"], model(x).numpy(), rtol=1e-6)
+
+
+def test_float64_reverse_layer_rules_match_float64_finite_differences():
+    model64 = reverse_chain(dtype="float64")
+    x = _samples(model64, 3)
+    engine = _engine(model64, compute_dtype="float64", store_dtype="float64")
+    assert engine.describe()["layer_rules"]
+    assert_close(engine(x)["jacobian"], central_differences(model64, x), rtol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "selection",
+    [OutputSelection("argmax"), OutputSelection("label"), OutputSelection("indices", (2, 0)), OutputSelection("top_k", k=2)],
+    ids=["argmax", "label", "indices", "top_k"],
+)
+def test_reverse_layer_rules_with_output_selections(selection):
+    model = reverse_chain()
+    x = _samples(model, 9)
+    labels = np.arange(9) % 3
+    engine = _engine(model, outputs=selection)
+    assert engine.describe()["layer_rules"]
+    result = engine(x, labels=labels)
+    chosen = result["output_index"]
+    if selection.rule == "label":
+        np.testing.assert_array_equal(chosen[:, 0], labels)
+    expected = np.take_along_axis(tape_loop(model, x), chosen[:, :, None], axis=1)
+    assert_close(result["jacobian"], expected, rtol=1e-5)
+
+
+def test_blocks_of_rows_and_vector_jacobian_products_run_by_reverse_layer_rules(tmp_path):
+    """A small memory budget cuts the rows into blocks (``start`` > 0); ``reduce: vjp`` pulls back the
+    vectors' rows instead of the identity's."""
+    model = reverse_chain(widths=(40, 30, 20, 6))
+    x = _samples(model, 10)
+    blocked = _engine(model, memory_budget=20_000)
+    assert blocked.describe()["layer_rules"] and blocked.describe()["block_rows"]["x"] < 6
+    assert_close(blocked(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+    vectors = np.random.default_rng(1).normal(size=(2, 6)).astype(np.float32)
+    np.save(tmp_path / "v.npy", vectors)
+    vjp = _engine(model, reduce=Reduction(kind="vjp", vectors=str(tmp_path / "v.npy")))
+    assert vjp.describe()["layer_rules"]
+    products = {k: v for k, v in vjp(x).items() if k not in ("output",)}
+    (value,) = products.values()
+    assert_close(value, vectors @ tape_loop(model, x), rtol=1e-5)
+
+
+def test_a_model_without_reverse_rules_falls_back_to_pfor():
+    """A layer without a rule (LayerNormalization), and ops with forward rules only (a residual sum
+    of slices): reverse mode runs by pfor and still matches the tape loop."""
+    normalised = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(6, activation="tanh"), keras.layers.LayerNormalization(), keras.layers.Dense(2)],
+        name="normalised_reverse",
+    )
+    x = inputs = keras.Input((8,))
+    h = keras.layers.Dense(4, activation="tanh")(x)
+    residual = keras.Model(inputs, h[:, :2] + h[:, 2:], name="residual")
+    for model in (normalised, residual):
+        seeded_weights(model, 2)
+        assert layer_rules.reverse_unsupported(model) is not None
+        samples = _samples(model, 7)
+        engine = _engine(model)
+        described = engine.describe()
+        assert (described["mode"], described["layer_rules"]) == ("reverse", False)
+        assert "reverse by layer rules" not in [c["path"] for c in described["candidates"]]
+        assert_close(engine(samples)["jacobian"], tape_loop(model, samples), rtol=1e-5)
+
+
+def test_reverse_layer_rules_that_disagree_with_pfor_are_not_used(monkeypatch):
+    build_block = layer_rules.build_reverse_block
+
+    def wrong(*args, **kwargs):
+        block = build_block(*args, **kwargs)
+
+        def scaled(*inputs):
+            y, rows = block(*inputs)
+            return y, rows * 1.5
+
+        scaled.experimental_get_tracing_count = block.experimental_get_tracing_count
+        return scaled
+
+    monkeypatch.setattr(layer_rules, "build_reverse_block", wrong)
+    model = reverse_chain()
+    x = _samples(model, 9)
+    engine = _engine(model)
+    described = engine.describe()
+    assert (described["mode"], described["layer_rules"]) == ("reverse", False)
+    assert any("reverse by layer rules disagrees with the reference" in r for r in described["reasons"])
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    widths=st.lists(st.integers(1, 6), min_size=2, max_size=4),
+    activations=st.lists(st.sampled_from(ACTIVATIONS), min_size=3, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_any_dense_chain_by_reverse_layer_rules_matches_the_tape_loop(widths, activations, seed):
+    layers = [keras.Input((widths[0] + 6,))]  # more inputs than outputs: mode auto runs reverse
+    layers += [keras.layers.Dense(w, activation=a) for w, a in zip(widths[1:], activations)]
+    model = keras.Sequential(layers, name="reverse_chain")
+    seeded_weights(model, seed)
+    x = np.random.default_rng(seed).normal(size=(5, widths[0] + 6)).astype(np.float32)
+    engine = _engine(model, mode="reverse")
+    assert engine.describe()["layer_rules"]
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-4)

@@ -1,4 +1,4 @@
-"""Forward mode by layer rules: a block of ``J R`` pushed through a Keras model layer by layer.
+"""Forward mode by layer rules: ``J R`` pushed through a Keras model layer by layer (reverse mode: at the end).
 
 TensorFlow's ``ForwardAccumulator`` computes each JVP as the transpose of a VJP (``AddN``/``pfor``/``Tile``
 beside every tangent matmul, benchmarks/README.md). For a model built only from layers and ops with a
