@@ -145,20 +145,25 @@ def test_an_argument_without_a_rule_found_while_tracing_falls_back():
     assert_close(engine(samples)["jacobian"], tape_loop(model, samples), rtol=1e-5)
 
 
-def test_layer_rules_that_disagree_with_the_accumulator_are_not_used(monkeypatch):
-    build_block = layer_rules.build_block
+def _wrong(monkeypatch, name: str) -> None:
+    """``layer_rules.<name>`` builds blocks whose derivatives are 1.5 times too large."""
+    build = getattr(layer_rules, name)
 
     def wrong(*args, **kwargs):
-        block = build_block(*args, **kwargs)
+        block = build(*args, **kwargs)
 
         def scaled(*inputs):
-            y, columns = block(*inputs)
-            return y, columns * 1.5
+            y, derivatives = block(*inputs)
+            return y, derivatives * 1.5
 
         scaled.experimental_get_tracing_count = block.experimental_get_tracing_count
         return scaled
 
-    monkeypatch.setattr(layer_rules, "build_block", wrong)
+    monkeypatch.setattr(layer_rules, name, wrong)
+
+
+def test_layer_rules_that_disagree_with_the_accumulator_are_not_used(monkeypatch):
+    _wrong(monkeypatch, "build_block")
     model = dense_chain()
     x = _samples(model, 9)
     engine = _engine(model)
@@ -311,19 +316,7 @@ def test_a_model_without_reverse_rules_falls_back_to_pfor():
 
 
 def test_reverse_layer_rules_that_disagree_with_pfor_are_not_used(monkeypatch):
-    build_block = layer_rules.build_reverse_block
-
-    def wrong(*args, **kwargs):
-        block = build_block(*args, **kwargs)
-
-        def scaled(*inputs):
-            y, rows = block(*inputs)
-            return y, rows * 1.5
-
-        scaled.experimental_get_tracing_count = block.experimental_get_tracing_count
-        return scaled
-
-    monkeypatch.setattr(layer_rules, "build_reverse_block", wrong)
+    _wrong(monkeypatch, "build_reverse_block")
     model = reverse_chain()
     x = _samples(model, 9)
     engine = _engine(model)

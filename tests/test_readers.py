@@ -122,10 +122,24 @@ def _read_all(spec, shard):
     return [(b.ids, b.inputs, b.labels) for b in batches]
 
 
+def _npy_job(tmp_path, batch_size: int, input_: dict | None = None, output: dict | None = None):
+    """The job spec of the small MLP over ``tmp_path/data/*.npy`` (planned without loading the model)."""
+    from jacobeam.pipeline import config, plan
+
+    cfg = config.validate(
+        {
+            "model": {"factory": "tests.models:small_mlp"},
+            "input": {"paths": [str(tmp_path / "data" / "*.npy")], **(input_ or {})},
+            "jacobian": {"batch_size": batch_size},
+            "output": {"path": str(tmp_path / "out"), **(output or {})},
+        }
+    )
+    return plan.make_job(cfg, check_model=False).spec
+
+
 def test_native_npy_batches_equal_the_python_slices_across_files_and_rejected_rows(tmp_path, rng, monkeypatch):
     """Shards that start mid-file, span three files (one float64), skip rejected rows and end on a short
     batch: both readers give the same batches of the same ids and values."""
-    from jacobeam.pipeline import config, plan
     from jacobeam.transforms import read
 
     data = tmp_path / "data"
@@ -135,15 +149,7 @@ def test_native_npy_batches_equal_the_python_slices_across_files_and_rejected_ro
     arrays[2][9:12] = np.inf
     for i, array in enumerate(arrays):
         np.save(data / f"part-{i}.npy", array.astype(np.float64 if i == 1 else np.float32))
-    cfg = config.validate(
-        {
-            "model": {"factory": "tests.models:small_mlp"},
-            "input": {"paths": [str(data / "*.npy")], "on_bad_sample": "skip"},
-            "jacobian": {"batch_size": 5},
-            "output": {"path": str(tmp_path / "out"), "samples_per_shard": 16},
-        }
-    )
-    spec = plan.make_job(cfg, check_model=False).spec
+    spec = _npy_job(tmp_path, 5, {"on_bad_sample": "skip"}, {"samples_per_shard": 16})
     shards = [shard for shard in spec.ranges() if shard.rows]
     assert any(shard.rejected for shard in shards) and len(shards) == 3
     native = {shard.start: _read_all(spec, shard) for shard in shards}
@@ -166,7 +172,6 @@ def test_native_npy_batches_equal_the_python_slices_across_files_and_rejected_ro
 def test_native_npy_batches_are_whole_across_files_shorter_than_a_batch(tmp_path, rng):
     """Files of 3, 2 (float64) and 9 rows, batches of 4: the second file only partly completes the batch
     the first began; every batch but the last is whole, in id order, with the files' values (np.load)."""
-    from jacobeam.pipeline import config, plan
     from jacobeam.transforms import read
 
     data = tmp_path / "data"
@@ -174,15 +179,7 @@ def test_native_npy_batches_are_whole_across_files_shorter_than_a_batch(tmp_path
     arrays = [rng.normal(size=(3, 6)).astype(np.float32), rng.normal(size=(2, 6)), rng.normal(size=(9, 6)).astype(np.float32)]
     for i, array in enumerate(arrays):
         np.save(data / f"part-{i}.npy", array)
-    cfg = config.validate(
-        {
-            "model": {"factory": "tests.models:small_mlp"},
-            "input": {"paths": [str(data / "*.npy")]},
-            "jacobian": {"batch_size": 4},
-            "output": {"path": str(tmp_path / "out")},
-        }
-    )
-    spec = plan.make_job(cfg, check_model=False).spec
+    spec = _npy_job(tmp_path, 4)
     (shard,) = spec.ranges()
     assert read._npy_segments(spec, shard) is not None  # the native reader
     batches = _read_all(spec, shard)
@@ -194,20 +191,11 @@ def test_native_npy_batches_are_whole_across_files_shorter_than_a_batch(tmp_path
 
 
 def test_native_npy_reader_names_a_file_truncated_since_the_plan(tmp_path, rng):
-    from jacobeam.pipeline import config, plan
 
     data = tmp_path / "data"
     data.mkdir()
     np.save(data / "x.npy", rng.normal(size=(12, 12)).astype(np.float32))
-    cfg = config.validate(
-        {
-            "model": {"factory": "tests.models:small_mlp"},
-            "input": {"paths": [str(data / "*.npy")]},
-            "jacobian": {"batch_size": 5},
-            "output": {"path": str(tmp_path / "out")},
-        }
-    )
-    spec = plan.make_job(cfg, check_model=False).spec
+    spec = _npy_job(tmp_path, 5)
     with open(data / "x.npy", "r+b") as stream:
         stream.truncate(stream.seek(0, 2) - 48)  # the last row, gone
     with pytest.raises(InputError, match=r"x\.npy: truncated: rows 0\.\.12 .* changed during the run"):

@@ -44,6 +44,12 @@ class ForwardModeUnsupported(ModelError):
     """Forward mode dropped the tangent: an op on the path has no forward-mode rule."""
 
 
+DROPPED_TANGENT = (
+    "forward mode dropped the tangent: an op between input and output has no forward-mode rule "
+    "(image resizing is one); use mode reverse"
+)
+
+
 def _flat_output(call: Call, xs: list[tf.Tensor], dtype: tf.DType) -> tf.Tensor:
     y = tf.cast(call(xs), dtype)
     return tf.reshape(y, (tf.shape(y)[0], -1))
@@ -81,6 +87,12 @@ def build_block(
         operand_spec,
     ]
 
+    def tangent_directions(start, given):
+        """Forward mode's block of directions ``(c, d)``: rows of ``R``, or input entries."""
+        if operand == "matrix":
+            return given[start : start + rows]
+        return tf.one_hot(start + tf.range(rows), size, dtype=dtype)
+
     def targets(y, start, given):
         if operand == "index":
             y = tf.gather(y, given, batch_dims=1)
@@ -107,11 +119,7 @@ def build_block(
 
     def forward(xs, start, given):
         xs = list(xs)
-        n = tf.shape(xs[wrt])[0]
-        if operand == "matrix":
-            directions = given[start : start + rows]  # (c, d)
-        else:
-            directions = tf.one_hot(start + tf.range(rows), size, dtype=dtype)
+        n, directions = tf.shape(xs[wrt])[0], tangent_directions(start, given)
         tangents = tf.broadcast_to(tf.reshape(directions, (rows, 1, *shape)), tf.concat([[rows, n], shape], 0))
 
         def jvp(tangent):
@@ -119,10 +127,7 @@ def build_block(
                 y = _flat_output(call, xs, dtype)
             column = accumulator.jvp(y)
             if column is None:
-                raise ForwardModeUnsupported(
-                    "forward mode dropped the tangent: an op between input and output has no "
-                    "forward-mode rule (image resizing is one); use mode reverse"
-                )
+                raise ForwardModeUnsupported(DROPPED_TANGENT)
             return column
 
         y = _flat_output(call, xs, dtype)
@@ -153,21 +158,14 @@ def build_block(
         tangent ``j`` (samples being independent, checked at set-up): run once on the probe batch, it
         costs no tracing, no graph optimisation and no pfor, which take seconds on a deep model."""
         xs = [tf.convert_to_tensor(x, dtype) for x in xs]
-        n = tf.shape(xs[wrt])[0]
-        if operand == "matrix":
-            directions = given[start : start + rows]
-        else:
-            directions = tf.one_hot(start + tf.range(rows), size, dtype=dtype)
+        n, directions = tf.shape(xs[wrt])[0], tangent_directions(start, given)
         tangent = tf.reshape(tf.repeat(directions, n, axis=0), (-1, *shape))  # (c n, *shape), column-major
         copies = [tf.tile(x, [rows, *[1] * (len(x.shape) - 1)]) for x in xs]
         with tf.autodiff.ForwardAccumulator(copies[wrt], tangent) as accumulator:
             y = _flat_output(call, copies, dtype)
         columns = accumulator.jvp(y)
         if columns is None:
-            raise ForwardModeUnsupported(
-                "forward mode dropped the tangent: an op between input and output has no "
-                "forward-mode rule (image resizing is one); use mode reverse"
-            )
+            raise ForwardModeUnsupported(DROPPED_TANGENT)
         return y[:n], tf.transpose(tf.reshape(columns, (rows, n, -1)), (1, 2, 0))
 
     if mode == "forward" and eager:
