@@ -444,7 +444,9 @@ class JacobianConfig(_Section):
         "auto",
         description="TensorFlow intra-op threads per worker process. `auto`: on a local runner, the machine's "
         "cores divided by its worker processes (`--direct_num_workers` under `multi_processing`) so that they "
-        "do not oversubscribe the CPU; on other runners, TensorFlow's default. Not part of the run identity.",
+        "do not oversubscribe the CPU; on other runners, TensorFlow's default. Not part of the run identity, though "
+        "on some CPUs the last bits of a float32 result depend on it ([engine](engine.md)): keep it fixed where "
+        "shards must match bit for bit.",
     )
     self_check: SelfCheckConfig = Field(
         SelfCheckConfig(),
