@@ -24,7 +24,12 @@ from jacobeam.transforms.inputs.readers import describe
 from jacobeam.transforms.testing import faults
 
 REPO = Path(__file__).resolve().parent.parent
-TWO_PROCESSES = ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
+# Each worker with the one process's TensorFlow threads (threads: auto would halve them): on some CPUs float32
+# round-off depends on the thread count (docs/engine.md), and the tests compare shards with a one-process run's
+# bit for bit.
+TWO_PROCESSES = [
+    "--direct_num_workers", "2", "--direct_running_mode", "multi_processing", "--set", f"jacobian.threads={os.cpu_count()}"
+]
 SHARDS = 8
 # jacobeam's own lines on stderr: its log records, its progress, its errors
 OWN = re.compile(r"\d\d:\d\d:\d\d (INFO|WARNING|ERROR) jacobeam(\.[\w.]+)?: .*|jacobeam: .*")
@@ -86,13 +91,7 @@ def test_a_run_prints_jacobeam_lines_only(job):
 @pytest.mark.slow
 def test_two_worker_processes_print_jacobeam_lines_only(job, tmp_path):
     root, done = job
-    # Each worker with the one process's TensorFlow threads (threads: auto would halve them): on some CPUs
-    # float32 round-off depends on the thread count (docs/engine.md), and the shards are compared bit for bit.
-    threads = f"jacobian.threads={os.cpu_count()}"
-    two = _jacobeam(
-        "run", str(root / "config.yaml"), "--set", f"output.path={tmp_path / 'out'}", "--set", threads, *TWO_PROCESSES,
-        cwd=root,
-    )
+    two = _jacobeam("run", str(root / "config.yaml"), "--set", f"output.path={tmp_path / 'out'}", *TWO_PROCESSES, cwd=root)
     assert two.returncode == 0, two.stderr
     assert _foreign(two.stderr) == []
     assert two.stdout.startswith("done: 32 samples")
