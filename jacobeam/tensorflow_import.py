@@ -2,8 +2,8 @@
 
 Importing TensorFlow imports JAX where JAX is installed (``tf.lite``'s converter of JAX functions looks for
 it) and ``matplotlib.pyplot`` where matplotlib is (``keras.visualization``): about a second each on this
-project's machine, out of a TensorFlow import of 3-6 s, paid by every command and every worker process
-(benchmarks/README.md, "Imports"). ``install`` (called when ``jacobeam`` is imported) puts a finder on
+project's machines, out of a TensorFlow import of 2.5-8 s, paid by every command and every worker process
+(benchmarks/README.md, "Round four: imports"). ``install`` (called when ``jacobeam`` is imported) puts a finder on
 ``sys.meta_path`` that, while ``tensorflow`` or ``keras`` executes its first import, hides the ones of
 ``HIDDEN`` that are not imported yet, so that both take their own "not installed" path, and shows them
 again as soon as that import is done: later imports of JAX or matplotlib (``jacobeam plot``, a user's
