@@ -67,25 +67,18 @@ def _run_api(raw: dict, beam_args: list[str], folder: Path) -> float:
     return time.perf_counter() - began
 
 
-def _datasets(group) -> list:
-    """Every dataset below an h5py group."""
-    import h5py
-
-    found: list = []
-    group.visititems(lambda _, item: found.append(item) if isinstance(item, h5py.Dataset) else None)
-    return found
-
-
 def _same_values(one: Path, two: Path, files: list[str], rtol: float = 1e-6) -> bool:
     """Whether every dataset of each shard ``files`` of ``one`` equals the same shard's of ``two`` within
     ``rtol`` of its largest entry."""
     import h5py
     import numpy as np
 
+    from jacobeam.transforms.finalize import view_datasets
+
     for file in files:
         with h5py.File(one / file) as a, h5py.File(two / file) as b:
-            for dataset in _datasets(a):
-                x, y = np.asarray(dataset, np.float64), np.asarray(b[dataset.name], np.float64)
+            for name, dataset in view_datasets(a).items():
+                x, y = np.asarray(dataset, np.float64), np.asarray(b[name], np.float64)
                 if x.shape != y.shape or np.abs(x - y).max(initial=0.0) > rtol * max(np.abs(x).max(initial=0.0), 1e-30):
                     return False
     return True
