@@ -255,4 +255,12 @@ def mobilenet_v2() -> Any:
     return keras.applications.MobileNetV2(weights=None)
 
 
-APPLICATIONS = {"resnet50": resnet50, "mobilenet_v2": mobilenet_v2}
+def efficientnet_b0() -> Any:
+    """``keras.applications.EfficientNetB0`` (224x224x3 -> 1000 classes), weights from Keras seed 0."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.applications.EfficientNetB0(weights=None)
+
+
+APPLICATIONS = {"resnet50": resnet50, "mobilenet_v2": mobilenet_v2, "efficientnet_b0": efficientnet_b0}

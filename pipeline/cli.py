@@ -31,6 +31,7 @@ from jacobeam.pipeline import process_exit, quiet
 from jacobeam.transforms.errors import JacobeamError
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import JACOBIAN, SAMPLE_ID, VIEW, result_datasets
+from jacobeam.transforms.self_check import precision_line
 
 log = logging.getLogger("jacobeam")
 _IMPORTED_AT = time.time()  # the command's first moments, where the process's start time is not known
@@ -162,6 +163,7 @@ def _summary(result) -> str:
         )
     if nonfinite:
         warnings.append(f"nonfinite: {nonfinite:,} sample(s) with NaN/Inf results (the 'nonfinite' dataset flags them)")
+    precision = precision_line(manifest.get("self_check") or {}, manifest["config"]["jacobian"].get("compute_dtype", "float32"))
     reads = _reads(manifest)
     width = max(len(code) for code, _ in reads)
     total = time.time() - process_started_at()
@@ -171,6 +173,7 @@ def _summary(result) -> str:
             f"{run['samples_kept']:,} already complete) in {len(manifest['shards'])} shard(s), "
             f"{total:.1f} s from start (pipeline {run['wall_seconds']:.1f} s, {run['samples_per_second'] or 0:,.0f} samples/s)",
             *warnings,
+            *([f"precision: {precision}"] if precision else []),
             f"metrics: {metrics}",
             f"output: {out}",
             f"  {storage.name_of(view)}: {shapes}",

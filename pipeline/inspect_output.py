@@ -23,6 +23,7 @@ from jacobeam.transforms.output.layout import (
     is_shard_temp,
     result_datasets,
 )
+from jacobeam.transforms.self_check import precision_line
 
 
 @dataclass
@@ -162,10 +163,16 @@ def _self_check(summary: dict[str, Any]) -> str:
         f"(tolerance {summary['tolerance']:g})"
     )
     if summary["kinks"]:
-        line += f"; {len(summary['kinks'])} at a kink (derivative not unique)"
+        line += f"; {len(summary['kinks'])} at a kink or ill-conditioned (rounding the input moves its derivative as much)"
     if summary["mismatches"]:
         line += f"; {len(summary['mismatches'])} MISMATCH(ES), e.g. sample {summary['mismatches'][0]['id']} (on_mismatch: warn)"
     return line
+
+
+def _precision(manifest: dict[str, Any]) -> str | None:
+    """How accurate the stored values are, as the self-check measured it (``self_check.precision_line``)."""
+    compute = (manifest.get("config", {}).get("jacobian") or {}).get("compute_dtype", "float32")
+    return precision_line(manifest.get("self_check") or {}, compute)
 
 
 def format_report(report: Report) -> str:
@@ -197,6 +204,7 @@ def format_report(report: Report) -> str:
                 else []
             ),
             *([f"  self-check  {_self_check(manifest['self_check'])}"] if "self_check" in manifest else []),
+            *([f"  precision   {precision}"] if (precision := _precision(manifest)) else []),
             *(
                 [
                     f"  verified    {'ok' if manifest['verify']['ok'] else 'FAILED'} at {manifest['verify']['checked_at']}"

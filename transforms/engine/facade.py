@@ -293,6 +293,11 @@ class JacobianEngine:
         sizes = plan_or_sizes.sizes if isinstance(plan_or_sizes, Plan) else plan_or_sizes
         return {self.input_names[k]: rows for k, rows in sizes.rows}
 
+    @property
+    def activations(self) -> int:
+        """Elements per sample of every intermediate tensor of the model's forward pass."""
+        return self._activations
+
     def describe(self) -> dict[str, Any]:
         """What runs and why: for logs, Beam metrics and the manifest."""
         plan = self._plan

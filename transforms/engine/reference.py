@@ -41,21 +41,24 @@ def tape_function(
     wrt: list[int] | None = None,
     directions: np.ndarray | None = None,
     rows: bool = False,
+    chunk: int = 8,
 ):
     """``(x_1, ..., x_k) -> (y, [dy/dx_j for j in wrt])`` for one sample of each model input (each
     ``(1, *shape)`` in ``dtype``), each ``(1, *out, 1, *in)``: the full Jacobian, no batch assumption.
-    ``wrt``: the inputs to differentiate by (default all).
+    ``wrt``: the inputs to differentiate by (default all). The function's ``graph`` is the traced
+    computation (``foreign_float_op`` reads it).
 
     ``rows`` (reverse mode only): the function takes one more argument, the flat output indices
     ``(1, k)`` int32 of the rows to differentiate, and returns only those rows, each ``(1, k, 1, *in)``:
     for a selection from many outputs (a label of 1,000 classes) the full Jacobian of one ImageNet-size
     sample is a thousand backward passes and tens of GB, where the rows asked for are one.
 
-    Reverse mode by default: one vector-Jacobian product per output row, each a compiled ``tape.gradient``
-    of the one sample seeded with that row's one-hot cotangent, called in a Python loop. Unlike
-    ``tape.jacobian`` it shares no vectorisation (``pfor``) with the engine, holds one backward pass in
-    memory whatever the number of rows, and its graph traces in a third of the time (the trace, once per
-    worker, is most of the self-check's cost: benchmarks/README.md).
+    Reverse mode by default: the sample is copied once per output row, ``chunk`` rows per call, and each
+    copy's one-hot cotangent pulled back in one compiled ``tape.gradient``: a batch of copies of one
+    sample, so nothing of another sample enters, and it shares no vectorisation (``pfor``) with the
+    engine. ``pad=True`` in a call adds one more copy to every batch (its row dropped): the same
+    derivative computed with another batch shape, for which oneDNN may pick other kernels, which is a
+    second, independent float32 computation of it (``transforms.self_check``).
 
     ``forward``: one forward-mode JVP per input entry, in a sequential loop (no vectorisation), for runs whose
     engine used forward mode. Where the model is not differentiable (``sqrt`` at 0), the two modes put NaN and
@@ -99,30 +102,57 @@ def tape_function(
             y = tf.cast(call(xs), dtype)
             return y, [jvp_columns(xs, k, y) for k in wrt]
 
-        return jvps
+        return jvps.get_concrete_function()
 
-    @tf.function(input_signature=[*signature, tf.TensorSpec((), tf.int32)], autograph=False)
-    def row(*args):
-        """``(y, [dy_row/dx_j])``: the one-hot cotangent of flat output ``row`` pulled back, each ``(1, *in)``."""
-        xs = list(args[:-1])
+    @tf.function(input_signature=[*signature, tf.TensorSpec((None,), tf.int32)], autograph=False)
+    def pull(*args):
+        """``(y, [d y_r / dx_j for r in rows])``: one copy of the sample per row, each seeded with that
+        row's one-hot cotangent; ``y`` ``(1, *out)``, each pulled-back ``(rows, *in)``."""
+        xs, chosen = list(args[:-1]), args[-1]
+        copies = [tf.repeat(x, tf.size(chosen), axis=0) for x in xs]
         with tf.GradientTape() as tape:
             for k in wrt:
-                tape.watch(xs[k])
-            y = tf.cast(call(xs), dtype)
-        cotangent = tf.reshape(tf.one_hot(args[-1], tf.size(y), dtype=dtype), tf.shape(y))
-        return y, tape.gradient(y, [xs[k] for k in wrt], output_gradients=cotangent,
-                                unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                tape.watch(copies[k])
+            y = tf.cast(call(copies), dtype)
+        cotangent = tf.reshape(tf.one_hot(chosen, tf.size(y[0]), dtype=dtype), tf.shape(y))
+        return y[:1], tape.gradient(y, [copies[k] for k in wrt], output_gradients=cotangent,
+                                    unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
-    row = row.get_concrete_function()  # traced now; called directly, as per-row calls add up
+    pull = pull.get_concrete_function()  # traced now; called directly, as per-chunk calls add up
 
-    def one(*args):
+    def one(*args, pad: bool = False):
         xs = args[: len(shapes)]
-        chosen = np.asarray(args[-1]).reshape(-1).tolist() if rows else [0]
-        y, first = row(*xs, tf.constant(chosen[0], tf.int32))
-        if not rows:
-            chosen = range(int(np.prod(y.shape)))
-        pulled = [first, *(row(*xs, tf.constant(i, tf.int32))[1] for i in chosen[1:])]
+        if rows:
+            chosen = np.asarray(args[-1], np.int32).reshape(-1)
+        else:
+            out = pull.structured_outputs[0].shape[1:]
+            size = out.num_elements() if out.is_fully_defined() else int(tf.size(pull(*xs, tf.constant([0], tf.int32))[0]))
+            chosen = np.arange(size, dtype=np.int32)
+        parts = []
+        for lo in range(0, len(chosen), chunk):
+            part = chosen[lo : lo + chunk]
+            y, pulled = pull(*xs, tf.constant(np.concatenate([part, part[:1]]) if pad else part))
+            parts.append([p[: len(part)] for p in pulled])
         lead = [1, len(chosen)] if rows else list(y.shape)
-        return y, [tf.reshape(tf.stack([p[j] for p in pulled]), [*lead, 1, *shapes[k]]) for j, k in enumerate(wrt)]
+        return y, [tf.reshape(tf.concat([p[j] for p in parts], 0), [*lead, 1, *shapes[k]]) for j, k in enumerate(wrt)]
 
+    one.graph = pull.graph
     return one
+
+
+def foreign_float_op(graph, dtype: str) -> str | None:
+    """The first op of ``graph`` (a traced reference) that computes a floating-point result in another
+    dtype than ``dtype``, as ``"name (type, dtype)"``, or None. Constants are left out (a float32
+    epsilon cast up is a value of the model, not a computation in float32). A Keras 3 model rebuilt with
+    float64 layers computes in float64 throughout; ``keras.config.set_floatx`` alone does not make one,
+    and a layer that casts to float32 inside would silently make the "float64 truth" a float32 one."""
+    import tensorflow as tf
+
+    want = tf.as_dtype(dtype)
+    for op in graph.get_operations():
+        if op.type == "Const":
+            continue
+        for out in op.outputs:
+            if out.dtype.is_floating and out.dtype != want:
+                return f"{op.name} ({op.type}, {out.dtype.name})"
+    return None
