@@ -69,6 +69,18 @@ class ModelConfig(_Section):
         "convolutions (32 and 64 filters, ReLU), a 2×2 max-pool and Dense 128 ReLU to 10 outputs. "
         "Exactly one of `path`, `factory` and `builtin` is given; `null`: not this source.",
     )
+    logits: bool = Field(
+        False,
+        description="`true`: differentiate the model's logits, its outputs before the softmax of its last layer "
+        "(as tf-keras-vis' `ReplaceToLinear` does; saliency wants them: where a probability is 1e-14 its "
+        "gradient is about as small). The last layer's softmax is removed before differentiating: a `Dense` "
+        "or convolution layer with `activation='softmax'` gets a linear activation (same weights); a final "
+        "`Softmax` layer or `Activation('softmax')` layer is dropped, the outputs taken from its input. A "
+        "model whose last layer has no softmax is refused with a one-line error naming the last layer and "
+        "its activation; so is a model that is not a Keras model (a SavedModel, a `tf.Module`). The user's "
+        "model is not changed; the weight fingerprint is the same. Part of the run identity. `false`: the "
+        "model's outputs as they are.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> ModelConfig:

@@ -13,9 +13,10 @@ from typing import Any
 
 def run_identity(config: dict[str, Any]) -> dict[str, Any]:
     """What decides the values stored for a sample id, down to the last bit, and how ids are grouped
-    into shards: the model source, ``input.key`` (and ``input.sample_shape``, ``input.image`` where
-    given), ``output.samples_per_shard`` and the whole ``jacobian`` section but ``threads`` and
-    ``self_check`` (flattened to dotted keys, for messages naming the key).
+    into shards: the model source (and ``model.logits`` where true), ``input.key`` (and
+    ``input.sample_shape``, ``input.image`` where given), ``output.samples_per_shard`` and the whole
+    ``jacobian`` section but ``threads`` and ``self_check`` (flattened to dotted keys, for messages
+    naming the key).
 
     Not part of it: threads (how fast), the self-check (how the results are checked, not what they
     are), compression (how stored), the input globs (an incremental run may add one; the files
@@ -33,6 +34,8 @@ def run_identity(config: dict[str, Any]) -> dict[str, Any]:
     for key in ("sample_shape", "image"):
         if config["input"].get(key) is not None:
             identity[f"input.{key}"] = config["input"][key]
+    if config["model"].get("logits"):  # false, the default, is what a run without the key computed
+        identity["model.logits"] = True
 
     def flatten(prefix: str, section: dict[str, Any]) -> None:
         for key, value in section.items():

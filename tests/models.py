@@ -194,3 +194,25 @@ def square_softplus(dtype: str = "float32") -> keras.Model:
     model = keras.Model(x, y)
     seeded_weights(model, seed=10)
     return model
+
+
+def softmax_mlp(dtype: str = "float32") -> keras.Model:
+    """x[12] -> Dense 16 tanh -> Dense 3 softmax: a classifier whose logits ``model.logits`` takes."""
+    model = keras.Sequential(
+        [
+            keras.Input((12,), dtype=dtype),
+            keras.layers.Dense(16, activation="tanh", dtype=dtype),
+            keras.layers.Dense(3, activation="softmax", dtype=dtype),
+        ]
+    )
+    seeded_weights(model, seed=11)
+    return model
+
+
+def softmax_layer_head(dtype: str = "float32") -> keras.Model:
+    """x[6] -> Dense 8 tanh -> Dense 4 -> Softmax layer: a functional classifier with a separate softmax."""
+    x = keras.Input((6,), dtype=dtype)
+    hidden = keras.layers.Dense(8, activation="tanh", dtype=dtype)(x)
+    model = keras.Model(x, keras.layers.Softmax(dtype=dtype)(keras.layers.Dense(4, dtype=dtype)(hidden)))
+    seeded_weights(model, seed=12)
+    return model

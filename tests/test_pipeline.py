@@ -109,7 +109,7 @@ def test_shards_layout_and_manifest(cnn_run):
     for shard in manifest["shards"]:
         assert shard["crc32c"] == f"{google_crc32c.value((out / shard['file']).read_bytes()):08x}"
         assert "sha256" not in shard
-    assert manifest["config"]["model"] == {"factory": "tests.models:small_cnn", "path": None, "builtin": None}
+    assert manifest["config"]["model"] == {"factory": "tests.models:small_cnn", "path": None, "builtin": None, "logits": False}
     assert manifest["num_samples"] == 40 and manifest["run"]["samples_computed"] == 40
     assert set(manifest["versions"]) >= {"tensorflow", "apache_beam", "h5py", "numpy", "python", "jacobeam"}
 

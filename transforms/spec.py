@@ -23,16 +23,18 @@ def version() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
-    """Exactly one of a model file/directory, a ``"pkg.module:callable"`` factory, or a built-in name."""
+    """Exactly one of a model file/directory, a ``"pkg.module:callable"`` factory, or a built-in name;
+    ``logits``: differentiate the model without its last layer's softmax (``model.logits``)."""
 
     path: str | None = None
     factory: str | None = None
     builtin: str | None = None
+    logits: bool = False
 
     def load(self):
         from jacobeam.transforms.engine import models
 
-        return models.load(path=self.path, factory=self.factory, builtin=self.builtin)
+        return models.load(path=self.path, factory=self.factory, builtin=self.builtin, logits=self.logits)
 
 
 @dataclasses.dataclass(frozen=True)

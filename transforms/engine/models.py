@@ -123,6 +123,60 @@ def _keras_in_dtype(model: keras.Model, dtype: str) -> keras.Model:
     return clone
 
 
+def _activation_name(layer: Any) -> str | None:
+    """The name of a layer's activation (``softmax``, ``linear``, ...), or None if it has none."""
+    activation = getattr(layer, "activation", None)
+    if activation is None:
+        return None
+    try:
+        name = keras.activations.serialize(activation)
+    except (TypeError, ValueError):  # a callable Keras cannot name
+        name = None
+    if isinstance(name, dict):  # a registered custom activation
+        name = name.get("config") if isinstance(name.get("config"), str) else name.get("class_name")
+    return name if isinstance(name, str) else getattr(activation, "__name__", type(activation).__name__)
+
+
+def without_softmax(model: keras.Model, source: str = "the model") -> keras.Model:
+    """A new functional model computing ``model``'s logits: its last layer's softmax removed (``model.logits``).
+
+    A last layer with ``activation='softmax'`` (``Dense``, a convolution, ...) is rebuilt from its config with
+    a linear activation and given the same weights; a last ``Softmax`` layer (or ``keras.ops.softmax``) or
+    ``Activation('softmax')`` layer is dropped, the outputs taken from its input. ``model`` itself is not
+    changed, and the new model survives ``get_config``/``from_config`` (the float64 twin of ``with_dtype``).
+    Anything else raises a one-line ``ModelError``.
+    """
+    prefix = f"model.logits: {source}"
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        outputs = None
+    if not outputs:
+        raise ModelError(f"{prefix}: the model has no defined outputs (declare its inputs with keras.Input)")
+    if len(outputs) != 1:
+        raise ModelError(f"{prefix}: the model has {len(outputs)} outputs; logits need a model with one output")
+    history = outputs[0]._keras_history
+    last = history.operation
+    described = f"its last layer {last.name!r} ({type(last).__name__})"
+    node = last._inbound_nodes[history.node_index]
+    inputs = node.input_tensors
+    if len(inputs) != 1:
+        raise ModelError(f"{prefix}: {described} takes {len(inputs)} inputs; expected one")
+    activation = _activation_name(last)
+    if type(last).__name__ == "Softmax" or (isinstance(last, keras.layers.Activation) and activation == "softmax"):
+        logits = inputs[0]
+    elif activation == "softmax" and "activation" in last.get_config():
+        linear = last.__class__.from_config({**last.get_config(), "activation": "linear"})
+        logits = linear(inputs[0])
+        linear.set_weights(last.get_weights())
+    else:
+        has = "no activation" if activation is None else f"activation {activation!r}"
+        raise ModelError(f"{prefix}: {described} has {has}, not softmax: there are no logits to take")
+    # One input as a tensor, several as a list: the structure wrap_model calls and _keras_in_dtype clones.
+    inputs = model.inputs[0] if len(model.inputs) == 1 else list(model.inputs)
+    return keras.Model(inputs, logits, name=f"{model.name}_logits")
+
+
 def wrap_model(obj: Any, source: str) -> LoadedModel:
     """A Keras model, or any callable taking one batch tensor, as a ``LoadedModel``."""
     if isinstance(obj, keras.Model):
@@ -199,8 +253,23 @@ def _unreadable_model_file(path: str) -> str | None:
     return None
 
 
-def load(path: str | None = None, factory: str | None = None, builtin: str | None = None) -> LoadedModel:
-    """Load a model from exactly one source (see ``pipeline.config.ModelConfig``)."""
+def load(
+    path: str | None = None, factory: str | None = None, builtin: str | None = None, logits: bool = False
+) -> LoadedModel:
+    """Load a model from exactly one source (see ``pipeline.config.ModelConfig``); with ``logits``, the
+    model without its last layer's softmax (``without_softmax``)."""
+    loaded = _load(path, factory, builtin)
+    if not logits:
+        return loaded
+    if loaded.keras_model is None:
+        raise ModelError(
+            f"model.logits: {loaded.source} is not a Keras model (a SavedModel or tf.Module): its softmax cannot "
+            "be removed; load a Keras model (.keras file or factory), or set model.logits false"
+        )
+    return wrap_model(without_softmax(loaded.keras_model, loaded.source), loaded.source)
+
+
+def _load(path: str | None, factory: str | None, builtin: str | None) -> LoadedModel:
     if builtin is not None:
         return wrap_model(BUILTINS[builtin](), f"builtin:{builtin}")
     if factory is not None:
