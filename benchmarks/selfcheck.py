@@ -1,7 +1,7 @@
-"""What the run's self-check costs: the in-process pipeline with ``jacobian.self_check.samples: 1`` (the
-default) against ``0`` (off), on the same inputs, alternating after one warm-up run of each.
+"""What the run's self-check costs: the in-process pipeline with ``jacobian.self_check.samples`` at its
+default (4) against ``0`` (off), on the same inputs, alternating after one warm-up run of each.
 
-``python -m benchmarks.selfcheck [--workload mlp] [--samples 20480] [--samples-per-shard 4096] [--repeats 5]``
+``python -m benchmarks.selfcheck [--workload mlp] [--samples 20480] [--samples-per-shard 4096] [--repeats 5] [--checks 4]``
 
 Each run is a fresh pipeline as a user starts one (``runner.run``, in-process): its worker builds its
 engine and, with the self-check on, traces the reference function at its first check, so every "on" run
@@ -22,11 +22,13 @@ from pathlib import Path
 
 from benchmarks.suite import write_inputs
 from benchmarks.workloads import WORKLOADS, Workload
+from jacobeam.transforms.self_check import precision_line
+from jacobeam.transforms.spec import SelfCheck
 
 BATCH = 256
 
 
-def measure(workload: Workload, samples: int, samples_per_shard: int, repeats: int) -> dict:
+def measure(workload: Workload, samples: int, samples_per_shard: int, repeats: int, on: int = SelfCheck().samples) -> dict:
     from jacobeam.pipeline import config, runner
 
     with tempfile.TemporaryDirectory(prefix="jacobeam-selfcheck-") as temp:
@@ -45,11 +47,12 @@ def measure(workload: Workload, samples: int, samples_per_shard: int, repeats: i
             )
             return runner.run(cfg, [], show_progress=False).manifest
 
-        run(1), run(0)  # warm-up: imports, first-touch memory
-        found: dict[int, list[dict]] = {1: [], 0: []}
+        run(on), run(0)  # warm-up: imports, first-touch memory
+        found: dict[int, list[dict]] = {on: [], 0: []}
         for repeat in range(repeats):
-            for checks in (1, 0) if repeat % 2 == 0 else (0, 1):  # alternating which goes first
+            for checks in (on, 0) if repeat % 2 == 0 else (0, on):  # alternating which goes first
                 found[checks].append(run(checks))
+    found[1] = found.pop(on)  # the "on" runs
     on = [m["run"]["wall_seconds"] for m in found[1]]
     off = [m["run"]["wall_seconds"] for m in found[0]]
     checking = [m["self_check"]["seconds"] for m in found[1]]
@@ -82,6 +85,7 @@ def measure(workload: Workload, samples: int, samples_per_shard: int, repeats: i
         "first_check": statistics.median(first) if first else None,
         "later_check": statistics.median(later) if later else None,
         "max_rel_error": summary["max_rel_error"],
+        "precision": summary["precision"],
         "tolerance": summary["tolerance"],
     }
 
@@ -92,23 +96,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=20480)
     parser.add_argument("--samples-per-shard", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--checks", type=int, default=SelfCheck().samples, help="self_check.samples of the 'on' runs")
     args = parser.parse_args(argv)
     workload = WORKLOADS[args.workload]
-    found = measure(workload, args.samples, args.samples_per_shard, args.repeats)
+    found = measure(workload, args.samples, args.samples_per_shard, args.repeats, args.checks)
     later = "n/a" if found["later_check"] is None else f"{1000 * found['later_check']:.1f} ms"
     print(
         f"{workload.key} {workload.name}: {args.samples:,} samples, {found['shards']} shards of "
         f"{args.samples_per_shard:,}, median of {args.repeats}"
     )
     each = lambda walls: ", ".join(f"{w:.2f}" for w in walls)  # noqa: E731
-    print(f"  self_check.samples 1   {found['wall_on']:7.2f} s  ({each(found['walls_on'])})")
+    print(f"  self_check.samples {args.checks}   {found['wall_on']:7.2f} s  ({each(found['walls_on'])})")
     print(f"  self_check.samples 0   {found['wall_off']:7.2f} s  ({each(found['walls_off'])})")
     print(f"  ratio on/off           {found['ratio']:7.3f}  (wall times: as noisy as any two runs)")
     print(
         f"  checking inside a run  {found['checking']:7.3f} s = {100 * found['share']:.1f}% of its wall time "
-        f"(first check, tracing the reference: {1000 * (found['first_check'] or 0):.0f} ms; each later one: {later})"
+        f"(first check, building the float64 copy and tracing: {1000 * (found['first_check'] or 0):.0f} ms; each "
+        f"later one: {later})"
     )
     print(f"  max relative error     {found['max_rel_error']} (tolerance {found['tolerance']:g})")
+    print(f"  precision              {precision_line({'precision': found['precision']}, 'float32')}")
     return 0
 
 
