@@ -1,8 +1,15 @@
 """Per-label saliency benchmark: the engine against a hand-written ``tf.function``, side by side.
 
-``python -m benchmarks.saliency [--model resnet50|mobilenet_v2] [--batch 8] [--repeats 5]`` builds a
-Keras application with seeded random weights (nothing downloaded), and times on the same batches,
-interleaved in one process:
+``python -m benchmarks.saliency [--model resnet50|mobilenet_v2|efficientnet_b0] [--batch 8] [--repeats 5]
+[--images 256]`` builds a Keras application with seeded random weights (nothing downloaded).
+
+First, end to end at the defaults: ``jacobeam run``'s pipeline (``runner.run``, in-process) on
+``--images`` preprocessed images with labels, every key at its default but ``outputs: label``, ``labels``
+and ``reduce: sum_abs_over_channels`` (so the self-check is on, 4 samples per shard, ``on_mismatch:
+fail``), against the hand-written function over the same images in batches of ``--batch``; the ratio
+is the hand-written time over the pipeline's wall time (planning to manifest: engine set-up and the
+self-check's float64 copy included), and the run's precision line is printed. Then it times on the same
+batches, interleaved in one process:
 
 - ``hand-written``: a ``tf.function`` taking the gradient of the summed label logits and summing
   ``|.|`` over channels: exactly what ``outputs: label, reduce: sum_abs_over_channels`` stores;
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -50,13 +58,52 @@ def hand_written_saliency(model):
     return saliency
 
 
+def end_to_end(name: str, images: int, batch: int) -> None:
+    """The pipeline at the defaults against the hand-written function on the same images (module docstring)."""
+    import keras
+
+    from jacobeam.pipeline import config, runner
+    from jacobeam.transforms.self_check import precision_line
+
+    model = APPLICATIONS[name]()
+    preprocess = {"resnet50": keras.applications.resnet50, "mobilenet_v2": keras.applications.mobilenet_v2,
+                  "efficientnet_b0": keras.applications.efficientnet}[name].preprocess_input
+    rng = np.random.default_rng(0)
+    x = preprocess(rng.uniform(0, 255, (images, *model.input_shape[1:])).astype(np.float32))
+    labels = rng.integers(0, model.output_shape[-1], images)
+    hand_written = hand_written_saliency(model)
+    hand_written(x[:batch], labels[:batch])  # traced before it is timed
+    began = time.perf_counter()
+    for lo in range(0, images, batch):
+        hand_written(x[lo : lo + batch], labels[lo : lo + batch]).numpy()
+    hand = time.perf_counter() - began
+    with tempfile.TemporaryDirectory(prefix="jacobeam-saliency-") as temp:
+        np.savez(os.path.join(temp, "images.npz"), x=x, y=labels)
+        cfg = config.validate({
+            "model": {"factory": f"benchmarks.workloads:{name}"},
+            "input": {"paths": [os.path.join(temp, "images.npz")], "key": "x"},
+            "jacobian": {"outputs": "label", "labels": {"key": "y"}, "reduce": "sum_abs_over_channels"},
+            "output": {"path": os.path.join(temp, "out")},
+        })
+        manifest = runner.run(cfg, [], show_progress=False).manifest
+    wall, checks = manifest["run"]["wall_seconds"], manifest["self_check"]
+    print(f"{name}: {images} images at the defaults (self-check on: {checks['samples_checked']} checked, "
+          f"{checks['seconds']:.1f} s of it)")
+    print(f"  jacobeam run (pipeline) {wall:7.1f} s = {images / wall:6.2f} samples/s")
+    print(f"  hand-written, batch {batch:<4} {hand:7.1f} s = {images / hand:6.2f} samples/s")
+    print(f"  ratio                   {hand / wall:7.2f}x (goal >= 0.95x)")
+    print(f"  precision: {precision_line(checks, 'float32')}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.saliency", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=("resnet50", "mobilenet_v2"), default="resnet50")
+    parser.add_argument("--model", choices=sorted(APPLICATIONS), default="resnet50")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--images", type=int, default=256, help="images of the end-to-end run at the defaults (0: skip it)")
     args = parser.parse_args(argv)
-
+    if args.images:
+        end_to_end(args.model, args.images, args.batch)
 
     from jacobeam.transforms.engine import JacobianEngine
     from jacobeam.transforms.engine.diagnostics import relative_error
