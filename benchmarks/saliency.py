@@ -15,7 +15,9 @@ batches, interleaved in one process:
   ``|.|`` over channels: exactly what ``outputs: label, reduce: sum_abs_over_channels`` stores;
 - ``engine``: ``JacobianEngine`` with those options (what ``jacobeam run`` calls per batch);
 - ``engine + forward``: the engine after a separate forward pass, as it ran before a label selection
-  stopped needing one (so the ratio of the two engine rows is what that change saved).
+  stopped needing one (so the ratio of the two engine rows is what that change saved);
+- ``engine, float64``: the engine with ``compute_dtype: float64`` (the float64 copy of the model), what
+  accurate maps cost.
 
 It prints samples/s (median of the repeats after one warm-up each), each row's ratio to the
 hand-written one, the engine's set-up time against one batch, and the max relative error of the
@@ -28,6 +30,7 @@ Nothing asserts on time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -134,10 +137,13 @@ def main(argv: list[str] | None = None) -> None:
     reused(x, labels)
     reused_first = time.perf_counter() - reused_first
 
+    # compute_dtype: float64, the way to accurate maps on deep nets (docs/verifying.md): its speed beside float32's.
+    float64 = JacobianEngine(wrap_model(model, args.model), shape, dataclasses.replace(options, compute_dtype="float64"))
     rows = {
         "hand-written": lambda: hand_written(x, labels).numpy(),
         "engine": lambda: engine(x, labels)["saliency"],
         "engine + forward": lambda: (engine._forward([x]), engine(x, labels)["saliency"])[1],
+        "engine, float64": lambda: float64(x, labels)["saliency"],
     }
     results = {name: row() for name, row in rows.items()}  # warm-up
     times: dict[str, list[float]] = {name: [] for name in rows}

@@ -140,7 +140,7 @@ def test_default_run_checks_four_samples_per_shard_in_its_attributes_and_the_man
     )
     line = next(line for line in lines if line.startswith("  precision"))
     assert re.fullmatch(
-        r"  precision   jacobian: float32 error against a float64 copy of the model median \S+, max \S+ \(its own "
+        r"  precision   jacobian: float32 error against a float64 copy of the model median \S+, max \S+ \(TensorFlow's own "
         r"per-sample gradient: median \S+, max \S+\) on 12 checked sample\(s\)", line
     ), line
 
@@ -219,7 +219,7 @@ def test_on_mismatch_warn_completes_and_records_the_mismatch(clean, tmp_path, mo
     report = format_report(inspect(str(out)))
     assert f"4 MISMATCH(ES), e.g. sample {chosen[0]} (on_mismatch: warn)" in report
     assert "jacobian: float32 error against a float64 copy of the model median" in report
-    assert "max 1 (its own per-sample gradient: median" in report  # the recorded errors, mismatches included
+    assert "max 1 (TensorFlow's own per-sample gradient: median" in report  # the recorded errors, mismatches included
     assert "float64 for more" not in report  # float32 itself is accurate here: float64 would not help
 
 
