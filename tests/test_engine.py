@@ -73,3 +73,45 @@ def test_paths_are_compared_over_finite_entries_and_must_agree_on_which_are_fini
     assert relative_error(np.array([[1.0, 0.0], [4.0, 2.0]]), reference) == float("inf")
     assert relative_error(np.array([[1.0, np.nan], [np.inf, 2.0]]), reference) == float("inf")
     assert relative_error(np.full((2, 2), np.nan), np.full((2, 2), np.nan)) == 0.0
+
+
+def test_agreement_is_judged_per_sample():
+    """A sample whose Jacobian is small against the batch's is judged at its own scale, down to 1e-2 of
+    the batch's: batch-wide, a 50% error of a sample at 1.5e-4 of the batch's scale reads as 7.5e-5,
+    below the 1e-4 agreement; so does a 0.15% error at 5e-2 of it."""
+    from jacobeam.transforms.engine import relative_error
+    from jacobeam.transforms.engine.diagnostics import per_sample_relative_error
+
+    def with_scales(scales):
+        """Four samples of (3, 5) entries, sample i's largest entry scales[i]."""
+        samples = np.random.default_rng(0).normal(size=(4, 3, 5))
+        return samples * (np.asarray(scales) / np.abs(samples).max(axis=(1, 2)))[:, None, None]
+
+    expected = with_scales([1.0, 0.7, 1.5e-4, 5e-2])
+    actual = expected.copy()
+    actual[2] *= 1.5  # wrong by 50%
+    assert relative_error(actual, expected) == pytest.approx(7.5e-5)
+    assert per_sample_relative_error(actual, expected) == pytest.approx(0.5 * 1.5e-4 / 1e-2)  # floored at 1e-2
+    actual = expected.copy()
+    actual[3] *= 1.0015  # wrong by 0.15%
+    assert relative_error(actual, expected) == pytest.approx(7.5e-5)
+    assert per_sample_relative_error(actual, expected) == pytest.approx(1.5e-3)  # its own error
+    actual[1] *= 1.5
+    assert per_sample_relative_error(actual, expected) == pytest.approx(0.5)
+    assert per_sample_relative_error(expected, expected) == 0.0
+
+    # An all-zero sample's noise does not read as a disagreement; a gross error at the floor's scale does.
+    zero = expected.copy()
+    zero[2] = 0.0
+    noisy = zero.copy()
+    noisy[2] = 1e-30
+    assert per_sample_relative_error(noisy, zero) == pytest.approx(1e-28)
+    noisy[2, 0, 0] = 1e-3
+    assert per_sample_relative_error(noisy, zero) == pytest.approx(0.1)
+
+    # Non-finite entries: compared as relative_error does, sample by sample.
+    with_nan = expected.copy()
+    with_nan[1, 0, 0] = np.nan
+    assert per_sample_relative_error(with_nan, with_nan) == 0.0
+    assert per_sample_relative_error(expected, with_nan) == float("inf")
+    assert per_sample_relative_error(expected[:3], expected) == float("inf")  # a sample missing

@@ -6,16 +6,19 @@ import sys
 import time
 from pathlib import Path
 
+import keras
 import ml_dtypes
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from jacobeam.transforms.engine import JacobianEngine
+from jacobeam.transforms.compute import build_engine
+from jacobeam.transforms.engine import JacobianEngine, layer_rules
 from jacobeam.transforms.engine import blocks as strategies
-from jacobeam.transforms.engine.models import wrap_model
+from jacobeam.transforms.engine.models import seeded_weights, wrap_model
 from jacobeam.transforms.errors import ModelError
-from jacobeam.transforms.spec import EngineOptions, OutputSelection
+from jacobeam.transforms.output.layout import ENGINE_PLAN
+from jacobeam.transforms.spec import EngineOptions, ModelSource, OutputSelection
 from tests import models as test_models
 from tests.reference import assert_close, central_differences, tape_loop
 
@@ -328,11 +331,13 @@ class _OutOfMemory:
 
 
 def _plan_sizes(engine, batch, rows):
-    """Set an engine's plan to ``batch`` samples per sub-batch and ``rows`` rows per block."""
+    """Set an engine's plan to ``batch`` samples per sub-batch and ``rows`` rows per block, without the
+    first batch's check against the reference path (its block calls would count among the plan's)."""
     from jacobeam.transforms.engine.budget import Sizes
 
     plan = engine._plan
     engine._plan = dataclasses.replace(plan, sizes=Sizes(batch, tuple((k, rows) for k, _ in plan.sizes.rows)))
+    engine._reference = None
 
 
 def test_out_of_memory_is_retried_with_smaller_blocks():
@@ -420,6 +425,115 @@ def test_label_rows_at_every_batch_size(batch_size):
     assert (result["output_index"][:, 0] == labels).all()
     expected = tape_loop(model, x)[np.arange(19), labels][:, None]
     assert_close(result["jacobian"], expected, rtol=1e-5)
+
+
+def _squares() -> keras.Model:
+    """x[4] -> x * x -> Dense 3: each sample's Jacobian is proportional to it (a small sample, a small Jacobian)."""
+    x = keras.Input((4,))
+    model = keras.Model(x, keras.layers.Dense(3)(keras.layers.Multiply()([x, x])))
+    seeded_weights(model, seed=8)
+    return model
+
+
+def test_a_path_wrong_only_on_a_sample_with_a_small_jacobian_is_not_used(monkeypatch):
+    """Agreement is judged per sample: double reverse, 1.5 times too large on the probe's one small sample
+    (its Jacobian about 1e-4 of the batch's), is refused; judged against the batch's largest entry, its
+    error was below 1e-4 and it was used."""
+    probe = JacobianEngine._probe
+
+    def with_a_small_sample(self, n):
+        xs = probe(self, n)
+        xs[0][3:4] *= 1e-4
+        return xs
+
+    build_block = strategies.build_block
+
+    def wrong_on_small_samples(*args, double_reverse=False, **kwargs):
+        block = build_block(*args, double_reverse=double_reverse, **kwargs)
+        if not double_reverse:
+            return block
+
+        def wrong(xs, start, given):
+            y, columns = block(xs, start, given)
+            small = np.abs(np.asarray(xs[0])).max(axis=1) < 1e-2
+            return y, np.asarray(columns) * np.where(small, 1.5, 1.0)[:, None, None]
+
+        wrong.experimental_get_tracing_count = block.experimental_get_tracing_count
+        return wrong
+
+    monkeypatch.setattr(JacobianEngine, "_probe", with_a_small_sample)
+    monkeypatch.setattr("jacobeam.transforms.engine.blocks.build_block", wrong_on_small_samples)
+    model = _squares()
+    engine = _engine(model, mode="forward")
+    described = engine.describe()
+    assert (described["mode"], described["double_reverse"], described["layer_rules"]) == ("forward", False, False)
+    refused = next(c for c in described["candidates"] if c["path"] == "forward by double reverse")
+    # 0.5 times the small sample's scale (1.3e-4 of the batch's) over its floor (1e-2 of the batch's): 6.4e-3,
+    # where batch-wide the error read as 6.4e-5.
+    assert 1e-3 < refused["relative_error"] < 1e-2
+    assert any("forward by double reverse disagrees with the reference" in r for r in described["reasons"])
+    x = _samples(model, 6)
+    x[2] *= 1e-4
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("build", "mode", "path", "reference"),
+    [(test_models.small_mlp, "auto", "reverse by layer rules", "reverse"),
+     (test_models.coupling_flow, "forward", "forward by double reverse", "forward, eagerly")],
+    ids=["reverse", "forward"],
+)
+def test_the_first_batch_is_checked_against_the_reference_once(build, mode, path, reference):
+    """A probed plan whose path is not its reference is checked once more on the first real batch (up to
+    8 of its samples), with the reference's blocks traced at set-up: no retrace."""
+    model = build()
+    engine = _engine(model, mode=mode)
+    x = _samples(model, 5, seed=1)
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+    described = engine.describe()
+    assert [c["path"] for c in described["candidates"]][:2] == [reference, path]
+    check = described["first_batch_check"]
+    assert (check["reference"], check["samples"]) == (reference, 5) and check["relative_error"] < 1e-5
+    x = _samples(model, 11, seed=2)
+    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
+    assert engine.describe()["first_batch_check"] == check  # once
+    assert engine.describe()["retraces_after_setup"] == 0
+
+
+def test_a_path_that_agreed_on_the_probe_but_not_on_the_first_batch_is_refused(monkeypatch, tmp_path):
+    """Reverse layer rules right on the seeded probe and 1.5 times too large elsewhere: the first real batch
+    is refused, and every later one; the set-up decisions are not cached (a resumed run would reuse them
+    unchecked)."""
+    build = layer_rules.build_reverse_block
+
+    def wrong_off_the_probe(*args, **kwargs):
+        block = build(*args, **kwargs)
+
+        def wrong(xs, start, given):
+            y, rows = block(xs, start, given)
+            x = np.asarray(xs[0])
+            probe = np.random.default_rng(0).standard_normal(x.shape).astype(x.dtype)  # the engine's probe
+            return y, rows if np.array_equal(x, probe) else rows * 1.5
+
+        wrong.experimental_get_tracing_count = block.experimental_get_tracing_count
+        return wrong
+
+    monkeypatch.setattr(layer_rules, "build_reverse_block", wrong_off_the_probe)
+    cache = tmp_path / ENGINE_PLAN
+    mlp = ModelSource(factory="tests.models:small_mlp")
+    engine = build_engine(mlp, (12,), EngineOptions(batch_size=8), plan_cache=str(cache))
+    described = engine.describe()
+    assert described["layer_rules"] and described["candidates"][1]["relative_error"] < 1e-5  # agreed on the probe
+    x = _samples(test_models.small_mlp(), 5, seed=1)
+    refusal = (r"^factory:tests.models:small_mlp: reverse by layer rules disagrees with the reference path reverse "
+               r"on the first batch's samples \(per-sample relative error 0.5 > 0.0001\), though it agreed on the "
+               r"probe batch: refused \(mode: reverse_loop avoids this path\)$")
+    with pytest.raises(ModelError, match=refusal):
+        engine(x)
+    assert engine.describe()["first_batch_check"]["relative_error"] == pytest.approx(0.5)
+    with pytest.raises(ModelError, match=refusal):
+        engine(x[:2])
+    assert not cache.exists()
 
 
 @pytest.mark.parametrize("options", [{}, {"mode": "forward"}, {"mode": "reverse_loop"}, {"jit_compile": "auto"}])

@@ -14,7 +14,9 @@ from jacobeam.pipeline import config, runner
 from jacobeam.pipeline.verify import verify
 from jacobeam.transforms.compute import build_engine
 from jacobeam.transforms.engine import JacobianEngine, planner
+from jacobeam.transforms.engine import decisions as setup_decisions
 from jacobeam.transforms.engine.models import build_mlp, wrap_model
+from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.output.layout import ENGINE_PLAN
 from jacobeam.transforms.spec import EngineOptions, ModelSource, OutputSelection
 from tests import models as test_models
@@ -42,6 +44,11 @@ def test_a_second_engine_reuses_the_decisions_without_probing(tmp_path, probes, 
     cache = str(tmp_path / ENGINE_PLAN)
     first = build_engine(MLP, (12,), OPTIONS, plan_cache=cache)
     assert probes["planner"] == 1 and first.describe()["plan_cache"] == "probed"
+    assert first.describe()["layer_rules"]  # a path checked against pfor's again on the first real batch:
+    assert not Path(cache).exists()  # the decisions are cached only once that batch agreed
+    x = rng.normal(size=(11, 12)).astype(np.float32)  # more than a batch: two sub-batches
+    expected = first(x)
+    assert first.describe()["first_batch_check"]["reference"] == "reverse"
     written = json.loads(Path(cache).read_text())
     assert written["key"]["model_fingerprint"] == first.fingerprint and written["plan"]["mode"] == "reverse"
 
@@ -53,10 +60,9 @@ def test_a_second_engine_reuses_the_decisions_without_probing(tmp_path, probes, 
         assert described[key] == first.describe()[key], key
     assert second.traces == 1  # the plan's block, traced at set-up
 
-    x = rng.normal(size=(11, 12)).astype(np.float32)  # more than a batch: two sub-batches
     result = second(x)
     assert_close(result["jacobian"], tape_loop(test_models.small_mlp(), x))
-    np.testing.assert_array_equal(result["jacobian"], first(x)["jacobian"])
+    np.testing.assert_array_equal(result["jacobian"], expected["jacobian"])
     assert second.describe()["retraces_after_setup"] == 0
 
 
@@ -84,15 +90,16 @@ def test_changed_weights_options_or_operands_invalidate_the_decisions(probes):
 def test_a_corrupt_cache_is_ignored_with_a_debug_log_and_replaced(tmp_path, probes, caplog, rng):
     cache = tmp_path / ENGINE_PLAN
     good = build_engine(MLP, (12,), OPTIONS, plan_cache=str(cache))
+    x = rng.normal(size=(3, 12)).astype(np.float32)
+    expected = good(x)["jacobian"]  # the first batch: the decisions are cached once it agreed
     decisions = json.loads(cache.read_text())
     malformed = {**decisions, "plan": {**decisions["plan"], "mode": "sideways"}}
-    x = rng.normal(size=(3, 12)).astype(np.float32)
     for text in ("{not json", "[1, 2]", json.dumps({"key": decisions["key"]}), json.dumps(malformed)):
         cache.write_text(text)
         with caplog.at_level(logging.DEBUG, logger="jacobeam"):
             engine = build_engine(MLP, (12,), OPTIONS, plan_cache=str(cache))
         assert engine.describe()["plan_cache"] == "probed", text
-        np.testing.assert_array_equal(engine(x)["jacobian"], good(x)["jacobian"])
+        np.testing.assert_array_equal(engine(x)["jacobian"], expected)
         assert json.loads(cache.read_text()) == decisions  # replaced by the decisions of the probe
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     assert any("unreadable" in message for message in debug) and any("unusable" in message for message in debug)
@@ -146,3 +153,27 @@ def test_a_model_whose_structure_cannot_be_named_always_probes(rng):
     assert engine.decisions is None and engine.describe()["plan_cache"] == "probed"
     x = rng.normal(size=(3, 3)).astype(np.float32)
     assert_close(engine(x)["jacobian"], tape_loop(model, x))
+
+
+class _Centring(keras.layers.Layer):
+    """Subtracts the batch's mean where ``couples`` (a change of its code, not of its configuration or
+    weights: the set-up decisions' key stays the same)."""
+
+    couples = False
+
+    def call(self, x):
+        return x - keras.ops.mean(x, axis=0, keepdims=True) if self.couples else x
+
+
+def test_reused_decisions_do_not_skip_the_batch_independence_check(monkeypatch, probes):
+    model = keras.Sequential([keras.Input((5,)), _Centring(), keras.layers.Dense(3)])
+    decisions = JacobianEngine(wrap_model(model, "centring"), (5,), OPTIONS).decisions
+    assert decisions is not None and probes["planner"] == 1
+    reused = JacobianEngine(wrap_model(model, "centring"), (5,), OPTIONS, decisions=decisions)
+    assert reused.describe()["plan_cache"] == "reused" and probes["planner"] == 1
+
+    monkeypatch.setattr(_Centring, "couples", True)
+    assert setup_decisions.key(wrap_model(model, "centring"), reused.fingerprint, [(5,)], OPTIONS) == decisions["key"]
+    with pytest.raises(ModelError, match=r"^centring: a sample's output depends on the other samples in its batch"):
+        JacobianEngine(wrap_model(model, "centring"), (5,), OPTIONS, decisions=decisions)
+    assert probes["planner"] == 1

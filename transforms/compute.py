@@ -59,13 +59,14 @@ def build_engine(
 
     ``plan_cache``: a file (``layout.ENGINE_PLAN`` in the output folder) of an earlier engine's set-up
     decisions: reused where they were made for this model, options, TensorFlow and device, else (and
-    when unreadable) ignored; written after a set-up that probed."""
+    when unreadable) ignored; written after a set-up that probed, once its plan is trusted (a path
+    checked against the reference on the first real batch: after that batch agreed)."""
     from jacobeam.transforms.engine import JacobianEngine
 
     configure_tf_threads(tf_threads)
     engine = JacobianEngine(model.load(), input_shape, options, decisions=_read_plan_cache(plan_cache))
     if plan_cache is not None and engine.telemetry.get("plan_cache") == "probed" and engine.decisions is not None:
-        _write_plan_cache(plan_cache, engine.decisions)
+        engine.when_trusted(lambda: _write_plan_cache(plan_cache, engine.decisions))
     return engine
 
 

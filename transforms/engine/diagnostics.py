@@ -12,6 +12,9 @@ from pathlib import Path
 import numpy as np
 
 AGREEMENT = {"float32": 1e-4, "float64": 1e-9}  # max |a - b| / max |b| for two paths to agree
+# A sample's scale, compared per sample, is at least this fraction of the batch's largest entry: below it, an error
+# counts beyond 1e-6 of that entry (float32, ~8 ulps: 1 - tanh^2 of a saturated unit carries that much round-off).
+SAMPLE_FLOOR = 1e-2
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # transforms/: jacobeam's own engine code
 
@@ -29,6 +32,19 @@ def relative_error(actual: np.ndarray, expected: np.ndarray, floor: float = 0.0,
     if scale is None:
         scale = max(float(np.max(np.abs(expected[finite]))), floor, np.finfo(np.float32).tiny)
     return float(np.max(np.abs(actual[finite] - expected[finite]))) / scale
+
+
+def per_sample_relative_error(actual: np.ndarray, expected: np.ndarray, floor: float = SAMPLE_FLOOR) -> float:
+    """The largest over samples (axis 0) of each sample's ``relative_error``: judged per sample, a
+    sample whose entries are small against the batch's cannot hide a wrong derivative behind the
+    batch's largest entry. Each sample's scale is at least ``floor`` of the batch's largest finite
+    reference entry; inf where the shapes differ or a sample's entries disagree on being finite."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    if actual.shape != expected.shape:
+        return float("inf")
+    finite = np.isfinite(expected)
+    batch = float(np.max(np.abs(expected[finite]))) if finite.any() else 0.0
+    return max((relative_error(a, b, floor=floor * batch) for a, b in zip(actual, expected)), default=0.0)
 
 
 def raised_by_jacobeam(err: BaseException) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import resource
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,11 +26,11 @@ import tensorflow as tf
 from jacobeam.transforms.engine import budget, layer_rules, model_checks
 from jacobeam.transforms.engine import decisions as setup_decisions
 from jacobeam.transforms.engine.blocks import BlockCache
-from jacobeam.transforms.engine.diagnostics import activation_size
+from jacobeam.transforms.engine.diagnostics import AGREEMENT, activation_size
 from jacobeam.transforms.engine.executor import Plan, execute, join
 from jacobeam.transforms.engine.models import LoadedModel
 from jacobeam.transforms.engine.operands import Operands, build_operands
-from jacobeam.transforms.engine.planner import Planner
+from jacobeam.transforms.engine.planner import Planner, disagreement
 from jacobeam.transforms.engine.reductions import FULL, reduce_full
 from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.output.layout import JACOBIAN, jacobian_dataset
@@ -50,13 +51,14 @@ class JacobianEngine:
         options: how to compute and what to keep (``EngineOptions``).
         wrap_block: a test seam: applied to every compiled block function the engine builds (to inject
             out-of-memory errors, say); None in production.
-        decisions: an earlier engine's ``decisions``: taken instead of checking and probing where they
-            were made for the same model, options, TensorFlow and device (``transforms.engine.decisions``),
-            else ignored.
+        decisions: an earlier engine's ``decisions``: taken instead of probing where they were made for
+            the same model, options, TensorFlow and device (``transforms.engine.decisions``), else
+            ignored. The model's checks (it takes the samples, they do not interact) run either way.
 
     Raises:
         ModelError: the model does not take these samples, its samples interact inside a batch, the
-            output selection or reduction does not fit it, or no way to differentiate it works.
+            output selection or reduction does not fit it, or no way to differentiate it works; and
+            from ``compute``, where the chosen path disagrees with the reference on the first real batch.
 
     ``engine(x)`` with ``x`` of shape ``(n, *input_shape)`` (or a mapping input name -> array) returns
     numpy arrays in ``store_dtype``:
@@ -95,19 +97,28 @@ class JacobianEngine:
             lambda xs: self.model.call(list(xs)), input_signature=[self._specs], autograph=False
         )
         self._key = setup_decisions.key(model, self.fingerprint, self.input_shapes, options)
+        # Checked even where decisions are reused: their key names the model's structure and weights, not
+        # its code (a custom layer's call may have come to couple the samples since).
+        self.output_shape = model_checks.output_shape(
+            # Two samples decide whether samples interact inside a batch (one against two).
+            self._forward, self._probe(2), source, self.input_shapes,
+            options.check_batch_independence, options.compute_dtype,
+        )
+        # The first real batch's check (``_check_first_batch``): the reference path a probed plan agreed
+        # with, until that batch agreed too; the message of its refusal; what waits for it (``when_trusted``).
+        self._reference: Plan | None = None
+        self._refused: str | None = None
+        self._when_trusted: list[Callable[[], None]] = []
+        self._first_batch = threading.Lock()
         if not self._reuse(decisions):
-            self.output_shape = model_checks.output_shape(
-                # Two samples decide whether samples interact inside a batch (one against two).
-                self._forward, self._probe(2), source, self.input_shapes,
-                options.check_batch_independence, options.compute_dtype,
-            )
             self.operands: Operands = build_operands(options, self.output_shape, self.input_shapes, self.input_names, source)
             self._activations = activation_size(self._compiled_forward.get_concrete_function(self._specs).graph)
-            self._plan = Planner(
+            planner = Planner(
                 options, self.operands, self.wrt, source, self._size, self._run, self._forward, self._probe,
                 _PROBE_SAMPLES, self.telemetry, layer_rules.unsupported(self.model.keras_model) is None,
                 reverse_layer_rules=layer_rules.reverse_unsupported(self.model.keras_model) is None,
-            ).choose()
+            )
+            self._plan, self._reference = planner.choose(), planner.reference
             self.telemetry["plan_cache"] = "probed"
         self.telemetry["setup_seconds"] = round(time.perf_counter() - began, 3)
         self._traces_after_setup = self.traces
@@ -121,8 +132,10 @@ class JacobianEngine:
 
     def _reuse(self, decisions: Mapping[str, Any] | None) -> bool:
         """Take an earlier engine's set-up decisions (``self.decisions``) if their key is this engine's:
-        no check, probe or timing runs (their outcomes are decided by what the key holds), and the
-        plan's blocks are traced here as set-up would. False (and a debug log) where they do not apply."""
+        no probe or timing runs (their outcomes are decided by what the key holds; the model's checks
+        ran before), and the plan's blocks are traced here as set-up would. A reused plan was checked on
+        the first real batch of the run that cached it (``when_trusted``): not again. False (and a debug
+        log) where they do not apply."""
         if decisions is None or self._key is None:
             return False
         source = self.model.source
@@ -132,8 +145,10 @@ class JacobianEngine:
                 log.debug("%s: set-up decisions of another %s: probing", source, ", ".join(changed) or "key")
                 return False
             plan = setup_decisions.decode_plan(decisions)
-            output_shape = tuple(int(d) for d in decisions["output_shape"])
-            operands = build_operands(self.options, output_shape, self.input_shapes, self.input_names, source)
+            if tuple(int(d) for d in decisions["output_shape"]) != self.output_shape:
+                log.debug("%s: set-up decisions for outputs of another shape: probing", source)
+                return False
+            operands = build_operands(self.options, self.output_shape, self.input_shapes, self.input_names, source)
             if decisions["operands"] != setup_decisions.operands_digest(operands):
                 log.debug("%s: set-up decisions for other operand matrices: probing", source)
                 return False
@@ -144,7 +159,7 @@ class JacobianEngine:
         except (KeyError, TypeError, ValueError, AttributeError, ModelError) as err:
             log.debug("%s: unusable set-up decisions (%s: %s): probing", source, type(err).__name__, err)
             return False
-        self.output_shape, self.operands, self._activations, self._plan = output_shape, operands, activations, plan
+        self.operands, self._activations, self._plan = operands, activations, plan
         mode = plan.path.mode
         for k, rows in plan.sizes.rows:
             self._blocks.trace(plan.path, k, rows, operands.extent(mode, k), operands.kind(mode))
@@ -226,13 +241,72 @@ class JacobianEngine:
         Returns:
             ``(datasets, full)``; arrays may be read-only (views of TensorFlow's result buffers).
         """
+        if self._refused is not None:
+            raise ModelError(self._refused)
         xs = [x[name] for name in self.input_names] if isinstance(x, Mapping) else [x]
         xs = [np.asarray(part, self.options.compute_dtype) for part in xs]
         # A selection by label or fixed indices needs no outputs: no forward pass before the differentiated one.
         y = self._forward(xs) if self.operands.selects_by_output else None
         index = self.operands.select(len(xs[0]), y, labels)
         self._plan, raw = self._run(self._plan, xs, index)
+        if self._reference is not None:
+            self._check_first_batch(xs, index, raw)
         return self.assemble(raw["output"], {k: raw[k] for k in self.wrt}, index)
+
+    def _check_first_batch(self, xs: Sequence[np.ndarray], index: np.ndarray | None, raw: dict) -> None:
+        """Once per engine, on the first real batch (``xs``, computed as ``raw``) of a probed plan whose path
+        is not its reference: the reference path (its blocks traced at set-up, or the eager accumulator)
+        runs on up to ``_PROBE_SAMPLES`` of the batch's samples, and each is judged against what the chosen
+        path gave it, as on the probe (``planner.disagreement``). The seeded probe may miss what real
+        data reaches (a saturated unit, a range of inputs the probe's normal samples do not).
+
+        On disagreement the engine refuses: a ``ModelError`` now and from every later call, and nothing
+        waiting in ``when_trusted`` runs (the decisions are not cached). Refusing is simpler to make
+        correct than re-planning with the reference: the reference is not always a path a run may take
+        (forward mode's eager accumulator; the plain graph under ``jit_compile: true``), and a plan
+        changed after set-up would be re-sized, traced and cached anew. Samples whose reference is not
+        finite everywhere are not judged: their derivatives are undefined, and paths put NaN in
+        different places there. Calls from several threads wait for the one that checks."""
+        with self._first_batch:
+            if self._refused is not None:
+                raise ModelError(self._refused)
+            reference = self._reference
+            if reference is None:
+                return  # checked by another thread meanwhile
+            n = min(len(xs[0]), _PROBE_SAMPLES)
+            _, expected = self._run(reference, [x[:n] for x in xs], None if index is None else index[:n])
+            judged = [i for i in range(n) if all(np.isfinite(value[i]).all() for value in expected.values())]
+            chosen = {k: raw[k][judged] for k in expected}
+            error = disagreement(chosen, {k: value[judged] for k, value in expected.items()}) if judged else 0.0
+            tolerance = AGREEMENT[self.options.compute_dtype]
+            self.telemetry["first_batch_check"] = {
+                "reference": reference.path.label, "samples": len(judged), "relative_error": error,
+            }
+            if not error <= tolerance:
+                path = self._plan.path
+                self._refused = (
+                    f"{self.model.source}: {path.label} disagrees with the reference path {reference.path.label} on "
+                    f"the first batch's samples (per-sample relative error {error:.2g} > {tolerance:g}), though it agreed "
+                    f"on the probe batch: refused ({_avoiding(path, reference.path)} avoids this path)"
+                )
+                raise ModelError(self._refused)
+            self._reference = None
+            waiting, self._when_trusted = self._when_trusted, []
+        for callback in waiting:
+            callback()
+
+    def when_trusted(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once nothing is left to check of the plan: now, or once the first real batch
+        agreed with the reference (``_check_first_batch``), or never where it did not. What caches the
+        set-up decisions waits for this (``transforms.compute.build_engine``), so that a later run does
+        not reuse a plan refused on real data."""
+        with self._first_batch:
+            if self._refused is not None:
+                return
+            if self._reference is not None:
+                self._when_trusted.append(callback)
+                return
+        callback()
 
     def assemble(
         self, output: np.ndarray, products: Mapping[int, np.ndarray], index: np.ndarray | None
@@ -316,6 +390,15 @@ class JacobianEngine:
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             **self.telemetry,
         }
+
+
+def _avoiding(path, reference) -> str:
+    """The configuration that keeps the planner off ``path`` (refused against ``reference``)."""
+    if path.jit and not reference.jit:
+        return "jit_compile: false"
+    if path.mode != reference.mode:
+        return f"mode: {reference.mode}"
+    return "mode: reverse_loop" if path.mode == "reverse" else "mode: reverse"
 
 
 def store_dtype(name: str) -> np.dtype:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
-from jacobeam.transforms.engine.diagnostics import AGREEMENT, relative_error
+from jacobeam.transforms.engine.diagnostics import AGREEMENT, per_sample_relative_error
 from jacobeam.transforms.engine.models import LoadedModel
 from jacobeam.transforms.errors import ModelError
 
@@ -69,7 +69,8 @@ def output_shape(
     dtype: str,
 ) -> tuple[int, ...]:
     """One sample's output shape; and refuse a model whose samples interact inside a batch (per-sample
-    Jacobians by ``batch_jacobian`` would then be wrong)."""
+    Jacobians by ``batch_jacobian`` would then be wrong): each sample's outputs from the whole batch
+    against those from its half, judged per sample. Runs at every set-up, reused decisions included."""
     try:
         y = forward(probe)
     except (ValueError, TypeError, tf.errors.InvalidArgumentError) as err:
@@ -78,7 +79,7 @@ def output_shape(
     if check_batch_independence and n >= 2:
         half = n // 2
         parts = np.concatenate([forward([x[:half] for x in probe]), forward([x[half:] for x in probe])])
-        error = relative_error(parts, y)
+        error = per_sample_relative_error(parts, y)
         if error > AGREEMENT[dtype]:
             raise ModelError(
                 f"{source}: a sample's output depends on the other samples in its batch "

@@ -8,6 +8,10 @@ seconds to trace on a deep model), and the paths run in the order of preference,
 being taken: what set-up costs is then one eager pass and, as a rule, one traced path. A path that
 TensorFlow cannot run (no XLA kernel, no pfor or forward-mode rule) is left out with a reason; an error
 raised by jacobeam's own code is a bug and surfaces as itself.
+
+Agreement is judged per sample (``disagreement``): a sample whose Jacobian is small against the batch's
+cannot hide a wrong derivative behind the batch's largest entry. The plan keeps the reference it was
+checked against (``Planner.reference``), which the engine runs once more on its first real batch.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from jacobeam.transforms.engine.diagnostics import (
     AGREEMENT,
     capture_pfor_fallbacks,
     full_tracebacks,
+    per_sample_relative_error,
     raised_by_jacobeam,
-    relative_error,
 )
 from jacobeam.transforms.engine.executor import Plan
 from jacobeam.transforms.engine.layer_rules import NoLayerRule
@@ -43,13 +47,21 @@ _CANNOT_RUN = (tf.errors.OpError, ValueError, TypeError, NotImplementedError, Lo
 Run = Callable[[Plan, Sequence[np.ndarray], "np.ndarray | None"], tuple[Plan, dict]]
 
 
+def disagreement(result: dict, reference: dict) -> float:
+    """How far one path's results are from the reference's (``{"output": (n, m), k: (n, r, c)}``): the
+    largest per-sample relative error over the outputs and every differentiated input."""
+    return max(per_sample_relative_error(result[k], reference[k]) for k in reference)
+
+
 class Planner:
     """Finds the plan for one engine.
 
     ``size(mode)`` gives the block sizes of a mode within the memory budget; ``run(plan, xs, index)``
     computes with a plan (re-planning smaller on out-of-memory) and returns the plan it ended with and
     the results; ``forward(xs)`` evaluates the model; ``probe(n)`` gives ``n`` seeded samples.
-    ``telemetry`` receives the candidates tried and the ops pfor could not vectorise.
+    ``telemetry`` receives the candidates tried and the ops pfor could not vectorise. After ``choose``,
+    ``reference`` is the plan of the reference path the chosen plan agreed with (its blocks traced, or
+    the eager accumulator), or None where the chosen plan is the reference itself or nothing was compared.
     """
 
     def __init__(
@@ -73,6 +85,7 @@ class Planner:
         self._telemetry = telemetry
         self._layer_rules = layer_rules  # every layer of the model has a forward rule (layer_rules.unsupported)
         self._reverse_layer_rules = reverse_layer_rules  # and a reverse rule (layer_rules.reverse_unsupported)
+        self.reference: Plan | None = None
 
     def choose(self) -> Plan:
         modes, reason = self._candidates()
@@ -148,6 +161,7 @@ class Planner:
         timed = self._timed
         reference_only = options.jit_compile is True
         reference: dict | None = None
+        reference_plan: Plan | None = None
         tried = self._telemetry.setdefault("candidates", [])
         first_tried = len(tried)
         best: tuple[tuple, Plan] | None = None
@@ -195,9 +209,9 @@ class Planner:
                 if timed:
                     entry["seconds_per_sample"] = seconds
                 if reference is None:
-                    reference = result
+                    reference, reference_plan = result, plan
                 else:
-                    error = max(relative_error(result[k], reference[k]) for k in reference)
+                    error = disagreement(result, reference)
                     entry["relative_error"] = error
                     if error > AGREEMENT[options.compute_dtype]:
                         log.warning("%s disagrees with the reference path (relative error %.2g): not used", path.label, error)
@@ -218,6 +232,7 @@ class Planner:
         if best is None:
             return None
         plan = best[1]
+        self.reference = None if reference_plan is None or reference_plan.path == plan.path else reference_plan
         if timed:
             speeds = [
                 f"{e['path']} {1e6 * e['seconds_per_sample']:.1f} us/sample"
