@@ -24,6 +24,17 @@ def test_the_batch_shrinks_until_its_results_fit_in_half_the_budget():
     assert sizes.notes == ("batch 256 -> 1: one sample's Jacobian is 31,360 bytes", "x: blocks of 9 of 10 outputs")
 
 
+def test_the_batch_shrinks_until_one_row_of_a_large_forward_pass_fits_beside_its_results():
+    # ResNet50 label saliency: 1 row of 150,528 input entries, ~58.3 M activation elements per sample.
+    work = _work(outputs=1000, activations=58_297_484, sizes={0: 150_528}, extents={0: 1})
+    result, one_row = 150_528 * 4, (58_297_484 + 150_528) * 4
+    sizes = size_blocks(work)
+    assert sizes.batch == 2 * 2**30 // (result + one_row) == 9 and sizes.rows == ((0, 1),)
+    assert sizes.notes == (f"batch 256 -> 9: one sample's forward pass and result are {result + one_row:,} bytes",)
+    # The working set of the block (results, and one row's forward pass per sample) is within the budget.
+    assert sizes.batch * (result + one_row) <= work.budget
+
+
 def test_forward_blocks_count_columns_and_keep_the_outputs():
     sizes = size_blocks(_work(forward=True, extents={0: 784}, budget=50_000_000, batch_size=64))
     # Results per sample: 784 columns x 10 outputs x 4 bytes; per column: (1000 + 784 + 10) x 4 x 64.

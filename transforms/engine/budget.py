@@ -51,6 +51,13 @@ def size_blocks(work: Workload) -> Sizes:
     notes = []
     if batch < work.batch_size:
         notes.append(f"batch {work.batch_size} -> {batch}: one sample's Jacobian is {result:,} bytes")
+    # A block of one row must fit too: an ImageNet-size forward pass (ResNet50: ~100 MB a sample) at 256
+    # samples would hold 25 GB, where the budget allows a sub-batch of a few dozen.
+    one_row = max((work.activations + work.sizes[k] + (m if work.forward else 0)) * item for k in work.sizes)
+    fits = int(max(1, work.budget // max(result + one_row, 1)))
+    if fits < batch:
+        notes.append(f"batch {batch} -> {fits}: one sample's forward pass and result are {result + one_row:,} bytes")
+        batch = fits
     rows = []
     for k in work.sizes:
         per_row = (work.activations + work.sizes[k] + (m if work.forward else 0)) * item * batch
