@@ -383,3 +383,57 @@ def test_the_reverse_reference_is_the_closed_form_jacobian_of_every_input_asked_
     _, (rows,) = second(tf.constant(x1), tf.constant(x2), tf.constant([[3, 1, 3]], tf.int32))
     assert rows.shape == (1, 3, 1, 3)
     np.testing.assert_allclose(rows.numpy().reshape(3, 3), closed[1][[3, 1, 3]], rtol=1e-12)
+
+
+def test_the_reverse_reference_in_chunks_and_with_another_batch_shape_is_the_same_closed_form():
+    """Rows pulled back through copies of the sample, ``chunk`` copies per call (the last chunk shorter),
+    and with one more copy per batch (``pad``): each is ``diag(1 - y^2) A^T`` of ``y = tanh(x A)``."""
+    import tensorflow as tf
+
+    from jacobeam.transforms.engine import reference
+
+    rng = np.random.default_rng(6)
+    a, x = rng.normal(size=(5, 7)), rng.normal(size=(1, 5))
+    closed = (1 - np.tanh(x @ a)[0] ** 2)[:, None] * a.T  # (7, 5)
+    function = reference.tape_function(lambda xs: tf.tanh(xs[0] @ tf.constant(a)), [(5,)], dtype="float64", chunk=3)
+    for pad in (False, True):
+        _, (jacobian,) = function(tf.constant(x), pad=pad)
+        assert jacobian.shape == (1, 7, 1, 5)
+        np.testing.assert_allclose(jacobian.numpy().reshape(7, 5), closed, rtol=1e-12)
+
+
+def test_a_reference_that_computes_in_another_dtype_is_named():
+    """The float64 truth must compute in float64 throughout: a cast to float32 inside is found."""
+    import tensorflow as tf
+
+    from jacobeam.transforms.engine import reference
+
+    exact = reference.tape_function(lambda xs: tf.tanh(xs[0]), [(3,)], dtype="float64")
+    assert reference.foreign_float_op(exact.graph, "float64") is None
+    lossy = reference.tape_function(lambda xs: tf.cast(tf.tanh(tf.cast(xs[0], tf.float32)), tf.float64), [(3,)], dtype="float64")
+    found = reference.foreign_float_op(lossy.graph, "float64")
+    assert found is not None and "float32" in found
+
+
+def test_without_a_float64_copy_the_truth_is_the_compute_dtype_reference_and_the_record_says_why():
+    """A model that is not Keras (a plain callable of known weights) has no float64 copy: the check runs
+    against the float32 per-sample reference, the noise is its spread over two batch shapes, and a
+    corrupted value still fails."""
+    import tensorflow as tf
+
+    from jacobeam.transforms.engine.models import LoadedModel
+
+    w = tf.constant(np.random.default_rng(2).normal(size=(6, 3)), tf.float32)
+    loaded = LoadedModel(lambda xs: tf.tanh(xs[0] @ w), [], "plain")
+    engine = JacobianEngine(loaded, (6,), EngineOptions(batch_size=4))
+    checker = self_check.SelfChecker(engine, SelfCheck())
+    x = np.random.default_rng(3).normal(size=(4, 6)).astype(np.float32)
+    stored = engine(x)
+    row = {name: values[:1] for name, values in stored.items()}
+    record = checker.check([x[:1]], row, 0)
+    assert record["verdict"] == "ok" and record["truth"].startswith("no float64 copy:")
+    assert record["errors"]["jacobian"] < 1e-5
+    wrong = checker.check([x[:1]], {**row, "jacobian": 1.01 * row["jacobian"]}, 0)
+    assert wrong["verdict"] == "mismatch" and wrong["max_rel_error"] == pytest.approx(0.01, rel=0.05)
+    line = self_check.precision_line({"precision": self_check.precision([record])}, "float32")
+    assert line.startswith("jacobian: float32 error against the float32 per-sample reference (no float64 copy:")

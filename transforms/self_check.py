@@ -130,7 +130,7 @@ class SelfChecker:
 
         engine = self.engine
         # Copies of one sample per reverse-mode call: as many as the budget holds of the forward pass.
-        bytes_per_copy = 3 * max(int(getattr(engine, "activations", 0)), 1) * np.dtype(dtype).itemsize
+        bytes_per_copy = 3 * max(engine.activations, 1) * np.dtype(dtype).itemsize
         return reference.tape_function(
             model.call, list(engine.input_shapes), forward=self.forward, dtype=dtype, wrt=engine.wrt,
             directions=self._directions, rows=self._rows, chunk=int(max(1, min(64, REFERENCE_BUDGET // bytes_per_copy))),
