@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 
 AGREEMENT = {"float32": 1e-4, "float64": 1e-9}  # max |a - b| / max |b| for two paths to agree
-# A sample's scale, compared per sample, is at least this fraction of the batch's largest entry: below it, an error
-# counts beyond 1e-6 of that entry (float32, ~8 ulps: 1 - tanh^2 of a saturated unit carries that much round-off).
+# Compared per sample, a sample's scale is at least this fraction of the batch's largest entry, so an error under
+# AGREEMENT x SAMPLE_FLOOR of that entry never counts (float32: 1e-6, ~8 ulps, the round-off of 1 - tanh^2 of a
+# saturated unit).
 SAMPLE_FLOOR = 1e-2
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # transforms/: jacobeam's own engine code
