@@ -205,7 +205,7 @@ def test_the_self_check_passes_good_values_and_fails_a_value_ten_times_the_float
         self_check._error("saliency", checker.datasets(own, xs, index, pad=pad)[0]["saliency"], reference["saliency"])
         for pad in (False, True)
     )
-    noise = max(noise, checker._moved(twin, xs, index, reference, scale, names, i)["saliency"], 1e-4 / 4)
+    noise = max(noise, checker._moved(twin, np.dtype(np.float64), xs, index, reference, scale, names, i)["saliency"], 1e-4 / 4)
     signs = np.random.default_rng(0).choice([-1.0, 1.0], size=reference["saliency"].shape)
     wrong = reference["saliency"] + 10 * noise * np.abs(reference["saliency"]).max() * signs
     record = checker.check(xs, {**{k: v[i : i + 1] for k, v in stored.items()}, "saliency": wrong.astype(np.float32)}, i)

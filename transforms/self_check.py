@@ -231,7 +231,9 @@ class SelfChecker:
 
         verdict = OK
         if failing():
-            moved = self._moved(truth or own, xs, index, reference, scale, names, sample_id)
+            # The truth's own dtype: float64, or the compute dtype where the compute dtype's reference is it.
+            dtype = np.dtype(np.float64 if truth is not None else self.compute)
+            moved = self._moved(truth or own, dtype, xs, index, reference, scale, names, sample_id)
             noise = {name: max(noise[name], moved[name]) for name in names}
             verdict = MISMATCH if failing() else KINK
 
@@ -256,11 +258,10 @@ class SelfChecker:
         record["timing"] = {"seconds": round(time.perf_counter() - began, 4), "traced": first}
         return record
 
-    def _moved(self, function, xs, index, reference, scale, names, sample_id) -> dict[str, float]:
-        """How far the truth moves when each entry of the sample moves by up to one unit of rounding of
-        the compute dtype (seeded uniform fractions of its spacing, both ways): the largest error per
-        dataset against ``reference``."""
-        dtype = np.float64 if function is not self._functions[0] else np.dtype(self.compute)
+    def _moved(self, function, dtype, xs, index, reference, scale, names, sample_id) -> dict[str, float]:
+        """How far the truth (``function``, computing in ``dtype``) moves when each entry of the sample
+        moves by up to one unit of rounding of the compute dtype (seeded uniform fractions of its spacing,
+        both ways): the largest error per dataset against ``reference``."""
         rng = np.random.default_rng((SEED, int(sample_id)))
         moved = dict.fromkeys(names, 0.0)
         for _ in range(KINK_DIRECTIONS):

@@ -186,8 +186,8 @@ class ShardOutput:
         return (
             f"self-check failed: {shard_file(shard.start, shard.stop)} (ids {shard.start}..{shard.stop - 1}), sample "
             f"{check['id']}{row}: {check['dataset']} differs from the reference ({check['reference']}"
-            f"{', ' + check['truth'] if check.get('truth') else ''}) by max relative error {check['max_rel_error']}, "
-            f"bound {check.get('bound', check['tolerance'])} (tolerance {check['tolerance']:g}, or "
+            f", {check['truth']}) by max relative error {check['max_rel_error']}, "
+            f"bound {check['bound']} (tolerance {check['tolerance']:g}, or "
             f"{self_check.NOISE_FACTOR}x the error of an independent per-sample computation)"
         )
 

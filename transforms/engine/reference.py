@@ -132,7 +132,7 @@ def tape_function(
         for lo in range(0, len(chosen), chunk):
             part = chosen[lo : lo + chunk]
             y, pulled = pull(*xs, tf.constant(np.concatenate([part, part[:1]]) if pad else part))
-            parts.append([p[: len(part)] for p in pulled])
+            parts.append([p[: len(part)] for p in pulled] if pad else pulled)
         lead = [1, len(chosen)] if rows else list(y.shape)
         return y, [tf.reshape(tf.concat([p[j] for p in parts], 0), [*lead, 1, *shapes[k]]) for j, k in enumerate(wrt)]
 
