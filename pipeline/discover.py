@@ -15,7 +15,7 @@ import time
 from jacobeam.transforms.errors import CorruptInputError, InputError
 from jacobeam.transforms.inputs.readers import assign_ids, check_consistent, describe, unreadable_file
 from jacobeam.transforms.inputs.registry import IMAGE_SUFFIXES
-from jacobeam.transforms.inputs.scan import FileScan, scan_files
+from jacobeam.transforms.inputs.scan import FileScan, Labels, scan_files
 from jacobeam.transforms.inputs.types import ImageOptions, Key, Shape, SourceFile
 from jacobeam.transforms.output import storage
 
@@ -69,10 +69,11 @@ def resolve_inputs(
     return files
 
 
-def scan_inputs(files: list[SourceFile], on_bad_sample: str) -> dict[str, FileScan]:
-    """Read every sample once (see ``transforms.inputs.scan``); under ``error`` the first bad one stops the run."""
+def scan_inputs(files: list[SourceFile], on_bad_sample: str, labels: Labels | None = None) -> dict[str, FileScan]:
+    """Read every sample (and its label) once (see ``transforms.inputs.scan``); under ``error`` the first
+    bad one stops the run."""
     began = time.monotonic()
-    scans = scan_files(files)
+    scans = scan_files(files, labels=labels)
     log.info("scanned %d input file(s) in %.1f s", len(scans), time.monotonic() - began)
     if on_bad_sample == "error":
         bad = [(path, rows) for path, scan in sorted(scans.items()) for rows in scan.bad]

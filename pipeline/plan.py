@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 
@@ -26,6 +27,7 @@ from jacobeam.pipeline.ids import place_files, rejected_runs, shard_ranges, with
 from jacobeam.transforms.errors import InputError, OutputError
 from jacobeam.transforms.finalize import remove_temp_files
 from jacobeam.transforms.inputs.readers import check_labels
+from jacobeam.transforms.inputs.scan import Labels
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import SHARDS_DIR, shard_name
 from jacobeam.transforms.spec import JobSpec, ModelSource
@@ -105,17 +107,22 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
         config.input.paths, config.input.key, policy, config.input.shape(), config.input.image_options()
     )
     _check_files_named(config)
-    for source in files if _label_key(config) else ():
-        if source.unreadable is None:
-            check_labels(source, _label_key(config))
-    scans = scan_inputs(files, policy)
-    files = with_hashes(files, scans)
+    floats = [f.path for f in files if _label_key(config) and f.unreadable is None
+              and check_labels(f, _label_key(config)).kind == "f"]
+    if floats:
+        log.warning("jacobian.labels.key %r: floating-point labels in %d file(s) (%s%s); each must be a whole "
+                    "output index", _label_key(config), len(floats), floats[0], ", ..." if len(floats) > 1 else "")
     fingerprint, output_shape = None, None
     if check_model:
         from jacobeam.pipeline.checks import check_model as check
 
         log.info("loading the model to check it against the inputs")
         fingerprint, output_shape = check(ModelSource(**to_dict(config)["model"]), files)
+    labels = None
+    if _label_key(config):  # the model's output size bounds the labels where the model was loaded
+        labels = Labels(_label_key(config), None if output_shape is None else math.prod(output_shape))
+    scans = scan_inputs(files, policy, labels)
+    files = with_hashes(files, scans)
     identity = run_identity(to_dict(config))
     folder = read_folder(config.output.path)
     if folder.alien:

@@ -96,7 +96,11 @@ def launcher_loads_model(config: Config, options: PipelineOptions) -> bool:
     for a fresh output folder whose engines local worker processes build. Those load the model first
     thing (building the engine checks it against the samples; ``Finalize`` checks that every shard has
     the same weights), and the launcher's own import of TensorFlow would take seconds of the cores they
-    share. A folder that holds shards or a manifest has weights to compare with: the launcher checks."""
+    share. A folder that holds shards or a manifest has weights to compare with: the launcher checks.
+    With ``outputs: label`` it checks too: the model's output size bounds the labels, which the plan
+    checks before any output is touched."""
+    if config.jacobian.outputs == "label":
+        return True
     return not (engine_in_workers(options) and read_folder(config.output.path).empty)
 
 

@@ -315,3 +315,42 @@ def test_skip_with_aggregates_and_a_fully_rejected_range(tmp_path, rng):
     with h5py.File(tmp_path / "out" / "aggregates.h5") as agg:
         np.testing.assert_allclose(agg["mean"][:], reference.mean(axis=0), rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(agg["mean_abs"][:], np.abs(reference).mean(axis=0), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad", [5.0, 2.5, -1.0])
+def test_a_bad_label_follows_on_bad_sample_naming_file_and_row(bad, tmp_path, rng, capsys):
+    """small_mlp has 5 outputs: a label 5, 2.5 or -1 is not an output index. Under error the run stops
+    before any output naming the file and row; under skip the sample is rejected, listed, and the others
+    are computed with their own labels."""
+    data = tmp_path / "data"
+    data.mkdir()
+    x = rng.normal(size=(20, 12)).astype(np.float32)
+    labels = rng.integers(0, 5, size=20).astype(np.float64)
+    labels[13] = bad
+    np.savez(data / "a.npz", x=x[:9], y=labels[:9])
+    np.savez(data / "b.npz", x=x[9:], y=labels[9:])
+
+    def cfg(policy):
+        raw = _config(data, tmp_path / "out", policy).model_dump(mode="json")
+        raw["input"]["key"] = "x"
+        raw["jacobian"].update(outputs="label", labels={"key": "y"})
+        return raw
+
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(cfg("error")))
+    status = cli.main(["-q", "run", str(path)])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert re.search(rf"^jacobeam: error: .*b.npz: row 4: label {bad:g} is not an output index 0..4", err, re.M), err
+    assert not (tmp_path / "out").exists()
+
+    manifest = runner.run(config.validate(cfg("skip")), [], show_progress=False).manifest
+    lines = [json.loads(line) for line in (tmp_path / "out" / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["file"].rsplit("/", 1)[1], r["row"]) for r in lines] == [(13, "b.npz", 4)]
+    assert manifest["num_rows"] == 19
+    kept = np.array([i for i in range(20) if i != 13])
+    full = tape_loop(test_models.small_mlp(), x[kept])
+    with h5py.File(tmp_path / "out" / "jacobians.h5") as view:
+        np.testing.assert_array_equal(view["sample_id"][:], kept)
+        np.testing.assert_array_equal(view["output_index"][:, 0], labels[kept])
+        assert_close(view["jacobian"][:, 0], full[np.arange(19), labels[kept].astype(int)], rtol=1e-5)

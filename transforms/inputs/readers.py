@@ -57,15 +57,19 @@ def unreadable_file(path: str, key: Key, reason: str) -> SourceFile:
     return SourceFile(path=path, key=key, num_samples=0, sample_shape=(), dtype="", unreadable=reason)
 
 
-def check_labels(source: SourceFile, label_key: str) -> None:
-    """The file holds one label per sample under ``label_key``."""
+def check_labels(source: SourceFile, label_key: str) -> np.dtype:
+    """The file holds one label per sample under ``label_key``, numbers; returns their dtype (their values
+    are checked by the input scan)."""
     with open_rows(source.path, label_key, "jacobian.labels.key") as labels:
-        shape = tuple(int(d) for d in labels.shape)
+        shape, dtype = tuple(int(d) for d in labels.shape), np.dtype(labels.dtype)
     if shape not in ((source.num_samples,), (source.num_samples, 1)):
         raise InputError(
             f"{source.path}: labels {label_key!r} of shape {shape}; expected ({source.num_samples},), "
             "one output index per sample"
         )
+    if dtype.kind not in "iuf":
+        raise InputError(f"{source.path}: labels {label_key!r} are {dtype}; expected integer output indices")
+    return dtype
 
 
 def check_consistent(files: Sequence[SourceFile], expected: Shape | None = None) -> None:

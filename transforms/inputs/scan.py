@@ -14,7 +14,9 @@ it (TFRecord files).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -23,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jacobeam.transforms.errors import CorruptInputError
-from jacobeam.transforms.inputs.readers import open_samples, parts, row_bytes
+from jacobeam.transforms.inputs.readers import open_rows, open_samples, parts, row_bytes
 from jacobeam.transforms.inputs.registry import file_format
 from jacobeam.transforms.inputs.types import Samples, SourceFile
 
@@ -37,6 +39,26 @@ class BadRows:
     row: int
     stop_row: int
     reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Labels:
+    """Each sample's label (``jacobian.outputs: label``): the array ``key`` of every input file, whose
+    values must be flat output indices ``0..outputs-1`` (``outputs`` None: the model's output size is not
+    known while planning; only integral, non-negative values are checked then)."""
+
+    key: str
+    outputs: int | None = None
+
+    def reasons(self, values: np.ndarray) -> dict[int, str]:
+        """The rows of ``values`` that are not an output index, and why."""
+        values = np.asarray(values, np.float64).reshape(len(values))
+        top = f"0..{self.outputs - 1}" if self.outputs is not None else "0 or more"
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(values) | (values < 0) | (values != np.round(values))
+            if self.outputs is not None:
+                bad |= values >= self.outputs
+        return {int(i): f"label {values[i]:g} is not an output index {top}" for i in np.flatnonzero(bad)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +106,10 @@ class _Digest:
         return hashlib.sha256(json.dumps(combined, sort_keys=True).encode()).hexdigest()
 
 
-def scan_file(source: SourceFile, slice_bytes: int = SLICE_BYTES) -> FileScan:
+def scan_file(source: SourceFile, slice_bytes: int = SLICE_BYTES, labels: Labels | None = None) -> FileScan:
     """Read every row of ``source``: which rows are bad (NaN/Inf in any of a sample's arrays,
-    unreadable, past the end), and the sha256 of the readable rows' bytes."""
+    unreadable, past the end, a label that is not an output index), and the sha256 of the readable
+    rows' bytes."""
     if source.image is not None:
         # Describing an image decoded its only sample (an image cannot hold NaN/Inf) and hashed its bytes.
         return FileScan(source.path, (), source.data_sha256)
@@ -98,27 +121,35 @@ def scan_file(source: SourceFile, slice_bytes: int = SLICE_BYTES) -> FileScan:
     # be trusted, so the whole file is bad. In .npy and HDF5 files, rows are independent.
     whole_file = file_format(source.path) == "npz"
 
-    def take(first_row: int, samples: Samples) -> None:
+    def take(first_row: int, samples: Samples, label_values: np.ndarray | None) -> None:
         digest.update(samples)
         reasons: dict[int, list[str]] = {}  # one reason per bad sample, naming each input that is bad
         for name, values in parts(samples):
             flat = values.reshape(len(values), -1)
             for index in np.flatnonzero(~np.isfinite(flat).all(axis=1)):
                 reasons.setdefault(int(index), []).append(_nonfinite_reason(flat[index], name))
-        bad.extend((first_row + index, "; ".join(found)) for index, found in reasons.items())
+        for index, reason in labels.reasons(label_values).items() if labels is not None else ():
+            reasons.setdefault(index, []).append(reason)
+        bad.extend((first_row + index, "; ".join(found)) for index, found in sorted(reasons.items()))
 
     try:
-        with open_samples(source) as rows:
+        with contextlib.ExitStack() as stack:
+            rows = stack.enter_context(open_samples(source))
+            label_rows = stack.enter_context(open_rows(source.path, labels.key, "jacobian.labels.key")) if labels else None
+
+            def read(lo: int, hi: int) -> None:
+                take(lo, rows.read(lo, hi), label_rows.read(lo, hi) if label_rows is not None else None)
+
             for lo in range(0, n, step):
                 hi = min(lo + step, n)
                 try:
-                    take(lo, rows.read(lo, hi))
+                    read(lo, hi)
                 except CorruptInputError:
                     if whole_file:
                         raise
                     for row in range(lo, hi):  # which rows exactly cannot be read
                         try:
-                            take(row, rows.read(row, row + 1))
+                            read(row, row + 1)
                         except CorruptInputError as err:
                             bad.append((row, err.reason))
     except CorruptInputError as err:
@@ -127,9 +158,10 @@ def scan_file(source: SourceFile, slice_bytes: int = SLICE_BYTES) -> FileScan:
     return FileScan(source.path, _merge(bad), digest.hexdigest())
 
 
-def scan_files(files: Sequence[SourceFile], threads: int | None = None) -> dict[str, FileScan]:
+def scan_files(files: Sequence[SourceFile], threads: int | None = None, labels: Labels | None = None) -> dict[str, FileScan]:
     """Scan the readable files, a few at a time (reading and hashing release the GIL)."""
     readable = [f for f in files if f.unreadable is None]
     workers = max(1, min(len(readable), threads or min(8, os.cpu_count() or 1)))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jacobeam-scan") as pool:
-        return {scan.path: scan for scan in pool.map(scan_file, readable)}
+        scans = pool.map(functools.partial(scan_file, labels=labels), readable)
+        return {scan.path: scan for scan in scans}
