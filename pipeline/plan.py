@@ -20,12 +20,13 @@ import time
 
 from jacobeam.pipeline.config import Config, ConfigError, to_dict
 from jacobeam.pipeline.discover import resolve_inputs, scan_inputs
-from jacobeam.pipeline.folder import folder_differences, read_folder
+from jacobeam.pipeline.folder import folder_differences, read_folder, stored_fingerprint
 from jacobeam.pipeline.identity import run_identity, run_key
 from jacobeam.pipeline.ids import place_files, rejected_runs, shard_ranges, with_hashes
 from jacobeam.transforms.errors import InputError, OutputError
 from jacobeam.transforms.finalize import remove_temp_files
 from jacobeam.transforms.inputs.readers import check_labels
+from jacobeam.transforms.model_identity import model_identity
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import SHARDS_DIR, shard_name
 from jacobeam.transforms.spec import JobSpec, ModelSource
@@ -63,7 +64,7 @@ def _label_key(config: Config) -> str | None:
     return config.jacobian.labels.key if config.jacobian.outputs == "label" else None
 
 
-def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fingerprint) -> JobSpec:
+def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fingerprint, model) -> JobSpec:
     runs, unreadable = rejected_runs(files, scans)
     ranges = shard_ranges(segments, config.output.samples_per_shard, runs)
     if not any(r.rows for r in ranges):
@@ -85,16 +86,23 @@ def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fi
         id_segments=tuple(tuple(s) for s in segments),
         identity=identity,
         model_fingerprint=fingerprint,
+        model_identity=model,
         self_check=config.jacobian.self_check.spec(),
     )
 
 
-def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = False, check_model: bool = True) -> Job:
+def make_job(
+    config: Config, tf_threads: int | None = None, overwrite: bool = False, check_model: bool = True,
+    accept_library_versions: bool = False,
+) -> Job:
     """Plan the job for ``config`` and check everything that can be checked before the pipeline starts.
 
     Raises a ``JacobeamError`` naming the file, row or key for: unusable inputs, bad samples under
     ``on_bad_sample: error``, a model that does not take the inputs' samples, and an output folder that
-    holds another run's result (unless ``overwrite``). Touches no output.
+    holds another run's result (unless ``overwrite``): another model (its identity, read from its files:
+    ``transforms.model_identity``), or other library versions (unless ``accept_library_versions``).
+    Touches no output. ``check_model``: load the model to check it takes the inputs' samples (and to
+    compare its weights with a folder written before shards stored the model's identity).
     """
     policy = config.input.on_bad_sample
     if check_model:
@@ -117,6 +125,7 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
         log.info("loading the model to check it against the inputs")
         fingerprint, output_shape = check(ModelSource(**to_dict(config)["model"]), files)
     identity = run_identity(to_dict(config))
+    model = model_identity(ModelSource(**to_dict(config)["model"]))
     folder = read_folder(config.output.path)
     if folder.alien:
         raise OutputError(
@@ -124,8 +133,11 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
             + " — jacobeam uses these names, but did not write these files; move them away or choose another output.path"
         )
     placed, segments, differences = place_files(files, folder.manifest)
-    spec = _build_spec(config, placed, segments, scans, identity, tf_threads, fingerprint)
-    differences += folder_differences(folder, spec, fingerprint)
+    # Without loading the model, the weights the kept shards were computed with: a worker that loads
+    # others (a factory that draws them) refuses to write a shard beside them.
+    kept_weights = fingerprint or stored_fingerprint(folder)
+    spec = _build_spec(config, placed, segments, scans, identity, tf_threads, kept_weights, model)
+    differences += folder_differences(folder, spec, fingerprint, accept_library_versions)
     remove: list[str] = list(folder.unproven)
     if differences:
         if not overwrite:
@@ -138,7 +150,7 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
         log.warning("--overwrite: replacing the different run in %s", folder.root)
         remove = list(folder.owned)
         placed, segments, _ = place_files(files, None)
-        spec = _build_spec(config, placed, segments, scans, identity, tf_threads, fingerprint)
+        spec = _build_spec(config, placed, segments, scans, identity, tf_threads, fingerprint, model)
         already_done = 0
     else:
         rows = {shard_name(r.start, r.stop): r.rows for r in spec.ranges()}
