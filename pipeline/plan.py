@@ -93,7 +93,7 @@ def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fi
 
 def make_job(
     config: Config, tf_threads: int | None = None, overwrite: bool = False, check_model: bool = True,
-    accept_library_versions: bool = False,
+    accept_library_versions: bool = False, identify_model: bool = True,
 ) -> Job:
     """Plan the job for ``config`` and check everything that can be checked before the pipeline starts.
 
@@ -103,6 +103,8 @@ def make_job(
     ``transforms.model_identity``), or other library versions (unless ``accept_library_versions``).
     Touches no output. ``check_model``: load the model to check it takes the inputs' samples (and to
     compare its weights with a folder written before shards stored the model's identity).
+    ``identify_model`` false: the configured model is not the one computed (a test's engine factory),
+    the run has no model identity.
     """
     policy = config.input.on_bad_sample
     if check_model:
@@ -125,7 +127,7 @@ def make_job(
         log.info("loading the model to check it against the inputs")
         fingerprint, output_shape = check(ModelSource(**to_dict(config)["model"]), files)
     identity = run_identity(to_dict(config))
-    model = model_identity(ModelSource(**to_dict(config)["model"]))
+    model = model_identity(ModelSource(**to_dict(config)["model"])) if identify_model else {}
     folder = read_folder(config.output.path)
     if folder.alien:
         raise OutputError(

@@ -287,8 +287,8 @@ def run(
             hold nothing but the job.
         engine_factory: builds each worker's engine (see ``ComputeJacobians``); None is TensorFlow's
             ``JacobianEngine``. With a factory the model the config names is neither loaded nor
-            checked while planning (the factory's engine stands in for it), and the shards record the
-            factory engine's fingerprint.
+            checked while planning (the factory's engine stands in for it), the shards record the
+            factory engine's fingerprint and no model identity.
         planned: called with the job's spec once it is planned and the output folder prepared, before
             the pipeline runs (the command line uses it to say what an interrupted run kept).
 
@@ -310,7 +310,7 @@ def run(
     check_model = engine_factory is None and (pipeline is not None or launcher_loads_model(config, options))
     job = plan.make_job(
         config, tf_threads(config, options), overwrite=overwrite, check_model=check_model,
-        accept_library_versions=accept_library_versions,
+        accept_library_versions=accept_library_versions, identify_model=engine_factory is None,
     )
     spec, already_done = job.spec, job.already_done
     plan.prepare_output(job)
