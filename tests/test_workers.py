@@ -13,7 +13,6 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from jacobeam.pipeline import checks, config, runner
 from jacobeam.transforms.engine.models import build_cnn
-from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.spec import ShardRange
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
