@@ -95,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--overwrite", action="store_true",
                      help="replace the result of a different run in output.path (only files jacobeam wrote are "
                      "removed); a folder holding this run's own partial or earlier result is resumed, not replaced")
+    run.add_argument("--accept-library-versions", action="store_true",
+                     help="resume or extend a folder computed with other versions of TensorFlow, Keras, numpy or "
+                     "jacobeam (refused by default, naming them); the new shards record their own versions")
     run.add_argument("--verify", type=_count, default=0, metavar="K",
                      help="verify the output at the end, recomputing K random samples; the result goes into the manifest")
 
@@ -185,11 +188,14 @@ def _summary(result) -> str:
     )
 
 
-def _run(config, beam_args: list[str], quiet: bool, overwrite: bool = False, verify_samples: int = 0) -> int:
+def _run(
+    config, beam_args: list[str], quiet: bool, overwrite: bool = False, verify_samples: int = 0,
+    accept_library_versions: bool = False,
+) -> int:
     from jacobeam.pipeline import runner
 
     result = runner.run(config, beam_args, show_progress=not quiet, overwrite=overwrite, verify_samples=verify_samples,
-                        planned=_ctrl_c.planned)
+                        accept_library_versions=accept_library_versions, planned=_ctrl_c.planned)
     print(_summary(result))
     if result.verification is not None:
         from jacobeam.pipeline.verify import format_report
@@ -493,7 +499,7 @@ def _command(args, beam_args: list[str], passthrough: list[str]) -> int:
         from jacobeam.pipeline import config as config_module
 
         config = config_module.load(args.config, args.overrides)
-        return _run(config, beam_args, args.quiet, args.overwrite, args.verify)
+        return _run(config, beam_args, args.quiet, args.overwrite, args.verify, args.accept_library_versions)
     if args.command == "demo":
         return _demo(args, beam_args)
     if args.command == "verify":

@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from jacobeam.pipeline.identity import identity_differences, run_identity
+from jacobeam.transforms import model_identity
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import (
     AGGREGATES,
@@ -148,20 +149,59 @@ def _absolute_paths(inputs: list[list[Any]]) -> list[list[Any]]:
     return [[storage.absolute(path), *rest] for path, *rest in inputs]
 
 
-def folder_differences(folder: Folder, spec: JobSpec, fingerprint: str | None) -> list[str]:
-    """How what the folder holds differs from this run; empty when it can be resumed or extended."""
+def judged_by_weights(folder: Folder) -> bool:
+    """Whether the folder holds a manifest or shards written before shards stored the model's identity:
+    those are compared with the model by its loaded weights alone (``LoadedModel.fingerprint``), which
+    the launcher must load the model to know."""
+    return (folder.manifest is not None and "model_identity" not in folder.manifest) or any(
+        model_identity.IDENTITY_ATTR not in attrs for attrs in folder.shards.values()
+    )
+
+
+def stored_fingerprint(folder: Folder) -> str | None:
+    """The loaded weights' fingerprint the folder's shards recorded (the first, by name), or None."""
+    return next((_attr_str(attrs["model_fingerprint"]) for _, attrs in sorted(folder.shards.items())
+                 if _attr_str(attrs.get("model_fingerprint", ""))), None)
+
+
+def folder_differences(
+    folder: Folder, spec: JobSpec, fingerprint: str | None, accept_library_versions: bool = False
+) -> list[str]:
+    """How what the folder holds differs from this run; empty when it can be resumed or extended.
+
+    The model is compared by its identity (``transforms.model_identity``) where the folder recorded one,
+    else (a folder written before) by the weights' ``fingerprint``, when the launcher loaded the model.
+    Library versions are compared with the manifest's (the last finished run's; a run that accepted
+    others wrote its own there), or without a manifest with each shard's; unless accepted."""
     differences = []
+    by_place: dict[str, list[str]] = {}  # the same difference in many places (manifest, shards) is listed once
+    ours = spec.model_identity
+    current = model_identity.library_versions()
+
+    def model_differences(theirs: dict[str, Any] | None, stored: str | None) -> list[str]:
+        if theirs is not None and ours:
+            return [f"model: {d}" for d in model_identity.differences(theirs, ours)]
+        if fingerprint and stored and stored != fingerprint:
+            return [f"model weights differ (fingerprint {stored[:16]}… there, {fingerprint[:16]}… in this run)"]
+        return []
+
+    def version_differences(theirs: dict[str, Any] | None) -> list[str]:
+        found = model_identity.version_differences(theirs or {}, current)
+        if not found or accept_library_versions:
+            return []
+        return [f"computed with other library versions: {', '.join(found)} (--accept-library-versions adds "
+                "shards computed with these)"]
+
     if folder.manifest is not None:
         manifest = folder.manifest
         theirs = manifest.get("run_identity") or run_identity(manifest["config"])
         differences += [f"{MANIFEST}: written by a different run: {d}" for d in identity_differences(theirs, spec.identity)]
-        if fingerprint and manifest.get("model_fingerprint") not in (None, fingerprint):
-            differences.append(
-                f"{MANIFEST}: model weights differ (fingerprint {manifest['model_fingerprint'][:16]}… there, "
-                f"{fingerprint[:16]}… in this run)"
-            )
+        for difference in model_differences(manifest.get("model_identity"), manifest.get("model_fingerprint")):
+            by_place.setdefault(difference, []).append(MANIFEST)
+        for difference in version_differences(manifest.get("versions")):
+            by_place.setdefault(difference, []).append(MANIFEST)
     expected = {shard_name(r.start, r.stop): r for r in spec.ranges() if r.rows}
-    by_shard: dict[str, list[str]] = {}  # the same difference for many shards is listed once
+    by_shard: dict[str, list[str]] = by_place
     for name, attrs in folder.shards.items():
         where = f"{SHARDS_DIR}/{name}"
         shard = expected.get(name)
@@ -175,9 +215,9 @@ def folder_differences(folder: Folder, spec: JobSpec, fingerprint: str | None) -
             theirs = _attr_str(attrs["run_key"])
             found = [] if theirs == spec.run_key else [f"run key {theirs}, this run {spec.run_key}"]
         found = [f"written by a different run: {d}" for d in found]
-        stored = _attr_str(attrs.get("model_fingerprint", ""))
-        if fingerprint and stored and stored != fingerprint:
-            found.append(f"model weights differ (fingerprint {stored[:16]}… there, {fingerprint[:16]}… in this run)")
+        found += model_differences(model_identity.from_attrs(attrs), _attr_str(attrs.get("model_fingerprint", "")))
+        if folder.manifest is None:
+            found += version_differences(model_identity.versions_from_attrs(attrs))
         if "inputs" in attrs and _absolute_paths(json.loads(_attr_str(attrs["inputs"]))) != shard_inputs(
             spec.files, shard.start, shard.stop
         ):
@@ -188,7 +228,9 @@ def folder_differences(folder: Folder, spec: JobSpec, fingerprint: str | None) -
             )
         for difference in found:
             by_shard.setdefault(difference, []).append(where)
-    for difference, shards in by_shard.items():
-        others = f" (so do {len(shards) - 1} more shards)" if len(shards) > 1 else ""
-        differences.append(f"{shards[0]}: {difference}{others}")
+    for difference, places in by_shard.items():
+        shards = len(places) - 1
+        more = " more" if places[0] != MANIFEST else ""
+        others = f" (so do {shards}{more} shards)" if shards else ""
+        differences.append(f"{places[0]}: {difference}{others}")
     return differences

@@ -12,6 +12,7 @@ from typing import Any
 
 from jacobeam.transforms.engine.reductions import DESCRIPTIONS
 from jacobeam.transforms.finalize import missing_sources, view_datasets
+from jacobeam.transforms.model_identity import COMPARED_LIBRARIES
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import (
     MANIFEST,
@@ -175,6 +176,17 @@ def _precision(manifest: dict[str, Any]) -> str | None:
     return precision_line(manifest.get("self_check") or {}, compute)
 
 
+def _versions(manifest: dict[str, Any]) -> str | None:
+    """The libraries that computed the last run (``transforms.model_identity.library_versions``) and its
+    TensorFlow threads per worker."""
+    versions = manifest.get("versions")
+    if not versions:
+        return None
+    named = ", ".join(f"{name} {versions[name]}" for name in (*COMPARED_LIBRARIES, "python") if versions.get(name))
+    threads = manifest.get("tf_threads")
+    return named + ("" if "tf_threads" not in manifest else f"; {threads or 'default'} TensorFlow threads per worker")
+
+
 def format_report(report: Report) -> str:
     lines = [f"{report.folder}: {'complete' if report.ok else 'NOT COMPLETE'}"]
     manifest = report.manifest
@@ -186,6 +198,7 @@ def format_report(report: Report) -> str:
             f"-> output {tuple(manifest['output_shape'])}, {manifest['dtype']}",
             f"  model       {_model_source(manifest['config']['model'])}, "
             f"weights sha256 {manifest['model_fingerprint'][:16]}…",
+            *([f"  versions    {versions}"] if (versions := _versions(manifest)) else []),
             f"  inputs      {_input_files(manifest)}",
             f"  engine      {_engine(manifest.get('engine'))}",
             *([f"  result      {result}"] if (result := _result(manifest)) else []),

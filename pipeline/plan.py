@@ -21,13 +21,14 @@ import time
 
 from jacobeam.pipeline.config import Config, ConfigError, to_dict
 from jacobeam.pipeline.discover import resolve_inputs, scan_inputs
-from jacobeam.pipeline.folder import folder_differences, read_folder
+from jacobeam.pipeline.folder import folder_differences, read_folder, stored_fingerprint
 from jacobeam.pipeline.identity import run_identity, run_key
 from jacobeam.pipeline.ids import place_files, rejected_runs, shard_ranges, with_hashes
 from jacobeam.transforms.errors import InputError, OutputError
 from jacobeam.transforms.finalize import remove_temp_files
 from jacobeam.transforms.inputs.readers import check_labels
 from jacobeam.transforms.inputs.scan import Labels
+from jacobeam.transforms.model_identity import model_identity
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import SHARDS_DIR, shard_name
 from jacobeam.transforms.spec import JobSpec, ModelSource
@@ -65,7 +66,7 @@ def _label_key(config: Config) -> str | None:
     return config.jacobian.labels.key if config.jacobian.outputs == "label" else None
 
 
-def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fingerprint) -> JobSpec:
+def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fingerprint, model) -> JobSpec:
     runs, unreadable = rejected_runs(files, scans)
     ranges = shard_ranges(segments, config.output.samples_per_shard, runs)
     if not any(r.rows for r in ranges):
@@ -87,16 +88,25 @@ def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fi
         id_segments=tuple(tuple(s) for s in segments),
         identity=identity,
         model_fingerprint=fingerprint,
+        model_identity=model,
         self_check=config.jacobian.self_check.spec(),
     )
 
 
-def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = False, check_model: bool = True) -> Job:
+def make_job(
+    config: Config, tf_threads: int | None = None, overwrite: bool = False, check_model: bool = True,
+    accept_library_versions: bool = False, identify_model: bool = True,
+) -> Job:
     """Plan the job for ``config`` and check everything that can be checked before the pipeline starts.
 
     Raises a ``JacobeamError`` naming the file, row or key for: unusable inputs, bad samples under
     ``on_bad_sample: error``, a model that does not take the inputs' samples, and an output folder that
-    holds another run's result (unless ``overwrite``). Touches no output.
+    holds another run's result (unless ``overwrite``): another model (its identity, read from its files:
+    ``transforms.model_identity``), or other library versions (unless ``accept_library_versions``).
+    Touches no output. ``check_model``: load the model to check it takes the inputs' samples (and to
+    compare its weights with a folder written before shards stored the model's identity).
+    ``identify_model`` false: the configured model is not the one computed (a test's engine factory),
+    the run has no model identity.
     """
     policy = config.input.on_bad_sample
     if check_model:
@@ -118,21 +128,26 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
 
         log.info("loading the model to check it against the inputs")
         fingerprint, output_shape = check(ModelSource(**to_dict(config)["model"]), files)
+    folder = read_folder(config.output.path)
     labels = None
-    if _label_key(config):  # the model's output size bounds the labels where the model was loaded
-        labels = Labels(_label_key(config), None if output_shape is None else math.prod(output_shape))
+    if _label_key(config):  # the model's output size (loaded, or as its shards record it) bounds the labels
+        outputs = output_shape or next((tuple(a["output_shape"]) for a in folder.shards.values() if "output_shape" in a), None)
+        labels = Labels(_label_key(config), None if outputs is None else math.prod(outputs))
     scans = scan_inputs(files, policy, labels)
     files = with_hashes(files, scans)
     identity = run_identity(to_dict(config))
-    folder = read_folder(config.output.path)
+    model = model_identity(ModelSource(**to_dict(config)["model"])) if identify_model else {}
     if folder.alien:
         raise OutputError(
             f"output folder {folder.root}: " + "; ".join(folder.alien[:_MAX_LISTED])
             + " — jacobeam uses these names, but did not write these files; move them away or choose another output.path"
         )
     placed, segments, differences = place_files(files, folder.manifest)
-    spec = _build_spec(config, placed, segments, scans, identity, tf_threads, fingerprint)
-    differences += folder_differences(folder, spec, fingerprint)
+    # Without loading the model, the weights the kept shards were computed with: a worker that loads
+    # others (a factory that draws them) refuses to write a shard beside them.
+    kept_weights = fingerprint or stored_fingerprint(folder)
+    spec = _build_spec(config, placed, segments, scans, identity, tf_threads, kept_weights, model)
+    differences += folder_differences(folder, spec, fingerprint, accept_library_versions)
     remove: list[str] = list(folder.unproven)
     if differences:
         if not overwrite:
@@ -145,7 +160,7 @@ def make_job(config: Config, tf_threads: int | None = None, overwrite: bool = Fa
         log.warning("--overwrite: replacing the different run in %s", folder.root)
         remove = list(folder.owned)
         placed, segments, _ = place_files(files, None)
-        spec = _build_spec(config, placed, segments, scans, identity, tf_threads, fingerprint)
+        spec = _build_spec(config, placed, segments, scans, identity, tf_threads, fingerprint, model)
         already_done = 0
     else:
         rows = {shard_name(r.start, r.stop): r.rows for r in spec.ranges()}

@@ -17,7 +17,7 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 
 from jacobeam.pipeline import plan
 from jacobeam.pipeline.config import Config, ConfigError
-from jacobeam.pipeline.folder import read_folder
+from jacobeam.pipeline.folder import judged_by_weights, read_folder
 from jacobeam.pipeline.progress import ShardProgress
 from jacobeam.transforms.compute import EngineFactory
 from jacobeam.transforms.finalize import Finalize
@@ -92,16 +92,21 @@ def engine_in_workers(options: PipelineOptions) -> bool:
 
 
 def launcher_loads_model(config: Config, options: PipelineOptions) -> bool:
-    """Whether the launcher loads the model to check it while planning (``plan.make_job``): always, but
-    for a fresh output folder whose engines local worker processes build. Those load the model first
-    thing (building the engine checks it against the samples; ``Finalize`` checks that every shard has
-    the same weights), and the launcher's own import of TensorFlow would take seconds of the cores they
-    share. A folder that holds shards or a manifest has weights to compare with: the launcher checks.
-    With ``outputs: label`` it checks too: the model's output size bounds the labels, which the plan
-    checks before any output is touched."""
-    if config.jacobian.outputs == "label":
-        return True
-    return not (engine_in_workers(options) and read_folder(config.output.path).empty)
+    """Whether the launcher loads the model to check it while planning (``plan.make_job``).
+
+    The run's model identity is read from the model's files without loading it
+    (``transforms.model_identity``): a rerun with nothing to compute loads no model. The launcher loads
+    it on a fresh folder whose engines it builds in its own process (to check the model against the
+    inputs before anything runs), and on a folder written before shards stored the model's identity,
+    which only the loaded weights can be compared with; with ``outputs: label`` on a fresh folder too, for
+    the model's output size, which bounds the labels that the plan checks (a folder's shards record it).
+    Local worker processes check the model when they
+    build the engine (against the samples, and the identity it was planned with), and ``Finalize`` that
+    every shard has the same weights."""
+    folder = read_folder(config.output.path)
+    if folder.empty:
+        return config.jacobian.outputs == "label" or not engine_in_workers(options)
+    return judged_by_weights(folder)
 
 
 def tf_threads(config: Config, options: PipelineOptions) -> int | None:
@@ -260,6 +265,7 @@ def run(
     show_progress: bool = True,
     overwrite: bool = False,
     verify_samples: int = 0,
+    accept_library_versions: bool = False,
     *,
     pipeline: beam.Pipeline | None = None,
     engine_factory: EngineFactory | None = None,
@@ -275,14 +281,16 @@ def run(
         show_progress: show the shards' progress (local runners only).
         overwrite: replace what another run left in the output folder (only files jacobeam wrote).
         verify_samples: after the run, ``verify`` the folder, recomputing this many samples (0: do not).
+        accept_library_versions: extend or resume a folder computed with other versions of TensorFlow,
+            Keras, numpy or jacobeam (the new shards record their own).
         pipeline: run the job in this pipeline instead of making one from ``beam_args`` (as Beam's
             examples take ``test_pipeline``): a test passes a ``TestPipeline``. It runs with its own
             runner and options (``beam_args`` still serve the plan), and this call runs it: it should
             hold nothing but the job.
         engine_factory: builds each worker's engine (see ``ComputeJacobians``); None is TensorFlow's
             ``JacobianEngine``. With a factory the model the config names is neither loaded nor
-            checked while planning (the factory's engine stands in for it), and the shards record the
-            factory engine's fingerprint.
+            checked while planning (the factory's engine stands in for it), the shards record the
+            factory engine's fingerprint and no model identity.
         planned: called with the job's spec once it is planned and the output folder prepared, before
             the pipeline runs (the command line uses it to say what an interrupted run kept).
 
@@ -302,7 +310,10 @@ def run(
     # systems that take options (--hdfs_host, --s3_region_name, ...) need them here already.
     FileSystems.set_options(options)
     check_model = engine_factory is None and (pipeline is not None or launcher_loads_model(config, options))
-    job = plan.make_job(config, tf_threads(config, options), overwrite=overwrite, check_model=check_model)
+    job = plan.make_job(
+        config, tf_threads(config, options), overwrite=overwrite, check_model=check_model,
+        accept_library_versions=accept_library_versions, identify_model=engine_factory is None,
+    )
     spec, already_done = job.spec, job.already_done
     plan.prepare_output(job)
     if planned is not None:

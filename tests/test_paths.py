@@ -45,7 +45,7 @@ def _write(folder: Path, sizes: dict[str, int]) -> None:
 def test_a_glob_without_a_folder_part_matches_in_the_working_directory(tmp_path, monkeypatch, pattern):
     _write(tmp_path, {"digits-1.npy": 4, "digits-2.npy": 3})
     monkeypatch.chdir(tmp_path)
-    spec = plan.make_job(_config([pattern], "out"), check_model=False).spec
+    spec = plan.make_job(_config([pattern], "out"), check_model=False, identify_model=False).spec
     expected = ["digits-1.npy"] if pattern == "digits-1.npy" else ["digits-1.npy", "digits-2.npy"]
     assert [f.path for f in spec.files] == [str(tmp_path / name) for name in expected]
 
@@ -53,13 +53,13 @@ def test_a_glob_without_a_folder_part_matches_in_the_working_directory(tmp_path,
 def test_a_glob_that_matches_nothing_names_where_it_looked(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(Exception, match=rf"input.paths: '\*.npy' matches no files \(looked for {tmp_path}/\*.npy\)"):
-        plan.make_job(_config(["*.npy"], "out"), check_model=False)
+        plan.make_job(_config(["*.npy"], "out"), check_model=False, identify_model=False)
 
 
 def test_every_local_path_in_the_plan_is_absolute(tmp_path, monkeypatch):
     _write(tmp_path / "data", {"a.npy": 5, "b.npy": 6})
     monkeypatch.chdir(tmp_path)
-    spec = plan.make_job(_config(["data/*.npy"], "out/run"), check_model=False).spec
+    spec = plan.make_job(_config(["data/*.npy"], "out/run"), check_model=False, identify_model=False).spec
     assert [f.path for f in spec.files] == [str(tmp_path / "data" / "a.npy"), str(tmp_path / "data" / "b.npy")]
     assert spec.output_dir == str(tmp_path / "out" / "run")
 
@@ -92,7 +92,7 @@ def test_a_folder_written_with_relative_paths_is_resumed_not_refused(tmp_path, m
             h5.attrs["inputs"] = json.dumps([[str(Path(p).relative_to(tmp_path)), *rest] for p, *rest in inputs])
             before[shard.name] = h5["jacobian"][:]
 
-    job = plan.make_job(cfg, check_model=False)
+    job = plan.make_job(cfg, check_model=False, identify_model=False)
     assert job.already_done == 21 and job.remove == []
     again = _run(cfg)
     assert [e["path"] for e in again["inputs"]] == [str(tmp_path / "data" / "a.npy"), str(tmp_path / "data" / "b.npy")]

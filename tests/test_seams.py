@@ -328,7 +328,9 @@ def test_read_compute_write_composed_in_a_users_pipeline_give_the_same_folder_as
     planned shard, every shard and aggregate the same bit for bit as ``jacobeam run``'s."""
     root, _, first, _ = fake_run
     out = tmp_path / "out"
-    job = plan.make_job(_config(root / "data", out), check_model=False)
+    cfg = _config(root / "data", out)
+    threads = runner.tf_threads(cfg, runner.PipelineOptions([]))  # the run's: shards record their threads
+    job = plan.make_job(cfg, threads, check_model=False, identify_model=False)
     plan.prepare_output(job)
     spec = job.spec
     with test_pipeline.TestPipeline(runner=FnApiRunner()) as pipeline:
@@ -568,7 +570,9 @@ def test_run_key_ignores_threads_self_check_and_order_and_follows_everything_els
 
 def _spec(data: Path, out: Path, samples_per_shard: int = 16):
     """This run's plan, as if the folder were to be overwritten (so the plan itself does not refuse it)."""
-    return plan.make_job(_config(data, out, samples_per_shard), overwrite=True, check_model=False).spec
+    return plan.make_job(
+        _config(data, out, samples_per_shard), overwrite=True, check_model=False, identify_model=False
+    ).spec
 
 
 def test_a_folder_of_the_same_run_has_no_differences(fake_run):
@@ -596,10 +600,9 @@ def test_a_folder_written_with_other_model_weights_is_reported(fake_run):
     other = "f" * 64
     differences = folder_differences(read_folder(str(root / "out")), _spec(root / "data", root / "out"), other)
     fingerprint = result.manifest["model_fingerprint"]
-    assert differences == [
-        f"manifest.json: model weights differ (fingerprint {fingerprint[:16]}… there, {other[:16]}… in this run)",
-        f"shards/shard-000000000000-000000000016.h5: model weights differ (fingerprint {fingerprint[:16]}… there, "
-        f"{other[:16]}… in this run) (so do 2 more shards)",
+    assert differences == [  # the same difference in the manifest and every shard: one line
+        f"manifest.json: model weights differ (fingerprint {fingerprint[:16]}… there, {other[:16]}… in this run) "
+        "(so do 3 shards)",
     ]
 
 

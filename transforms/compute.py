@@ -197,7 +197,8 @@ class ComputeJacobiansFn(beam.DoFn):
                 shard=part.shard,
                 partial=None if full is None else aggregates.partial(full, kinds),
                 seconds=seconds,
-                engine={**described, "model_fingerprint": engine.fingerprint},
+                engine={**described, "model_fingerprint": engine.fingerprint,
+                        "model_identity": getattr(engine, "model_identity", None)},
                 worker={"pid": os.getpid(), "engine_builds": _engine_builds[self._run]},
                 checks=self._check(part, datasets),
             )

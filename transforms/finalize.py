@@ -16,7 +16,6 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import platform
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 import apache_beam as beam
 from apache_beam.typehints.decorators import no_annotations
 
-from jacobeam.transforms import self_check
+from jacobeam.transforms import model_identity, self_check
 from jacobeam.transforms.aggregates import PARTIALS, combine_shards, write_aggregates
 from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.inputs.readers import shape_record
@@ -147,18 +146,6 @@ def missing_sources(root: str | Path, view) -> list[str]:
     return problems
 
 
-def library_versions() -> dict[str, str]:
-    """The installed versions, from the packages' metadata (importing TensorFlow to ask would cost seconds)."""
-    from importlib import metadata
-
-    return {
-        "jacobeam": version(),
-        "python": platform.python_version(),
-        **{key: metadata.version(dist) for key, dist in
-           (("tensorflow", "tensorflow"), ("numpy", "numpy"), ("apache_beam", "apache-beam"), ("h5py", "h5py"))},
-    }
-
-
 def _intervals(runs: Sequence[Rejected]) -> list[list[int]]:
     """Rejected ids as merged ``[start, stop)`` intervals (compact in the manifest)."""
     merged: list[list[int]] = []
@@ -210,6 +197,7 @@ def build_manifest(
         "engine": next((record.engine for record in records if record.engine), None),
         "run_key": spec.run_key,
         "run_identity": spec.identity,
+        "model_identity": spec.model_identity or None,
         "datasets": {name: {"shape": ["n", *shape], "dtype": dtype} for name, (shape, dtype) in fields.items()},
         "stored": _stored(spec),
         "inputs": [
@@ -253,7 +241,9 @@ def build_manifest(
         # Each shard recomputed samples on their own (jacobian.self_check): what was checked, the largest
         # relative error, every kink and mismatch.
         "self_check": self_check.summary(spec.self_check, records),
-        "versions": library_versions(),
+        # The versions of this run's launcher; each shard records those of the worker that computed it.
+        "versions": model_identity.library_versions(),
+        "tf_threads": spec.tf_threads,
         "run": {
             "wall_seconds": round(wall, 3),
             "samples_computed": computed,

@@ -180,7 +180,12 @@ class JobSpec:
     file_rejects: tuple[Rejected, ...] = ()  # files that could not be opened at all (they have no ids)
     id_segments: tuple[tuple[int, int], ...] = ()  # id ranges added by successive (incremental) runs
     identity: dict[str, Any] = dataclasses.field(default_factory=dict)  # what run_key hashes, for messages
-    model_fingerprint: str | None = None  # as found by the launcher's model check
+    # The loaded model's weights (``LoadedModel.fingerprint``), as found by the launcher's model check or
+    # recorded by the shards this run keeps: a worker that loads other weights refuses to write.
+    model_fingerprint: str | None = None
+    # ``transforms.model_identity.model_identity`` of the model, read by the launcher (empty for a user's
+    # pipeline): stored in every shard, and a worker that loads another model refuses to write.
+    model_identity: dict[str, Any] = dataclasses.field(default_factory=dict)
     self_check: SelfCheck = SelfCheck()  # jacobian.self_check
     # The samples of a user's pipeline (``transforms.write.pipeline_spec``): not planned from files, their
     # ids 0..n-1 are counted when every shard is written.

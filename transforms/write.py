@@ -33,7 +33,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.typehints.decorators import no_annotations
 
-from jacobeam.transforms import aggregates, self_check
+from jacobeam.transforms import aggregates, model_identity, self_check
 from jacobeam.transforms.elements import JacobianBatch
 from jacobeam.transforms.errors import OutputError, SelfCheckError
 from jacobeam.transforms.finalize import Finalize
@@ -142,6 +142,13 @@ class ShardOutput:
                 f"model weights changed since the run was planned (fingerprint {spec.model_fingerprint[:16]}… "
                 f"then, {str(fingerprint)[:16]}… in worker {os.getpid()})"
             )
+        planned = model_identity.digest(spec.model_identity) if spec.model_identity else None
+        loaded = engine.get("model_identity")
+        if planned and loaded and loaded != planned:  # a fake engine (tests) names no model
+            raise OutputError(
+                f"the model changed since the run was planned (identity {planned[:16]}… then, {loaded[:16]}… "
+                f"in worker {os.getpid()}): run again to compare it with the output folder"
+            )
         input_shape = shape_record(spec.sample_shape)
         attrs = {
             # HDF5 attributes hold arrays, not mappings: several inputs' shapes are stored as JSON.
@@ -153,6 +160,7 @@ class ShardOutput:
             "jacobeam_version": version(),
             "run_identity": json.dumps(spec.identity, sort_keys=True),
             "inputs": json.dumps(shard_inputs(spec.files, shard.start, shard.stop)),
+            **model_identity.shard_attrs(spec.model_identity, spec.tf_threads),
         }
         writer = ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression, rows=shard.rows)
         self._writer = writer.__enter__()
@@ -207,6 +215,8 @@ def kept_record(spec: JobSpec, shard: ShardRange, checksums: dict[str, str]) -> 
     expected = {"run_key": spec.run_key}
     if spec.model_fingerprint:
         expected["model_fingerprint"] = spec.model_fingerprint
+    if spec.model_identity and model_identity.IDENTITY_ATTR in attrs:  # a shard written before it has none
+        expected[model_identity.IDENTITY_ATTR] = model_identity.attr_value(spec.model_identity)
     for name, value in expected.items():
         if attrs.get(name) != value:
             raise OutputError(

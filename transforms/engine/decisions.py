@@ -3,11 +3,12 @@ TensorFlow and device can take them instead of probing again.
 
 Set-up checks the model (it takes the samples; its samples do not interact inside a batch), probes and
 compares paths (agreement with the reference path, XLA against the plain graph), times them where a
-choice is open and shrinks sizes that ran out of memory. Each outcome is decided by the model's
-structure and weights, the engine options, the operands, TensorFlow and the device: ``key`` holds all
-of them, so decisions reused under an equal key are the decisions a new set-up would take (timed
-choices aside, which were right on this device). A model whose structure cannot be named cheaply (not
-a Keras model, or one whose configuration does not serialise) has no key: its engine always probes.
+choice is open and shrinks sizes that ran out of memory. Each outcome is decided by the model, the
+engine options, the operands, TensorFlow and the device: ``key`` holds all of them (the model by the
+run's own model identity, ``transforms.model_identity``), so decisions reused under an equal key are
+the decisions a new set-up would take (timed choices aside, which were right on this device). A model
+whose structure cannot be named cheaply (not a Keras model, or one wrapped by hand whose configuration
+does not serialise) has no key: its engine always probes.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from typing import Any
 
 import numpy as np
 
+from jacobeam.transforms import model_identity
 from jacobeam.transforms.engine.blocks import Path
 from jacobeam.transforms.engine.budget import Sizes
 from jacobeam.transforms.engine.executor import Plan
 from jacobeam.transforms.engine.models import LoadedModel
 from jacobeam.transforms.engine.operands import Operands
-from jacobeam.transforms.spec import EngineOptions, version
+from jacobeam.transforms.spec import EngineOptions
 
-FORMAT = 1
+FORMAT = 2  # 2: the model named by its identity (transforms.model_identity)
 
 
 def _cpu() -> str:
@@ -53,55 +55,28 @@ def _devices() -> list[str]:
     return found
 
 
-def _structure(keras_model) -> str:
-    """The model's configuration with every name (of a layer, an input, the model) replaced by the
-    order it first appears in: Keras numbers default names per process (``dense_3``), which says
-    nothing of the model, and connections refer to layers by name."""
-    config = json.loads(keras_model.to_json())
-    names: dict[str, str] = {}
-
-    def collect(value) -> None:
-        if isinstance(value, dict):
-            if isinstance(value.get("name"), str):
-                names.setdefault(value["name"], f"#{len(names)}")
-            for item in value.values():
-                collect(item)
-        elif isinstance(value, list):
-            for item in value:
-                collect(item)
-
-    def renamed(value):
-        if isinstance(value, dict):
-            return {k: renamed(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [renamed(v) for v in value]
-        return names.get(value, value) if isinstance(value, str) else value
-
-    collect(config)
-    return json.dumps(renamed(config), sort_keys=True)
-
-
 def key(model: LoadedModel, fingerprint: str, input_shapes: Sequence[tuple[int, ...]], options: EngineOptions) -> dict | None:
     """What decides the set-up's outcome (see the module docstring); None where it cannot be named."""
     if model.keras_model is None:
         return None
-    import keras
     import tensorflow as tf
 
-    try:
-        structure = hashlib.sha256(_structure(model.keras_model).encode()).hexdigest()
-    except Exception:  # noqa: BLE001 - a layer without a serialisable config (a Lambda, a custom layer)
-        return None  # unnamed structure: always probe
+    if model.identity:  # loaded from a source: the run's model identity (transforms.model_identity)
+        named = model_identity.digest(model.identity)
+    else:  # wrapped by hand: its configuration, as the identity of a Keras file names it
+        try:
+            named = model_identity.architecture_digest(json.loads(model.keras_model.to_json()))
+        except Exception:  # noqa: BLE001 - a layer without a serialisable config (a Lambda, a custom layer)
+            return None  # unnamed structure: always probe
     threading = tf.config.threading
+    versions = model_identity.library_versions()
     found = {
         "format": FORMAT,
-        "jacobeam": version(),
-        "tensorflow": tf.__version__,
-        "keras": keras.__version__,
+        **{name: versions[name] for name in ("jacobeam", "tensorflow", "keras")},
         "devices": _devices(),
         "threads": [threading.get_intra_op_parallelism_threads(), threading.get_inter_op_parallelism_threads()],
         "model_fingerprint": fingerprint,
-        "model_structure": structure,
+        "model_identity": named,
         "input_shapes": [list(shape) for shape in input_shapes],
         "options": dataclasses.asdict(options),
     }

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from jacobeam.transforms import model_identity
 from jacobeam.transforms.engine import budget, layer_rules, model_checks
 from jacobeam.transforms.engine import decisions as setup_decisions
 from jacobeam.transforms.engine.blocks import BlockCache
@@ -83,6 +84,9 @@ class JacobianEngine:
         began = time.perf_counter()
         self.options = options
         self.fingerprint = model.fingerprint()
+        # The digest of the model's identity (transforms.model_identity): a worker's shards are written
+        # only for the model the run was planned with.
+        self.model_identity = model_identity.digest(model.identity) if model.identity else None
         self.model = model.with_dtype(options.compute_dtype)
         source = self.model.source
         self.input_names, self.input_shapes = model_checks.resolve_inputs(self.model, input_shapes)

@@ -5,6 +5,7 @@ Imports TensorFlow, so only workers (in ``setup()``) and tests import this modul
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import zipfile
@@ -35,6 +36,9 @@ class LoadedModel:
     input_names: tuple[str, ...] = ("x",)
     input_shapes: tuple[tuple[int | None, ...], ...] | None = None  # per sample, where the model declares them
     keras_model: keras.Model | None = None
+    # ``transforms.model_identity.model_identity`` of the source it was loaded from (``load`` sets it);
+    # None for a model wrapped by hand.
+    identity: dict[str, Any] | None = None
 
     def with_dtype(self, dtype: str) -> LoadedModel:
         """The same model computing in ``dtype`` (a float64 twin with identical weights, say)."""
@@ -50,7 +54,7 @@ class LoadedModel:
             raise ModelError(
                 f"{self.source}: cannot rebuild the model in {dtype} (compute_dtype: {dtype}): {first_line(err)}"
             ) from err
-        return wrap_model(twin, self.source)
+        return dataclasses.replace(wrap_model(twin, self.source), identity=self.identity)
 
     def fingerprint(self) -> str:
         """sha256 over the model's weights (shapes, dtypes and values, in the model's order)."""
@@ -258,7 +262,12 @@ def load(
 ) -> LoadedModel:
     """Load a model from exactly one source (see ``pipeline.config.ModelConfig``); with ``logits``, the
     model without its last layer's softmax (``without_softmax``)."""
-    loaded = _load(path, factory, builtin)
+    from jacobeam.transforms.model_identity import model_identity
+    from jacobeam.transforms.spec import ModelSource
+
+    loaded = _load(path, factory, builtin)  # first: its errors name what is wrong with the file
+    identity = model_identity(ModelSource(path, factory, builtin, logits))
+    loaded = dataclasses.replace(loaded, identity=identity)
     if not logits:
         return loaded
     if loaded.keras_model is None:
@@ -266,7 +275,7 @@ def load(
             f"model.logits: {loaded.source} is not a Keras model (a SavedModel or tf.Module): its softmax cannot "
             "be removed; load a Keras model (.keras file or factory), or set model.logits false"
         )
-    return wrap_model(without_softmax(loaded.keras_model, loaded.source), loaded.source)
+    return dataclasses.replace(wrap_model(without_softmax(loaded.keras_model, loaded.source), loaded.source), identity=identity)
 
 
 def _load(path: str | None, factory: str | None, builtin: str | None) -> LoadedModel:
