@@ -14,13 +14,14 @@ parts: ``pipeline.discover`` (input files), ``pipeline.identity`` (what makes tw
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
 import time
 
 from jacobeam.pipeline.config import Config, ConfigError, to_dict
-from jacobeam.pipeline.discover import resolve_inputs, scan_inputs
+from jacobeam.pipeline.discover import known_scans, resolve_inputs, scan_inputs
 from jacobeam.pipeline.folder import folder_differences, read_folder, stored_fingerprint
 from jacobeam.pipeline.identity import run_identity, run_key
 from jacobeam.pipeline.ids import place_files, rejected_runs, shard_ranges, with_hashes
@@ -30,7 +31,7 @@ from jacobeam.transforms.inputs.readers import check_labels
 from jacobeam.transforms.inputs.scan import Labels
 from jacobeam.transforms.model_identity import model_identity
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import SHARDS_DIR, shard_name
+from jacobeam.transforms.output.layout import REJECTED_FILE, SHARDS_DIR, shard_name
 from jacobeam.transforms.spec import JobSpec, ModelSource
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,14 @@ def _check_files_named(config: Config) -> None:
     for key, path in named.items():
         if path is not None and not FileSystems.exists(path):
             raise ConfigError(f"{key} {path}: no such file or directory")
+
+
+def _rejected_lines(folder) -> list[dict]:
+    """The rejected samples the folder's last complete run listed."""
+    if folder.manifest is None or not (folder.manifest.get("rejected") or {}).get("count"):
+        return []
+    path = storage.join(folder.root, REJECTED_FILE)
+    return [json.loads(line) for line in storage.read_text(path).splitlines()] if storage.exists(path) else []
 
 
 def _label_key(config: Config) -> str | None:
@@ -133,7 +142,7 @@ def make_job(
     if _label_key(config):  # the model's output size (loaded, or as its shards record it) bounds the labels
         outputs = output_shape or next((tuple(a["output_shape"]) for a in folder.shards.values() if "output_shape" in a), None)
         labels = Labels(_label_key(config), None if outputs is None else math.prod(outputs))
-    scans = scan_inputs(files, policy, labels)
+    scans = scan_inputs(files, policy, labels, known_scans(files, folder.manifest, _rejected_lines(folder), labels))
     files = with_hashes(files, scans)
     identity = run_identity(to_dict(config))
     model = model_identity(ModelSource(**to_dict(config)["model"])) if identify_model else {}

@@ -140,7 +140,8 @@ def work_items(spec: JobSpec, worker_processes: int | None = None) -> list:
 
 
 def build(
-    pipeline: beam.Pipeline, spec: JobSpec, engine_factory: EngineFactory | None = None, worker_processes: int | None = None
+    pipeline: beam.Pipeline, spec: JobSpec, engine_factory: EngineFactory | None = None, worker_processes: int | None = None,
+    complete: bool = False,
 ):
     """The whole job as a Beam graph: shard ranges (``work_items``), spread over the workers -> each
     range read, computed and written as its shard (``ComputeShards``; a complete shard kept) -> one
@@ -157,6 +158,7 @@ def build(
             ``JacobianEngine``. A test seam: ``transforms.testing.fake_engine.FakeEngineFactory``.
         worker_processes: a local runner's worker processes (see ``work_items``); None: one range per
             element.
+        complete: every shard is complete already (``ComputeShards``: no worker loads the model).
 
     Returns:
         ``PCollection[dict]`` of one element, the manifest ``Finalize`` writes when every shard is
@@ -166,7 +168,7 @@ def build(
         pipeline
         | "ShardRanges" >> beam.Create(work_items(spec, worker_processes))
         | "Spread" >> beam.Reshuffle()  # a no-op on Dask, where the partitions spread (with_dask_partitions)
-        | "ComputeShards" >> ComputeShards(spec, engine_factory)
+        | "ComputeShards" >> ComputeShards(spec, engine_factory, complete)
         | "Finalize" >> Finalize(spec)
     )
 
@@ -330,7 +332,8 @@ def run(
     with progress:
         if pipeline is None:
             pipeline = beam.Pipeline(runner=_runner(options), options=options)
-        build(pipeline, spec, engine_factory, local_worker_processes(options) if is_local(options) else None)
+        complete = already_done == sum(r.rows for r in ranges)
+        build(pipeline, spec, engine_factory, local_worker_processes(options) if is_local(options) else None, complete)
         result = pipeline.run()
         try:
             result.wait_until_finish()

@@ -165,6 +165,37 @@ def test_incremental_run_computes_only_new_files_and_ids_stay(clean, tmp_path):
     assert third["run"]["samples_computed"] == 0 and third["id_segments"] == [[0, 40], [40, 64]]
 
 
+def test_a_rerun_reads_only_new_or_changed_files_and_with_nothing_to_compute_loads_no_model(tmp_path, monkeypatch):
+    """A resume trusts what the file system says of a file (size, time of its last change): an unchanged
+    file is not read again; a new file is; a file changed in place is read again and found changed."""
+    from jacobeam.transforms.inputs import scan
+    from jacobeam.transforms.spec import ModelSource
+
+    data, out, _ = _own_run(tmp_path)
+    read, scan_file = [], scan.scan_file
+    monkeypatch.setattr(scan, "scan_file", lambda source, *a, **k: read.append(Path(source.path).name) or scan_file(source, *a, **k))
+
+    def no_model(self):
+        raise AssertionError("the model was loaded")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ModelSource, "load", no_model)
+        again = _run(data, out)
+    assert read == [] and again["run"]["samples_computed"] == 0
+
+    _write(data, {"d": 5}, seed=3)
+    assert _run(data, out)["run"]["samples_computed"] == 5 and read == ["d.npy"]
+
+    x = np.load(data / "b.npy")
+    x[0, 0] += 1.0
+    np.save(data / "b.npy", x)
+    stat = (data / "b.npy").stat()
+    os.utime(data / "b.npy", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a coarse clock still tells
+    with pytest.raises(Exception, match=r"b.npy changed: data sha256"):
+        _run(data, out)
+    assert read[1:] == ["b.npy"]
+
+
 def test_incremental_run_with_a_changed_or_missing_old_file_is_refused(clean, tmp_path, capsys):
     data, out, _ = _own_run(tmp_path)
     before = folder_state(out)

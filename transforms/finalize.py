@@ -209,6 +209,7 @@ def build_manifest(
                 "num_samples": source.num_samples,
                 "dtype": source.dtype,
                 "data_sha256": source.data_sha256,
+                **({"stamp": source.stamp} if source.stamp else {}),
                 **({"unreadable": source.unreadable} if source.unreadable else {}),
             }
             for source in spec.files

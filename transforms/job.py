@@ -42,13 +42,21 @@ class ComputeShardFn(ComputeJacobiansFn):
     most one commit in flight); the item's last record waits for its commit before ``process`` returns.
     """
 
-    def __init__(self, spec: JobSpec, engine_factory: EngineFactory | None = None):
+    def __init__(self, spec: JobSpec, engine_factory: EngineFactory | None = None, complete: bool = False):
         super().__init__(
             spec.model, spec.sample_shape, spec.engine, spec.tf_threads, spec.self_check, engine_factory,
             plan_cache=storage.join(spec.output_dir, ENGINE_PLAN),
         )
-        self._spec = spec
+        self._spec, self._complete = spec, complete
         self._shard_metrics = ShardMetrics()
+
+    def setup(self) -> None:
+        if not self._complete:
+            super().setup()
+            return
+        # Every shard was complete when the run was planned: no model to load (a rerun with nothing to
+        # compute takes the imports and little else); should a shard have gone since, process builds it.
+        self._engine, self._checker, self._chosen = None, None, {}
 
     @no_annotations
     def process(self, work: ShardRange | Sequence[ShardRange]) -> Iterator[ShardRecord]:
@@ -64,6 +72,8 @@ class ComputeShardFn(ComputeJacobiansFn):
                     self._shard_metrics.kept.inc()
                     yield kept_record(spec, shard, checksums)
                     continue
+                if self._engine is None:
+                    super().setup()
                 output = ShardOutput(spec, shard, self._shard_metrics)
                 for samples in shard_batches(spec, shard):
                     for jacobians in super().process(samples):
@@ -94,6 +104,8 @@ class ComputeShards(beam.PTransform):
         spec: the planned job (``pipeline.plan.make_job(...).spec``).
         engine_factory: builds each worker's engine (see ``ComputeJacobians``); None is TensorFlow's
             ``JacobianEngine``.
+        complete: every range's shard was complete when the job was planned: the workers build no
+            engine unless a shard has gone since.
 
     Returns:
         One ``ShardRecord`` per range that has a shard (``computed`` False for a shard kept from an
@@ -104,10 +116,10 @@ class ComputeShards(beam.PTransform):
             ``ComputeJacobians`` and ``WriteShards`` raise them; a failed range leaves no half shard.
     """
 
-    def __init__(self, spec: JobSpec, engine_factory: EngineFactory | None = None):
+    def __init__(self, spec: JobSpec, engine_factory: EngineFactory | None = None, complete: bool = False):
         super().__init__()
-        self._spec, self._engine_factory = spec, engine_factory
+        self._spec, self._engine_factory, self._complete = spec, engine_factory, complete
 
     def expand(self, ranges):
-        fn = ComputeShardFn(self._spec, self._engine_factory)
+        fn = ComputeShardFn(self._spec, self._engine_factory, self._complete)
         return ranges | "Compute" >> beam.ParDo(fn).with_output_types(ShardRecord)

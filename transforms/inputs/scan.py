@@ -77,7 +77,8 @@ def _nonfinite_reason(values: np.ndarray, name: str | None) -> str:
     return f"non-finite input{'' if name is None else f' {name}'}: holds {' and '.join(kinds)}"
 
 
-def _merge(rows: list[tuple[int, str]]) -> tuple[BadRows, ...]:
+def merge_rows(rows: list[tuple[int, str]]) -> tuple[BadRows, ...]:
+    """Bad rows ``(row, reason)`` as runs of consecutive rows bad for one reason."""
     merged: list[BadRows] = []
     for row, reason in sorted(rows):
         if merged and merged[-1].stop_row == row and merged[-1].reason == reason:
@@ -155,7 +156,7 @@ def scan_file(source: SourceFile, slice_bytes: int = SLICE_BYTES, labels: Labels
     except CorruptInputError as err:
         bad = [(row, err.reason) for row in range(n)]
         digest = hashlib.sha256(f"unreadable: {err.reason}".encode())
-    return FileScan(source.path, _merge(bad), digest.hexdigest())
+    return FileScan(source.path, merge_rows(bad), digest.hexdigest())
 
 
 def scan_files(files: Sequence[SourceFile], threads: int | None = None, labels: Labels | None = None) -> dict[str, FileScan]:
