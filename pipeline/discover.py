@@ -2,7 +2,8 @@
 
 A folder named in ``input.paths`` stands for every PNG/JPEG image under it. Every sample is read once
 here (``transforms.inputs.scan``), before any output is touched, so that a bad sample under
-``input.on_bad_sample: error`` stops the run with nothing written.
+``input.on_bad_sample: error`` stops the run with nothing written. A file unchanged since the folder's
+last complete run (``known_scans``: the same stamp) is not read again.
 """
 
 from __future__ import annotations

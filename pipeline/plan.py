@@ -71,6 +71,13 @@ def _rejected_lines(folder) -> list[dict]:
     return [json.loads(line) for line in storage.read_text(path).splitlines()] if storage.exists(path) else []
 
 
+def _checked_model(config: Config, files) -> tuple[str, tuple[int, ...]]:
+    from jacobeam.pipeline.checks import check_model
+
+    log.info("loading the model to check it against the inputs")
+    return check_model(ModelSource(**to_dict(config)["model"]), files)
+
+
 def _label_key(config: Config) -> str | None:
     return config.jacobian.labels.key if config.jacobian.outputs == "label" else None
 
@@ -126,24 +133,23 @@ def make_job(
         config.input.paths, config.input.key, policy, config.input.shape(), config.input.image_options()
     )
     _check_files_named(config)
-    floats = [f.path for f in files if _label_key(config) and f.unreadable is None
-              and check_labels(f, _label_key(config)).kind == "f"]
+    label_key = _label_key(config)
+    floats = [f.path for f in files if label_key and f.unreadable is None and check_labels(f, label_key).kind == "f"]
     if floats:
         log.warning("jacobian.labels.key %r: floating-point labels in %d file(s) (%s%s); each must be a whole "
-                    "output index", _label_key(config), len(floats), floats[0], ", ..." if len(floats) > 1 else "")
-    fingerprint, output_shape = None, None
-    if check_model:
-        from jacobeam.pipeline.checks import check_model as check
-
-        log.info("loading the model to check it against the inputs")
-        fingerprint, output_shape = check(ModelSource(**to_dict(config)["model"]), files)
+                    "output index", label_key, len(floats), floats[0], ", ..." if len(floats) > 1 else "")
     folder = read_folder(config.output.path)
+    # With labels the model is checked first: its output size bounds the labels that the scan checks.
+    # Otherwise after the scan, so that a file the scan rejects is named before the model is blamed.
+    fingerprint, output_shape = _checked_model(config, files) if check_model and label_key else (None, None)
     labels = None
-    if _label_key(config):  # the model's output size (loaded, or as its shards record it) bounds the labels
+    if label_key:  # the model's output size, loaded or as its shards record it
         outputs = output_shape or next((tuple(a["output_shape"]) for a in folder.shards.values() if "output_shape" in a), None)
-        labels = Labels(_label_key(config), None if outputs is None else math.prod(outputs))
+        labels = Labels(label_key, None if outputs is None else math.prod(outputs))
     scans = scan_inputs(files, policy, labels, known_scans(files, folder.manifest, _rejected_lines(folder), labels))
     files = with_hashes(files, scans)
+    if check_model and not label_key:
+        fingerprint, output_shape = _checked_model(config, files)
     identity = run_identity(to_dict(config))
     model = model_identity(ModelSource(**to_dict(config)["model"])) if identify_model else {}
     if folder.alien:

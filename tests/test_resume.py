@@ -173,7 +173,12 @@ def test_a_rerun_reads_only_new_or_changed_files_and_with_nothing_to_compute_loa
 
     data, out, _ = _own_run(tmp_path)
     read, scan_file = [], scan.scan_file
-    monkeypatch.setattr(scan, "scan_file", lambda source, *a, **k: read.append(Path(source.path).name) or scan_file(source, *a, **k))
+
+    def counted(source, *args, **kwargs):
+        read.append(Path(source.path).name)
+        return scan_file(source, *args, **kwargs)
+
+    monkeypatch.setattr(scan, "scan_file", counted)
 
     def no_model(self):
         raise AssertionError("the model was loaded")

@@ -22,12 +22,12 @@ REPO = Path(__file__).resolve().parent.parent
 TWO_PROCESSES = ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
 
 
-def _config(data, out):
+def _config(data, out, threads="auto"):
     return config.validate(
         {
             "model": {"factory": "tests.models:small_cnn"},
             "input": {"paths": [str(data)]},
-            "jacobian": {"batch_size": 4},
+            "jacobian": {"batch_size": 4, "threads": threads},
             "output": {"path": str(out), "samples_per_shard": 5},
         }
     )
@@ -94,10 +94,11 @@ def test_each_worker_process_gets_one_run_of_consecutive_shards_of_about_equal_s
 def test_two_worker_processes_give_identical_shards_and_build_the_engine_once_each(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # worker processes import tests.models as the factory
     samples = write_inputs(tmp_path / "data", (8, 8, 1))
-    single = runner.run(_config(tmp_path / "data" / "*.npy", tmp_path / "one"), [], show_progress=False).manifest
+    # One thread in every process, however many there are: a shard records its threads.
+    single = runner.run(_config(tmp_path / "data" / "*.npy", tmp_path / "one", 1), [], show_progress=False).manifest
 
     monkeypatch.setattr(checks, "check_model", _never_in_the_launcher)
-    multi = runner.run(_config(tmp_path / "data" / "*.npy", tmp_path / "two"), TWO_PROCESSES, show_progress=False)
+    multi = runner.run(_config(tmp_path / "data" / "*.npy", tmp_path / "two", 1), TWO_PROCESSES, show_progress=False)
 
     shards = multi.manifest["shards"]
     assert len(shards) == 8
