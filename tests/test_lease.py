@@ -15,7 +15,8 @@ from jacobeam.transforms.output.layout import LEASE
 
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     with lease.Lease(str(tmp_path)).acquire() as first:
-        with pytest.raises(lease.LeaseBusy, match=rf"{tmp_path} is being written by run {first.run_id} \(pid {os.getpid()}"):
+        holder = rf"run {first.run_id} \({socket.gethostname()}, pid {os.getpid()}, since "
+        with pytest.raises(lease.LeaseBusy, match=rf"{tmp_path} is being written by {holder}"):
             lease.Lease(str(tmp_path)).acquire()
         assert json.loads((tmp_path / LEASE).read_text())["holder"] == first.run_id
     assert not (tmp_path / LEASE).exists()

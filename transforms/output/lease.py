@@ -30,6 +30,15 @@ HEARTBEAT_SECONDS = 30.0
 STALE_SECONDS = 300.0  # ten missed heartbeats
 WAIT_POLL_SECONDS = 2.0
 
+_held: set[Lease] = set()  # the leases this process holds (``release_held``)
+
+
+def release_held() -> None:
+    """Release every lease this process holds: for an exit without clean-up (the command's Ctrl-C,
+    which ends with ``os._exit``)."""
+    for held in list(_held):
+        held.release()
+
 
 class LeaseBusy(OutputError):
     """Another live run holds the folder's lease (the command's exit status 75)."""
@@ -58,7 +67,7 @@ def stale_reason(record: dict, now: float | None = None, stale_seconds: float = 
 
 def describe(record: dict) -> str:
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(record.get("started_at", 0))))
-    return (f"run {record.get('holder')} (pid {record.get('pid')} on {record.get('host')}, started {started}, "
+    return (f"run {record.get('holder')} ({record.get('host')}, pid {record.get('pid')}, since {started}, "
             f"heartbeat {time.time() - float(record.get('heartbeat', 0)):.0f} s ago)")
 
 
@@ -136,12 +145,13 @@ class Lease:
                 continue
             if not wait:
                 raise LeaseBusy(f"output folder {self.folder} is being written by {describe(record)}; "
-                                "try again later, or wait with --wait")
+                                "retry later or pass --wait")
             if not waiting:
                 log.warning("output folder %s is being written by %s: waiting", self.folder, describe(record))
                 waiting = True
             time.sleep(WAIT_POLL_SECONDS)
         self.held = True
+        _held.add(self)
         self._thread = threading.Thread(target=self._beat, name="jacobeam lease heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -168,6 +178,7 @@ class Lease:
         if self.held and self._ours():
             os.unlink(self.path)
         self.held = False
+        _held.discard(self)
 
     def __enter__(self) -> Lease:
         return self if self.held else self.acquire()
