@@ -50,12 +50,13 @@ def process_started_at() -> float:
     return min(started, _IMPORTED_AT)
 
 # Exit statuses (the epilog of ``jacobeam --help`` lists them).
-OK, INCOMPLETE, ERROR, MISSING_EXTRA, INTERRUPTED = 0, 1, 2, 3, 130
+OK, INCOMPLETE, ERROR, MISSING_EXTRA, BUSY, INTERRUPTED = 0, 1, 2, 3, 75, 130
 EXIT_STATUSES = """exit status:
   0    done
   1    inspect: the folder is incomplete; verify (or run --verify): a mismatch
   2    an error (its message says what)
   3    an optional package is missing (inspect --plot needs matplotlib)
+  75   busy: another run holds the output folder (retry later, or --wait)
   130  interrupted (Ctrl-C): complete shards are kept, the same command finishes the run
 """
 
@@ -98,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--accept-library-versions", action="store_true",
                      help="resume or extend a folder computed with other versions of TensorFlow, Keras, numpy or "
                      "jacobeam (refused by default, naming them); the new shards record their own versions")
+    run.add_argument("--wait", action="store_true",
+                     help="when another run is writing output.path, wait for it to end instead of exiting with status 75")
     run.add_argument("--verify", type=_count, default=0, metavar="K",
                      help="verify the output at the end, recomputing K random samples; the result goes into the manifest")
 
@@ -190,12 +193,12 @@ def _summary(result) -> str:
 
 def _run(
     config, beam_args: list[str], quiet: bool, overwrite: bool = False, verify_samples: int = 0,
-    accept_library_versions: bool = False,
+    accept_library_versions: bool = False, wait: bool = False,
 ) -> int:
     from jacobeam.pipeline import runner
 
     result = runner.run(config, beam_args, show_progress=not quiet, overwrite=overwrite, verify_samples=verify_samples,
-                        accept_library_versions=accept_library_versions, planned=_ctrl_c.planned)
+                        accept_library_versions=accept_library_versions, planned=_ctrl_c.planned, wait=wait)
     print(_summary(result))
     if result.verification is not None:
         from jacobeam.pipeline.verify import format_report
@@ -394,6 +397,12 @@ class _CtrlC:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+        try:  # os._exit below skips every finally: the output folder's lease is released here
+            from jacobeam.transforms.output import lease
+
+            lease.release_held()
+        except Exception:
+            pass
         fd = self.native.fileno if self.native is not None else 2
         try:
             sys.stdout.flush()
@@ -481,6 +490,11 @@ def _error(err: BaseException, verbose: bool, raised: BaseException | None = Non
     if isinstance(err, MissingExtra):
         print(f"jacobeam: {err}", file=sys.stderr)
         return MISSING_EXTRA
+    from jacobeam.transforms.output.lease import LeaseBusy
+
+    if isinstance(err, LeaseBusy):
+        print(f"jacobeam: error: {_clean(str(err))}", file=sys.stderr)
+        return BUSY
     print(f"jacobeam: error: {_clean(str(err))}", file=sys.stderr)
     return ERROR
 
@@ -499,7 +513,7 @@ def _command(args, beam_args: list[str], passthrough: list[str]) -> int:
         from jacobeam.pipeline import config as config_module
 
         config = config_module.load(args.config, args.overrides)
-        return _run(config, beam_args, args.quiet, args.overwrite, args.verify, args.accept_library_versions)
+        return _run(config, beam_args, args.quiet, args.overwrite, args.verify, args.accept_library_versions, args.wait)
     if args.command == "demo":
         return _demo(args, beam_args)
     if args.command == "verify":

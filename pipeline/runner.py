@@ -20,10 +20,12 @@ from jacobeam.pipeline.config import Config, ConfigError
 from jacobeam.pipeline.folder import judged_by_weights, read_folder
 from jacobeam.pipeline.progress import ShardProgress
 from jacobeam.transforms.compute import EngineFactory
+from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.finalize import Finalize
 from jacobeam.transforms.job import ComputeShards
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import MANIFEST
+from jacobeam.transforms.output.lease import Lease
 from jacobeam.transforms.spec import JobSpec
 from jacobeam.transforms.testing import faults
 
@@ -272,6 +274,7 @@ def run(
     pipeline: beam.Pipeline | None = None,
     engine_factory: EngineFactory | None = None,
     planned: Callable[[JobSpec], None] | None = None,
+    wait: bool = False,
 ) -> RunResult:
     """Plan (checking everything first), build and run the job; blocks until the manifest is written.
     With ``verify_samples``, verify the output afterwards and record the result in the manifest.
@@ -295,12 +298,15 @@ def run(
             factory engine's fingerprint and no model identity.
         planned: called with the job's spec once it is planned and the output folder prepared, before
             the pipeline runs (the command line uses it to say what an interrupted run kept).
+        wait: when another run holds the output folder's lease, wait for it to end instead of
+            raising ``LeaseBusy``.
 
     Returns:
         The manifest as written, the run's Beam metrics (``jacobeam`` counters, gauges, distributions
         by name) and, with ``verify_samples``, the ``verify.Report``.
 
     Raises:
+        LeaseBusy: (an ``OutputError``) another live run writes the output folder (without ``wait``).
         JacobeamError: (``ConfigError``, ``InputError``, ``ModelError``, ``OutputError``) the plan
             found a problem (nothing was written), or the output folder cannot be written.
         Exception: the pipeline failed (the runner's exception, wrapping the worker's error).
@@ -311,6 +317,71 @@ def run(
     # The plan reads inputs and the output folder before a Pipeline exists (which would do this): file
     # systems that take options (--hdfs_host, --s3_region_name, ...) need them here already.
     FileSystems.set_options(options)
+    # One writer per folder (issue 23): the lease is taken before the plan reads the folder, so that a
+    # second run plans on the first's complete result, and held until the manifest is written.
+    lease, created = _take_lease(config.output.path, wait)
+    done = False
+    try:
+        result = _run_leased(config, options, show_progress, overwrite, verify_samples, pipeline, engine_factory, planned,
+                             accept_library_versions)
+        done = True
+        return result
+    finally:
+        if lease is not None:
+            lease.release()
+            if not done:
+                _remove_created(created)
+
+
+def _missing_folders(folder: str) -> list[str]:
+    """``folder`` and those of its parents that do not exist, deepest first."""
+    missing, path = [], os.path.abspath(folder)
+    while not os.path.lexists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def _take_lease(folder: str, wait: bool) -> tuple[Lease | None, list[str]]:
+    """The output folder's lease (``transforms.output.lease``), and the folders created to hold it (deepest
+    first). A local folder only: for a remote one (None) the exclusive create it needs, S3's
+    ``If-None-Match: *`` or GCS's ``ifGenerationMatch=0``, is not built yet."""
+    if not storage.is_local(folder):
+        return None, []
+    root = storage.normalize(folder)
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise OutputError(f"output.path {root}: exists and is not a folder")
+    created = _missing_folders(root)
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as err:
+        raise OutputError(f"output.path {root}: cannot create the folder: {err.strerror or err}") from err
+    try:
+        return Lease(root).acquire(wait=wait), created
+    except OSError as err:
+        _remove_created(created)
+        raise OutputError(f"output.path {root}: cannot write in {root}: {err.strerror or err}") from err
+    except BaseException:
+        _remove_created(created)
+        raise
+
+
+def _remove_created(created: list[str]) -> None:
+    """A failed run's folders that it created and left empty (its lease released): removed, deepest
+    first, as a failed check leaves no output folder. A folder holding anything stays."""
+    for path in created:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+
+
+def _run_leased(
+    config, options, show_progress, overwrite, verify_samples, pipeline, engine_factory, planned, accept_library_versions
+) -> RunResult:
     check_model = engine_factory is None and (pipeline is not None or launcher_loads_model(config, options))
     job = plan.make_job(
         config, tf_threads(config, options), overwrite=overwrite, check_model=check_model,

@@ -30,6 +30,9 @@ CHECKSUM_SUFFIXES = (CRC32C_SUFFIX, CHECKSUM_SUFFIX)
 # TensorFlow version and device, written by the worker that probed: a resumed or incremental run's
 # workers reuse them instead of probing again. Only a cache: unreadable or for another key, it is ignored.
 ENGINE_PLAN = "engine-plan.json"
+# The one-writer lease (``transforms.output.lease``): created exclusively by the run that writes the
+# folder, removed when it ends; jacobeam's own file, never alien, never removed for another run.
+LEASE = ".jacobeam-lease.json"
 
 # Datasets and attributes of a shard.
 JACOBIAN = "jacobian"

@@ -1,0 +1,206 @@
+"""The one-writer lease of an output folder (transforms/output/lease.py), in one process: a live holder
+refuses a second writer, a dead or silent holder is taken over, release removes only its own lease."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from jacobeam.transforms.output import lease
+from jacobeam.transforms.output.layout import LEASE
+
+
+def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
+    with lease.Lease(str(tmp_path)).acquire() as first:
+        holder = rf"run {first.run_id} \({socket.gethostname()}, pid {os.getpid()}, since "
+        with pytest.raises(lease.LeaseBusy, match=rf"{tmp_path} is being written by {holder}"):
+            lease.Lease(str(tmp_path)).acquire()
+        assert json.loads((tmp_path / LEASE).read_text())["holder"] == first.run_id
+    assert not (tmp_path / LEASE).exists()
+
+
+def test_a_lease_whose_process_is_gone_is_taken_over(tmp_path, caplog):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / LEASE).write_text(json.dumps(
+        {"holder": "dead", "host": socket.gethostname(), "pid": gone.pid, "started_at": 0, "heartbeat": 9e12}))
+    with lease.Lease(str(tmp_path)).acquire() as taken:
+        assert json.loads((tmp_path / LEASE).read_text())["holder"] == taken.run_id
+    assert "taking over the lease of run dead" in caplog.text and "is gone" in caplog.text
+
+
+def test_a_lease_without_a_recent_heartbeat_is_taken_over(tmp_path, caplog):
+    (tmp_path / LEASE).write_text(json.dumps(
+        {"holder": "far", "host": "another-host", "pid": 1, "started_at": 0, "heartbeat": 0}))
+    with lease.Lease(str(tmp_path)).acquire():
+        pass
+    assert "no heartbeat for" in caplog.text
+
+
+def test_release_never_removes_another_runs_lease(tmp_path):
+    held = lease.Lease(str(tmp_path)).acquire()
+    other = {"holder": "other", "host": socket.gethostname(), "pid": os.getpid(), "started_at": 0, "heartbeat": 9e12}
+    (tmp_path / LEASE).write_text(json.dumps(other))  # as if taken over meanwhile
+    held.release()
+    assert json.loads((tmp_path / LEASE).read_text())["holder"] == "other"
+
+
+# ``jacobeam run`` holding the lease: two commands at one folder (issue 23), --wait, a killed holder.
+
+
+def _write_data(folder):
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for name, size in (("a", 7), ("b", 13)):
+        np.save(folder / f"{name}.npy", rng.normal(size=(size, 12)).astype(np.float32))
+
+
+def _config(root, out):
+    path = root / f"{out.name}.yaml"
+    path.write_text(json.dumps({
+        "model": {"factory": "tests.models:small_mlp"},
+        "input": {"paths": [str(root / "data" / "*.npy")]},
+        "jacobian": {"batch_size": 4},
+        "output": {"path": str(out), "samples_per_shard": 8},
+    }))
+    return path
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    from jacobeam.pipeline import cli
+
+    root = tmp_path_factory.mktemp("lease")
+    _write_data(root / "data")
+    assert cli.main(["-q", "run", str(_config(root, root / "clean"))]) == 0
+    return root, root / "clean"
+
+
+class _Runs:
+    """``python -m jacobeam`` subprocesses, each in a process group of its own, all killed at the end."""
+
+    def __init__(self):
+        self.procs = []
+
+    def start(self, args, log, env=None):
+        from jacobeam.transforms.testing import faults
+
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        environ = {**os.environ, "PYTHONPATH": repo, **(env or {})}
+        for name in (faults.KILL_AT, faults.DELAY_AT):
+            if name not in (env or {}):
+                environ.pop(name, None)
+        proc = subprocess.Popen([sys.executable, "-m", "jacobeam", *args], cwd=repo, env=environ,
+                                start_new_session=True, stdout=open(f"{log}.out", "w"), stderr=open(f"{log}.err", "w"))
+        self.procs.append(proc)
+        return proc
+
+    def stop(self):
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+@pytest.fixture
+def runs():
+    started = _Runs()
+    yield started
+    started.stop()
+
+
+def _wait_for_lease(out, proc, timeout=120.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (out / LEASE).exists():
+        assert proc.poll() is None, f"the first run ended ({proc.returncode}) before taking the lease"
+        assert time.monotonic() < deadline, "the first run took no lease"
+        time.sleep(0.1)
+    return json.loads((out / LEASE).read_text())
+
+
+def _assert_same_as_clean(out, clean_out):
+    import h5py
+    import numpy as np
+
+    from jacobeam.pipeline.verify import verify
+
+    with h5py.File(out / "jacobians.h5") as ours, h5py.File(clean_out / "jacobians.h5") as theirs:
+        assert sorted(ours) == sorted(theirs)
+        for name in theirs:
+            np.testing.assert_array_equal(ours[name][:], theirs[name][:])
+    assert not (out / LEASE).exists()
+    report = verify(out, samples=2)
+    assert report.ok, report.problems
+
+
+@pytest.mark.slow
+def test_a_second_run_at_a_folder_being_written_exits_75_naming_the_holder(clean, runs):
+    root, clean_out = clean
+    out = root / "twice"
+    config = _config(root, out)
+    # The first run sleeps once planned (the lease held) long enough for the second to start and exit.
+    first = runs.start(["-q", "run", str(config)], root / "first", {"JACOBEAM_TEST_DELAY_AT": "plan:20"})
+    holder = _wait_for_lease(out, first)
+    second = runs.start(["-q", "run", str(config)], root / "second")
+    assert second.wait(timeout=120) == 75
+    assert first.poll() is None  # the second ended while the first was still writing
+    lines = (root / "second.err").read_text().strip().splitlines()
+    assert lines[-1].startswith(f"jacobeam: error: output folder {out} is being written by run {holder['holder']} "
+                                f"({socket.gethostname()}, pid {first.pid}, since ")
+    assert lines[-1].endswith("retry later or pass --wait")
+    assert first.wait(timeout=300) == 0, (root / "first.err").read_text()[-2000:]
+    _assert_same_as_clean(out, clean_out)
+
+
+@pytest.mark.slow
+def test_with_wait_the_second_run_waits_then_computes_nothing(clean, runs):
+    root, clean_out = clean
+    out = root / "waited"
+    config = _config(root, out)
+    first = runs.start(["-q", "run", str(config)], root / "first-w", {"JACOBEAM_TEST_DELAY_AT": "plan:8"})
+    _wait_for_lease(out, first)
+    second = runs.start(["-q", "run", str(config), "--wait"], root / "second-w")
+    assert first.wait(timeout=300) == 0, (root / "first-w.err").read_text()[-2000:]
+    assert second.wait(timeout=300) == 0, (root / "second-w.err").read_text()[-2000:]
+    assert "waiting" in (root / "second-w.err").read_text()
+    assert "(0 computed, 20 already complete)" in (root / "second-w.out").read_text()
+    _assert_same_as_clean(out, clean_out)
+
+
+@pytest.mark.slow
+def test_the_lease_of_a_killed_run_is_taken_over_by_the_next(clean, capsys):
+    from jacobeam.pipeline import cli
+    from tests.services import jacobeam_process
+
+    root, clean_out = clean
+    out = root / "killed"
+    config = _config(root, out)
+    status, pid = jacobeam_process(["-q", "run", str(config)], root / "killed.err", kill_at="plan")
+    assert status == -9, (root / "killed.err").read_text()[-2000:]
+    assert json.loads((out / LEASE).read_text())["pid"] == pid  # kill -9 left its lease
+    capsys.readouterr()
+    assert cli.main(["-q", "run", str(config)]) == 0
+    assert "taking over the lease of run" in capsys.readouterr().err
+    _assert_same_as_clean(out, clean_out)
+
+
+@pytest.mark.slow
+def test_ctrl_c_releases_the_lease(clean, runs):
+    import signal
+
+    root, _ = clean
+    out = root / "interrupted"
+    run = runs.start(["-q", "run", str(_config(root, out))], root / "interrupted", {"JACOBEAM_TEST_DELAY_AT": "plan:30"})
+    _wait_for_lease(out, run)
+    run.send_signal(signal.SIGINT)
+    assert run.wait(timeout=60) == 130, (root / "interrupted.err").read_text()[-2000:]
+    assert not (out / LEASE).exists()
