@@ -71,6 +71,16 @@ def _rejected_lines(folder) -> list[dict]:
     return [json.loads(line) for line in storage.read_text(path).splitlines()] if storage.exists(path) else []
 
 
+def _recorded_config(config: Config) -> dict:
+    """The config as the manifest records it: a local model path absolute, as the input paths are, so that
+    ``verify`` finds the model from any working directory. The run's identity keeps the path as written
+    (``run_identity`` of the config itself): a folder resumed by the same config is the same run."""
+    recorded = to_dict(config)
+    if recorded["model"].get("path"):
+        recorded["model"]["path"] = storage.absolute(recorded["model"]["path"])
+    return recorded
+
+
 def _checked_model(config: Config, files) -> tuple[str, tuple[int, ...]]:
     from jacobeam.pipeline.checks import check_model
 
@@ -97,7 +107,7 @@ def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fi
         compression=config.output.compression,
         tf_threads=tf_threads,
         label_key=_label_key(config),
-        config=to_dict(config),
+        config=_recorded_config(config),
         started_at=time.time(),
         shard_ranges=tuple(ranges),
         file_rejects=tuple(unreadable),

@@ -229,3 +229,28 @@ def test_selected_rows_and_half_precision_storage_are_verified_against_the_same_
     (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
     report = verify(tmp_path / "out", samples=40)
     assert [p.split(" (")[0] for p in report.problems if p.startswith("sample")] == ["sample 3", "sample 3"]
+
+
+def test_a_folder_whose_config_named_the_model_by_a_relative_path_verifies_from_any_directory(tmp_path, monkeypatch):
+    (tmp_path / "models").mkdir()
+    test_models.small_mlp().save(tmp_path / "models" / "mlp.keras")
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(10, 12)).astype(np.float32))
+    monkeypatch.chdir(tmp_path)
+    cfg = config.validate({
+        "model": {"path": "models/mlp.keras"},
+        "input": {"paths": ["x.npy"]},
+        "output": {"path": "out", "samples_per_shard": 4},
+    })
+    runner.run(cfg, [], show_progress=False)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+
+    report = verify(tmp_path / "out", samples=3)
+
+    assert report.ok, report.as_dict()
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["config"]["model"]["path"] == str(
+        tmp_path / "models" / "mlp.keras"
+    )
+    # The same config, resumed from its own directory, is the same run.
+    monkeypatch.chdir(tmp_path)
+    assert runner.run(cfg, [], show_progress=False).manifest["run"]["samples_computed"] == 0
