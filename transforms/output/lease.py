@@ -6,7 +6,8 @@ retry), or waits (``wait=True``). A stale lease is taken over, with one warning:
 this host (a ``kill -9`` leaves the file), or its heartbeat, refreshed by the holder on a thread every
 ``HEARTBEAT_SECONDS``, is older than ``STALE_SECONDS`` (a holder on another host that died).
 
-Local folders only in this version: the exclusive create is ``O_CREAT | O_EXCL``. (Remote folders, S3's
+Local folders only in this version: the exclusive create is a hard link of the complete record
+(``os.link``, which fails where the name exists). (Remote folders, S3's
 ``IfNoneMatch='*'`` and GCS's ``ifGenerationMatch=0``, are not implemented yet: ``acquire`` returns a
 lease that holds nothing there.)
 """
@@ -94,23 +95,32 @@ class Lease:
             return None
         try:
             return raw, json.loads(raw)
-        except ValueError:  # a holder killed between its create and its write: judged by the file's age
+        except ValueError:  # not a lease jacobeam wrote whole (it links complete files): judged by its age
             try:
                 age_heartbeat = os.path.getmtime(self.path)
             except FileNotFoundError:
                 return None
             return raw, {"holder": "?", "host": "?", "pid": 0, "started_at": age_heartbeat, "heartbeat": age_heartbeat}
 
-    def _create(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as stream:
+    def _written(self) -> str:
+        """This run's record in a file of its own, whole on disk: linked or renamed into place, so that a
+        reader never sees a lease half written."""
+        temp = f"{self.path}.{self.run_id}.new"
+        with open(temp, "w") as stream:
             json.dump(self._record(), stream)
             stream.flush()
             os.fsync(stream.fileno())
-        return True
+        return temp
+
+    def _create(self) -> bool:
+        temp = self._written()
+        try:
+            os.link(temp, self.path)  # exclusive, as O_CREAT | O_EXCL, but of a complete file
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(temp)
 
     def _take_over(self, raw: bytes) -> None:
         """Remove a stale lease, but only the one judged stale: it is moved aside first, and put back if
@@ -165,9 +175,7 @@ class Lease:
             if not self._ours():  # taken over (this run was stale): never write another run's lease
                 log.warning("output folder %s: this run's lease was taken over by another run", self.folder)
                 return
-            with open(self.path, "r+") as stream:
-                stream.truncate(0)
-                json.dump(self._record(), stream)
+            os.replace(self._written(), self.path)
 
     def release(self) -> None:
         """Remove the lease if it is still this run's (never another run's)."""
