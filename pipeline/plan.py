@@ -63,6 +63,17 @@ def _label_key(config: Config) -> str | None:
     return config.jacobian.labels.key if config.jacobian.outputs == "label" else None
 
 
+def _recorded_config(config: Config) -> dict:
+    """The config as the manifest records it: the model path absolute (a local one), as the input paths
+    are, so that ``verify`` finds the model from any working directory. The run's identity keeps the path
+    as the user wrote it (``run_identity`` of the config itself), so a folder resumed by the same config
+    is the same run."""
+    recorded = to_dict(config)
+    if recorded["model"].get("path"):
+        recorded["model"]["path"] = storage.absolute(recorded["model"]["path"])
+    return recorded
+
+
 def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fingerprint) -> JobSpec:
     runs, unreadable = rejected_runs(files, scans)
     ranges = shard_ranges(segments, config.output.samples_per_shard, runs)
@@ -78,7 +89,7 @@ def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fi
         compression=config.output.compression,
         tf_threads=tf_threads,
         label_key=_label_key(config),
-        config=to_dict(config),
+        config=_recorded_config(config),
         started_at=time.time(),
         shard_ranges=tuple(ranges),
         file_rejects=tuple(unreadable),
