@@ -197,6 +197,13 @@ class SelfChecker:
         """Recompute one sample and judge what the engine computed for it (``stored``: each dataset's row
         ``(1, ...)``) by the rule of the module docstring. Returns the record of the check (see
         ``transforms.write``)."""
+        return self.judge(xs, stored, sample_id)[0]
+
+    def judge(
+        self, xs: Sequence[np.ndarray], stored: Mapping[str, np.ndarray], sample_id: int
+    ) -> tuple[dict[str, Any], dict[str, float]]:
+        """``check``'s record and each dataset's bound (``jacobeam verify`` reports them all; a shard
+        records only the worst's)."""
         began = time.perf_counter()
         (own, truth), first = self._references()  # traced at the first check of the process: timed with it
         index = None if "output_index" not in stored else np.asarray(stored["output_index"], np.int32).reshape(1, -1)
@@ -256,7 +263,7 @@ class SelfChecker:
         if verdict == KINK:
             record["note"] = KINK_NOTE
         record["timing"] = {"seconds": round(time.perf_counter() - began, 4), "traced": first}
-        return record
+        return record, {name: max(self.tolerance, NOISE_FACTOR * noise[name]) for name in names}
 
     def _moved(self, function, dtype, xs, index, reference, scale, names, sample_id) -> dict[str, float]:
         """How far the truth (``function``, computing in ``dtype``) moves when each entry of the sample
