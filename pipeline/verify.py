@@ -88,6 +88,8 @@ class Report:
             "samples_recomputed": len(self.samples),
             "sample_ids": self.samples,
             "datasets": self.checked,
+            # Kept for scripts that read it: the largest error of any dataset against the reference.
+            "max_rel_error": {"tape": max((d["max_error"] for d in self.checked.values()), default=None)},
             "method": self.method,
             "tolerance": self.tolerance,
             "aggregates": self.aggregates,
