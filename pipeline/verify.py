@@ -6,33 +6,16 @@
    are ``0 .. num_samples``, each once; each shard's ids lie in its range, in order; ``jacobians.h5``
    reads every shard and shows the same ``sample_id`` column; the input files still hold the number
    of samples the manifest lists.
-3. ``K`` randomly chosen stored samples (seeded: ``--seed``) are recomputed from their input rows with
-   methods independent of the engine's batched ``batch_jacobian``:
-
-   - per sample, a ``tf.GradientTape`` gradient of each output row of the float32 model (where the engine ran in forward
-     mode: one forward-mode JVP per input entry, in a plain loop, so that non-finite entries fall where
-     the run's do; ``transforms.engine.reference``, which the run's self-check uses too). Both are
-     float32 computations of the same derivative, differing only in the order of operations:
-     tolerance ``TAPE_RTOL``;
-   - central finite differences of a float64 twin of the model (a Keras model cloned with float64
-     layers and its weights cast: ``LoadedModel.with_dtype``), for inputs of at most
-     ``FD_MAX_ELEMENTS`` elements. The float32 Jacobian carries float32 rounding of a deep computation,
-     hence the looser ``FD_RTOL``. At a point where the model is not differentiable (a ReLU at exactly
-     zero, a max-pool tie: common on images with a constant background) automatic differentiation
-     returns one of many possible derivatives, and even partial derivatives that exist need not agree
-     with it (kinks of several units can cancel along one axis). Such a sample is detected (for some
-     input entry the second difference ``f(x+h) - 2 f(x) + f(x-h)`` does not shrink with the step, as
-     it does where ``f`` is smooth) and left out of the finite-difference check, counted in the report.
-     Models that are not Keras models (SavedModels, plain ``tf.Module``) cannot be rebuilt in float64:
-     the finite-difference check is then skipped and the report says so; float32 finite differences
-     are too noisy to decide anything.
-
-   Errors are relative to the reference's largest entry, per sample: ``max |stored - reference| /
-   max |reference|`` (a Jacobian has many entries near zero; an entrywise relative error would be noise).
-   References are rounded to the stored dtype first; with ``store_dtype`` float16 or bfloat16 every
-   tolerance is at least twice that dtype's unit roundoff. With ``outputs`` other than ``all`` the
-   stored rows (``output_index``) of the reference are compared; stored products of ``reduce`` other
-   than ``none`` are not recomputed (the report says so).
+3. ``K`` randomly chosen stored samples (seeded: ``--seed``) are recomputed from their input rows by the
+   run's self-check (``transforms.self_check``, through ``pipeline.recompute``), independently of the
+   engine's batched computation: a per-sample ``tf.GradientTape`` (forward-mode JVPs where the run ran
+   forward) in a float64 copy of the model, the truth; each stored dataset, reductions and selected rows
+   included, is rebuilt from that Jacobian by the production numpy post-processing and judged by the
+   self-check's bound (``max(tolerance, 4 x`` the error of TensorFlow's own per-sample float32
+   gradient``)``), so float32 round-off on a deep net is not called a mismatch. Without a float64 copy
+   (SavedModels, plain ``tf.Module``) the truth is the compute dtype's reference.
+4. ``aggregates.h5`` is the tree-sum of the shards' stored partial sums, bit for bit; where shards store
+   full Jacobians, a recomputed sample's shard's partial sums agree with sums over its stored values.
 
 ``engine-plan.json`` (the engine's set-up decisions, a cache) is no result: a note says when it is
 unreadable or made for other model weights than the manifest's (a next run ignores it then).
