@@ -42,7 +42,9 @@ def job_config(data: str, out: Path, factory="tests.models:small_cnn", key=None,
         {
             "model": {"factory": factory},
             "input": {"paths": [data], "key": key},
-            "jacobian": {"batch_size": 8},
+            # One TensorFlow thread per process, however many processes: a shard records its threads, and
+            # runs compared byte for byte (local and remote, one process and several) must agree on them.
+            "jacobian": {"batch_size": 8, "threads": 1},
             "output": {"path": str(out), "samples_per_shard": 16, "compression": compression},
         }
     )

@@ -222,7 +222,7 @@ def test_a_run_killed_while_writing_a_remote_folder_resumes_to_the_same_output(t
     config.write_text(json.dumps({
         "model": {"factory": "tests.models:small_cnn"},
         "input": {"paths": ["fakegcs://bucket/data/*.npy"]},
-        "jacobian": {"batch_size": 8},
+        "jacobian": {"batch_size": 8, "threads": 1},  # as job_config: a shard records its threads
         "output": {"path": OUT, "samples_per_shard": 16},
     }))
     repo = Path(__file__).resolve().parent.parent

@@ -184,7 +184,7 @@ def _config_file(path: Path, data: str, out: str) -> Path:
     path.write_text(json.dumps({
         "model": {"factory": "tests.models:small_cnn"},
         "input": {"paths": [data]},
-        "jacobian": {"batch_size": 8},
+        "jacobian": {"batch_size": 8, "threads": 1},  # as job_config: a shard records its threads
         "output": {"path": out, "samples_per_shard": 16},
     }))
     return path
