@@ -102,9 +102,8 @@ def launcher_loads_model(config: Config, options: PipelineOptions) -> bool:
     inputs before anything runs), and on a folder written before shards stored the model's identity,
     which only the loaded weights can be compared with; with ``outputs: label`` on a fresh folder too, for
     the model's output size, which bounds the labels that the plan checks (a folder's shards record it).
-    Local worker processes check the model when they
-    build the engine (against the samples, and the identity it was planned with), and ``Finalize`` that
-    every shard has the same weights."""
+    Local worker processes check the model when they build the engine (against the samples, and the
+    identity it was planned with), and ``Finalize`` that every shard has the same weights."""
     folder = read_folder(config.output.path)
     if folder.empty:
         return config.jacobian.outputs == "label" or not engine_in_workers(options)
