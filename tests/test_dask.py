@@ -57,7 +57,8 @@ def _config(root: Path, out: Path) -> Path:
     cfg = {
         "model": {"factory": "tests.models:small_mlp"},
         "input": {"paths": [str(root / "data" / "*.npy")], "on_bad_sample": "skip"},
-        "jacobian": {"batch_size": 8, "aggregate": ["mean", "mean_abs", "jtj"]},
+        # One thread per process, however many processes: a shard records its threads.
+        "jacobian": {"batch_size": 8, "threads": 1, "aggregate": ["mean", "mean_abs", "jtj"]},
         "output": {"path": str(out), "samples_per_shard": 24},
     }
     path.write_text(json.dumps(cfg))
