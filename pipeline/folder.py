@@ -201,12 +201,11 @@ def folder_differences(
         for difference in version_differences(manifest.get("versions")):
             by_place.setdefault(difference, []).append(MANIFEST)
     expected = {shard_name(r.start, r.stop): r for r in spec.ranges() if r.rows}
-    by_shard: dict[str, list[str]] = by_place
     for name, attrs in folder.shards.items():
         where = f"{SHARDS_DIR}/{name}"
         shard = expected.get(name)
         if shard is None:
-            by_shard.setdefault("not one of this run's shards (ids grouped differently: another input set or "
+            by_place.setdefault("not one of this run's shards (ids grouped differently: another input set or "
                                 "samples_per_shard)", []).append(where)
             continue
         if "run_identity" in attrs:
@@ -227,8 +226,8 @@ def folder_differences(
                 f"holds {int(attrs.get('num_rows', 0))} samples, this run rejects others ({shard.rows} expected)"
             )
         for difference in found:
-            by_shard.setdefault(difference, []).append(where)
-    for difference, places in by_shard.items():
+            by_place.setdefault(difference, []).append(where)
+    for difference, places in by_place.items():
         shards = len(places) - 1
         more = " more" if places[0] != MANIFEST else ""
         others = f" (so do {shards}{more} shards)" if shards else ""

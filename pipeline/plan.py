@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import time
+import uuid
 
 from jacobeam.pipeline.config import Config, ConfigError, to_dict
 from jacobeam.pipeline.discover import known_scans, resolve_inputs, scan_inputs
@@ -121,7 +122,7 @@ def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fi
 
 def make_job(
     config: Config, tf_threads: int | None = None, overwrite: bool = False, check_model: bool = True,
-    accept_library_versions: bool = False, identify_model: bool = True,
+    accept_library_versions: bool = False, identify_model: bool = True, run_id: str = "",
 ) -> Job:
     """Plan the job for ``config`` and check everything that can be checked before the pipeline starts.
 
@@ -132,7 +133,7 @@ def make_job(
     Touches no output. ``check_model``: load the model to check it takes the inputs' samples (and to
     compare its weights with a folder written before shards stored the model's identity).
     ``identify_model`` false: the configured model is not the one computed (a test's engine factory),
-    the run has no model identity.
+    the run has no model identity. ``run_id``: the run's (its lease's); a new one if empty.
     """
     policy = config.input.on_bad_sample
     if check_model:
@@ -190,12 +191,16 @@ def make_job(
     else:
         rows = {shard_name(r.start, r.stop): r.rows for r in spec.ranges()}
         already_done = sum(rows[name] for name in folder.shards)
+    # The run's id (its lease's, when it holds one): its temporary files carry it.
+    spec = dataclasses.replace(spec, run_id=run_id or uuid.uuid4().hex[:12])
     return Job(spec, already_done, remove, output_shape)
 
 
-def prepare_output(job: Job) -> None:
+def prepare_output(job: Job, leased: bool) -> None:
     """The run's first writes, once every check has passed: make sure the folder can be written, apply
-    ``--overwrite`` (only files jacobeam wrote), remove temporary files that a killed run left."""
+    ``--overwrite`` (only files jacobeam wrote), remove temporary files that a killed run left. Those
+    of other runs only when this run holds the folder's lease (``leased``): without it (a remote folder)
+    another run may be writing them."""
     from jacobeam.pipeline.checks import check_writable
 
     root = job.spec.output_dir
@@ -204,4 +209,7 @@ def prepare_output(job: Job) -> None:
     shards = storage.join(root, SHARDS_DIR)
     if job.remove and storage.is_local(root) and os.path.isdir(shards) and not os.listdir(shards):
         os.rmdir(shards)
-    remove_temp_files(root)
+    left = remove_temp_files(root, None if leased else job.spec.run_id)
+    if left:
+        log.info("%s: %d temporary file(s) of other runs left alone (without a lease, a run may still be "
+                 "writing them)", root, left)

@@ -322,7 +322,7 @@ def run(
     done = False
     try:
         result = _run_leased(config, options, show_progress, overwrite, verify_samples, pipeline, engine_factory, planned,
-                             accept_library_versions)
+                             accept_library_versions, lease)
         done = True
         return result
     finally:
@@ -379,15 +379,17 @@ def _remove_created(created: list[str]) -> None:
 
 
 def _run_leased(
-    config, options, show_progress, overwrite, verify_samples, pipeline, engine_factory, planned, accept_library_versions
+    config, options, show_progress, overwrite, verify_samples, pipeline, engine_factory, planned, accept_library_versions,
+    lease: Lease | None,
 ) -> RunResult:
     check_model = engine_factory is None and (pipeline is not None or launcher_loads_model(config, options))
     job = plan.make_job(
         config, tf_threads(config, options), overwrite=overwrite, check_model=check_model,
         accept_library_versions=accept_library_versions, identify_model=engine_factory is None,
+        run_id=lease.run_id if lease is not None else "",
     )
     spec, already_done = job.spec, job.already_done
-    plan.prepare_output(job)
+    plan.prepare_output(job, leased=lease is not None)
     if planned is not None:
         planned(spec)
     faults.reached("plan")

@@ -28,8 +28,9 @@ from jacobeam.transforms import model_identity, self_check
 from jacobeam.transforms.aggregates import PARTIALS, combine_shards, write_aggregates
 from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.inputs.readers import shape_record
-from jacobeam.transforms.output import storage
+from jacobeam.transforms.output import claim, storage
 from jacobeam.transforms.output.layout import (
+    CRC32C_SUFFIX,
     MANIFEST,
     NONFINITE,
     REJECTED_FILE,
@@ -37,6 +38,7 @@ from jacobeam.transforms.output.layout import (
     VIEW,
     is_folder_temp,
     is_shard_temp,
+    temp_run,
 )
 from jacobeam.transforms.output.shards import ShardRecord, read_attrs
 from jacobeam.transforms.spec import JobSpec, Rejected, version
@@ -277,11 +279,40 @@ def _stored(spec: JobSpec) -> dict[str, Any]:
     return stored
 
 
-def remove_temp_files(output_dir: str) -> None:
-    """Delete temporary files that killed writers left behind (only jacobeam's own names)."""
+def check_shards(records: Sequence[ShardRecord], spec: JobSpec) -> None:
+    """Every shard the manifest will name is, on disk, the one its record describes: this run's key and
+    the checksum its writer recorded (locally the bytes are read again; remotely the sidecar, which the
+    writer checked against the bytes). A shard replaced after its commit, by another run or by hand,
+    stops the run before a manifest names it."""
+    for record in records:
+        path = storage.join(spec.output_dir, record.file)
+        try:
+            theirs = read_attrs(path).get("run_key")
+        except (OSError, ValueError) as err:
+            raise OutputError(f"{path}: the shard this run committed cannot be read any more ({err})") from err
+        if theirs != spec.run_key:
+            raise OutputError(f"{path}: replaced by another run's shard (run key {theirs}, this run {spec.run_key}) "
+                              "after this run committed it: two runs are writing one output folder")
+        if record.crc32c is None:  # a remote shard kept from before CRC32C: its sha256 was proven by the worker
+            continue
+        if storage.is_local(path):
+            found = storage.crc32c(path)
+        else:
+            found = storage.read_text(path + CRC32C_SUFFIX).strip() if storage.exists(path + CRC32C_SUFFIX) else None
+        if found != record.crc32c:
+            raise OutputError(f"{path}: its bytes changed after this run committed it (crc32c {found}, committed "
+                              f"{record.crc32c}): two runs are writing one output folder, or it was edited")
+
+
+def remove_temp_files(output_dir: str, run_id: str | None = None) -> int:
+    """Delete temporary files that killed writers left behind (only jacobeam's own names): every run's,
+    or with ``run_id`` only that run's. Returns how many other runs' were left."""
     shards = storage.join(output_dir, SHARDS_DIR)
-    storage.delete(*(storage.join(shards, name) for name in storage.listdir(shards) if is_shard_temp(name)))
-    storage.delete(*(storage.join(output_dir, name) for name in storage.listdir(output_dir) if is_folder_temp(name)))
+    temps = [storage.join(shards, name) for name in storage.listdir(shards) if is_shard_temp(name)]
+    temps += [storage.join(output_dir, name) for name in storage.listdir(output_dir) if is_folder_temp(name)]
+    ours = [path for path in temps if run_id is None or temp_run(storage.name_of(path)) == run_id]
+    storage.delete(*ours)
+    return len(temps) - len(ours)
 
 
 def write_manifest(output_dir: str, manifest: dict[str, Any]) -> None:
@@ -298,6 +329,7 @@ def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
         spec = dataclasses.replace(spec, files=(dataclasses.replace(spec.files[0], num_samples=count),))
     rejected = spec.rejected()
     ordered = check_coverage(records, spec.num_samples, rejected)
+    check_shards(ordered, spec)
     weights = sorted({record.model_fingerprint for record in ordered})
     if len(weights) > 1:  # worker processes that each loaded the model (runner.launcher_loads_model)
         raise OutputError(
@@ -308,10 +340,11 @@ def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
     summary = write_aggregates(combine_shards(spec), spec)
     fields = write_virtual_view(spec.output_dir, ordered)
     rejected_sha256 = write_rejected(spec.output_dir, rejected)
-    remove_temp_files(spec.output_dir)
+    remove_temp_files(spec.output_dir, spec.run_id)  # another run's may be in use (no lease: remote folders)
     manifest = build_manifest(spec, ordered, fields, rejected, rejected_sha256)
     manifest["aggregates"] = summary
     write_manifest(spec.output_dir, manifest)
+    claim.release(spec.output_dir)  # a user's pipeline's lease (WriteShards); ``jacobeam run`` releases its own
     return manifest
 
 

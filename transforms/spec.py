@@ -190,6 +190,9 @@ class JobSpec:
     # The samples of a user's pipeline (``transforms.write.pipeline_spec``): not planned from files, their
     # ids 0..n-1 are counted when every shard is written.
     open_ended: bool = False
+    # This run's id (hex), carried by its temporary files' names: a run removes only its own, as another
+    # run may be writing beside it (remote folders have no lease).
+    run_id: str = ""
 
     @property
     def sample_shape(self) -> Shape:

@@ -40,6 +40,7 @@ from jacobeam.transforms.finalize import Finalize
 from jacobeam.transforms.inputs.readers import shape_from_record, shape_record
 from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.metrics import ShardMetrics
+from jacobeam.transforms.output.claim import claim
 from jacobeam.transforms.output.layout import PIPELINE_INPUT, SAMPLE_ID, SELF_CHECK, shard_file
 from jacobeam.transforms.output.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_path
 from jacobeam.transforms.spec import EngineOptions, JobSpec, ModelSource, SelfCheck, ShardRange, shard_inputs, version
@@ -162,7 +163,8 @@ class ShardOutput:
             "inputs": json.dumps(shard_inputs(spec.files, shard.start, shard.stop)),
             **model_identity.shard_attrs(spec.model_identity, spec.tf_threads),
         }
-        writer = ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression, rows=shard.rows)
+        writer = ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression, rows=shard.rows,
+                             run_id=spec.run_id)
         self._writer = writer.__enter__()
         self._began = time.perf_counter() - batch.seconds
         self._engine, self._worker = engine, batch.worker or {}
@@ -394,22 +396,30 @@ class WriteShards(beam.PTransform):
             carry their shard (``ReadSamples`` -> ``ComputeJacobians``): then every stored range of the
             plan must arrive (``jacobeam run`` instead computes each range with ``ComputeShards``, which
             keeps shards already complete and holds no whole shard in memory).
+        replace: remove another run's result found in the output folder (only files jacobeam wrote)
+            instead of refusing to write there.
 
     Returns:
         A single-element ``PCollection`` holding the manifest (a dict, as written to
         ``manifest.json``).
 
+    Building the step takes the output folder's lease (``transforms.output.claim``; a local folder),
+    held until the manifest is written or the process ends.
+
     Raises:
-        OutputError: a shard cannot be written; the ids of a user's pipeline have gaps or repeats, or
+        LeaseBusy: another run is writing the output folder (when the step is built).
+        OutputError: the output folder holds another run's result (when the step is built, unless
+            ``replace``); a shard cannot be written; the ids of a user's pipeline have gaps or repeats, or
             keys that are not integers; a self-check mismatch under ``on_mismatch: fail``.
     """
 
-    def __init__(self, spec: JobSpec):
+    def __init__(self, spec: JobSpec, replace: bool = False):
         super().__init__()
-        self._spec = spec
+        self._spec, self._replace = spec, replace
 
     def expand(self, batches):
         spec = self._spec
+        claim(spec, self._replace)
         if spec.open_ended:
             keyed = batches | "ByShard" >> beam.FlatMap(_split_by_shard, spec.samples_per_shard)
             join = _join_shard

@@ -50,11 +50,13 @@ PIPELINE_INPUT = "(pipeline)"
 WRITE_PROBE_PREFIX = ".jacobeam-write-test-"  # a writability probe's name: the prefix and a random hex
 
 _SHARD_NAME = re.compile(r"^shard-(\d{12})-(\d{12})\.h5$")
-_SHARD_TEMP = re.compile(r"^\.shard-\d{12}-\d{12}\.h5\.tmp-[0-9a-f]+$")
+# A temporary name ends in ``.tmp-<run id>-<random hex>`` (``.tmp-<hex>`` before runs had ids).
+_TEMP_TAG = r"\.tmp-(?:(?P<run>[0-9a-f]+)-)?[0-9a-f]+$"
+_SHARD_TEMP = re.compile(r"^\.shard-\d{12}-\d{12}\.h5" + _TEMP_TAG)
 _FILE_TEMP = re.compile(
     r"^\.("
     + "|".join(re.escape(name) for name in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES, ENGINE_PLAN))
-    + r")\.tmp-[0-9a-f]+$"
+    + r")" + _TEMP_TAG
 )
 _PROBE = re.compile("^" + re.escape(WRITE_PROBE_PREFIX) + "[0-9a-f]+$")
 
@@ -63,10 +65,6 @@ def jacobian_dataset(input_name: str, several_inputs: bool) -> str:
     """The dataset of the Jacobian by one model input: ``jacobian``, or ``jacobian/<input>`` for a model
     with several inputs."""
     return f"{JACOBIAN}/{input_name}" if several_inputs else JACOBIAN
-
-
-def is_jacobian_dataset(name: str) -> bool:
-    return name.split("/")[0] == JACOBIAN
 
 
 def result_datasets(names) -> list[str]:
@@ -85,9 +83,16 @@ def shard_file(start: int, stop: int) -> str:
     return f"{SHARDS_DIR}/{shard_name(start, stop)}"
 
 
-def temp_name(name: str, tag: str) -> str:
-    """The temporary name under which ``name`` is written before its rename (``tag``: hex)."""
-    return f".{name}.tmp-{tag}"
+def temp_name(name: str, tag: str, run_id: str = "") -> str:
+    """The temporary name under which ``name`` is written before its rename (``tag``: hex), carrying the
+    id of the run writing it (hex), so that a run can tell its own temporary files from another's."""
+    return f".{name}.tmp-{run_id}-{tag}" if run_id else f".{name}.tmp-{tag}"
+
+
+def temp_run(name: str) -> str | None:
+    """The run id in a temporary name (``temp_name``'s), or None (no run id, or not a temporary name)."""
+    found = _SHARD_TEMP.match(name) or _FILE_TEMP.match(name)
+    return found.group("run") if found else None
 
 
 def is_shard_file(name: str) -> bool:

@@ -107,6 +107,11 @@ def proven_checksum(path: str) -> dict[str, str] | None:
     return None
 
 
+def _has_sidecar(path: str) -> bool:
+    """Whether a remote shard at ``path`` is complete: its copy finished and its checksum was written."""
+    return any(storage.exists(path + suffix) for suffix in (CRC32C_SUFFIX, CHECKSUM_SUFFIX))
+
+
 def read_attrs(path: str | os.PathLike) -> dict[str, Any]:
     with storage.open_h5(path) as h5:
         return dict(h5.attrs)
@@ -193,6 +198,7 @@ class ShardWriter:
         compression: str = "none",
         rows: int | None = None,
         pending: int = 2,
+        run_id: str = "",
     ):
         self.name = shard_name(start, stop)
         self.final_path = shard_path(output_dir, start, stop)
@@ -205,6 +211,7 @@ class ShardWriter:
         self._queued = 0  # rows handed to write() so far
         self._next_id = start
         self._attrs = attrs
+        self._run_id = run_id
         self._compression = None if compression == "none" else compression
         self._h5 = None
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=pending)
@@ -221,7 +228,9 @@ class ShardWriter:
 
         if not self._remote:
             os.makedirs(os.path.dirname(self.final_path), exist_ok=True)
-        self._file = storage.IncompleteFile(self.final_path, point="shard_commit")
+        self._file = storage.IncompleteFile(
+            self.final_path, point="shard_commit", run_id=self._run_id, replace=False, complete=_has_sidecar
+        )
         self._h5 = h5py.File(self._file.local, "w")
         self._h5.attrs.update(self._attrs)
         self._h5.attrs.update(id_start=self.start, id_stop=self.stop)
@@ -409,12 +418,29 @@ class ShardWriter:
         self._h5.close()
         self._h5 = None
         checksum = storage.crc32c(self._file.local)
-        self._file.commit()
+        try:
+            self._file.commit()
+        except storage.TargetExists:
+            self._checksum = self._kept_existing()
+            return
         if self._remote:
             faults.reached("shard_renamed")
             storage.write_bytes(self.final_path + CRC32C_SUFFIX, checksum.encode())
         faults.reached("shard_done")
         self._checksum = checksum
+
+    def _kept_existing(self) -> str:
+        """A complete shard took this one's name while it was written: another attempt of this run (a
+        retried bundle whose first attempt committed) wrote the same rows, and is kept; another run's
+        shard is never replaced, and this one is refused."""
+        theirs = read_attrs(self.final_path).get("run_key")
+        if theirs != self._attrs.get("run_key"):
+            raise OutputError(
+                f"{self.final_path}: a complete shard of another run (run key {theirs}) appeared while this run "
+                f"(run key {self._attrs.get('run_key')}) wrote it; it is kept and this run's copy discarded: "
+                "two runs are writing one output folder"
+            )
+        return storage.crc32c(self.final_path)
 
 
 class _Rows:

@@ -17,6 +17,7 @@ write stream, which cannot write an empty object (``S3_PUT_BYTES``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import mmap
 import os
@@ -270,6 +271,10 @@ def delete(*paths: str | os.PathLike) -> None:
             FileSystems.delete([str(path)])
 
 
+class TargetExists(FileExistsError):
+    """A commit that would replace a complete file (``IncompleteFile(..., replace=False)``)."""
+
+
 class IncompleteFile:
     """A file that appears under its name whole or not at all (as TFDS's ``incomplete_files``).
 
@@ -281,14 +286,19 @@ class IncompleteFile:
     one leaves a temporary name, which never counts and which the next run removes.
 
     ``with IncompleteFile(path) as temp: fill(temp.local)`` commits when the block ends without an
-    error. ``point`` is the fault-injection point reached just before the rename.
+    error. ``point`` is the fault-injection point reached just before the rename. ``run_id``: the
+    writing run's, carried by the temporary name. ``replace=False``: the commit never replaces a
+    complete file at ``path`` (``TargetExists`` instead; locally a hard link, which fails where the name
+    exists; remotely an existence check just before the rename, which narrows the race but cannot close
+    it without a conditional write).
     """
 
-    def __init__(self, path: str, point: str | None = None, tag: str | None = None):
-        self.path, self._point = path, point
+    def __init__(self, path: str, point: str | None = None, run_id: str = "", replace: bool = True,
+                 complete: Callable[[str], bool] = exists):
+        self.path, self._point, self._replace, self._complete = path, point, replace, complete
         folder, name = (os.path.dirname(path), os.path.basename(path)) if is_local(path) else path.rsplit("/", 1)
         self._folder = folder
-        self._temp = join(folder, layout.temp_name(name, tag or uuid.uuid4().hex[:12]))
+        self._temp = join(folder, layout.temp_name(name, uuid.uuid4().hex[:12], run_id))
         self._scratch: Path | None = None
         if is_local(path):
             self.local = Path(self._temp)
@@ -302,15 +312,35 @@ class IncompleteFile:
             durable(self.local)
             if self._point:
                 faults.reached(self._point)
-            os.replace(self.local, self.path)
+            if self._replace:
+                os.replace(self.local, self.path)
+            else:
+                self._link()
             durable(self._folder or ".")
         else:
             copy_from_local(self.local, self._temp)
             if self._point:
                 faults.reached(self._point)
+            if not self._replace and self._complete(self.path):
+                raise TargetExists(self.path)
             rename(self._temp, self.path)
         self.committed = True
         self.discard()
+
+    def _link(self) -> None:
+        """Give the local temporary file its name unless that name exists (then ``TargetExists``)."""
+        try:
+            os.link(self.local, self.path)
+        except FileExistsError:
+            raise TargetExists(self.path) from None
+        except OSError as err:  # a file system without hard links (some FUSE and SMB mounts): check, then rename
+            if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            if os.path.exists(self.path):
+                raise TargetExists(self.path) from None
+            os.replace(self.local, self.path)
+            return
+        self.local.unlink()
 
     def discard(self) -> None:
         """Remove the temporary files (not the committed file)."""
@@ -334,7 +364,7 @@ class IncompleteFile:
             self.discard()
 
 
-def write_atomically(path: str, write: Callable[[Path], None], point: str | None = None) -> None:
+def write_atomically(path: str, write: Callable[[Path], None], point: str | None = None, run_id: str = "") -> None:
     """Write ``path`` whole or not at all: ``write(local_file)`` fills a local file (``IncompleteFile``)."""
-    with IncompleteFile(path, point) as temp:
+    with IncompleteFile(path, point, run_id) as temp:
         write(temp.local)
