@@ -20,12 +20,12 @@ import math
 import os
 import time
 
-from jacobeam.pipeline.config import Config, ConfigError, to_dict
+from jacobeam.pipeline.config import Config, to_dict
 from jacobeam.pipeline.discover import known_scans, resolve_inputs, scan_inputs
 from jacobeam.pipeline.folder import folder_differences, read_folder, stored_fingerprint
 from jacobeam.pipeline.identity import run_identity, run_key
 from jacobeam.pipeline.ids import place_files, rejected_runs, shard_ranges, with_hashes
-from jacobeam.transforms.errors import InputError, OutputError
+from jacobeam.transforms.errors import InputError, ModelError, OutputError
 from jacobeam.transforms.finalize import remove_temp_files
 from jacobeam.transforms.inputs.readers import check_labels
 from jacobeam.transforms.inputs.scan import Labels
@@ -48,7 +48,8 @@ class Job:
 
 
 def _check_files_named(config: Config) -> None:
-    """Every file the config names (besides inputs) exists."""
+    """Every file the config names (besides inputs) exists. A missing one is a ``ModelError``, as when the
+    engine cannot read it, not a ``ConfigError``: the config is valid, the file is not there."""
     from apache_beam.io.filesystems import FileSystems
 
     jacobian = config.jacobian
@@ -60,7 +61,7 @@ def _check_files_named(config: Config) -> None:
     }
     for key, path in named.items():
         if path is not None and not FileSystems.exists(path):
-            raise ConfigError(f"{key} {path}: no such file or directory")
+            raise ModelError(f"{key} {path}: no such file or directory")
 
 
 def _rejected_lines(folder) -> list[dict]:
