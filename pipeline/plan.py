@@ -73,12 +73,16 @@ def _rejected_lines(folder) -> list[dict]:
 
 
 def _recorded_config(config: Config) -> dict:
-    """The config as the manifest records it: a local model path absolute, as the input paths are, so that
-    ``verify`` finds the model from any working directory. The run's identity keeps the path as written
-    (``run_identity`` of the config itself): a folder resumed by the same config is the same run."""
+    """The config as the manifest records it: the local files it names absolute (the model's, the vectors
+    and bases of ``reduce: vjp``, ``jvp``, ``basis``), as the input paths are, so that ``verify`` finds them
+    from any working directory. The run's identity keeps the paths as written (``run_identity`` of the
+    config itself): a folder resumed by the same config is the same run."""
     recorded = to_dict(config)
-    if recorded["model"].get("path"):
-        recorded["model"]["path"] = storage.absolute(recorded["model"]["path"])
+    jacobian = recorded["jacobian"]
+    for section, key in ((recorded["model"], "path"), (jacobian, "vectors"), (jacobian["basis"], "input"),
+                         (jacobian["basis"], "output")):
+        if section.get(key):
+            section[key] = storage.absolute(section[key])
     return recorded
 
 

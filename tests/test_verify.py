@@ -203,6 +203,30 @@ def test_a_folder_whose_config_named_the_model_by_a_relative_path_verifies_from_
     assert runner.run(cfg, [], show_progress=False).manifest["run"]["samples_computed"] == 0
 
 
+def test_a_folder_whose_config_named_the_vectors_by_a_relative_path_verifies_from_any_directory(tmp_path, monkeypatch):
+    (tmp_path / "vectors").mkdir()
+    np.save(tmp_path / "vectors" / "u.npy", np.random.default_rng(1).normal(size=(2, 5)))  # over small_mlp's 5 outputs
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(10, 12)).astype(np.float32))
+    monkeypatch.chdir(tmp_path)
+    cfg = config.validate({
+        "model": {"factory": "tests.models:small_mlp"},
+        "input": {"paths": ["x.npy"]},
+        "jacobian": {"reduce": "vjp", "vectors": "vectors/u.npy"},
+        "output": {"path": "out", "samples_per_shard": 4},
+    })
+    runner.run(cfg, [], show_progress=False)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+
+    report = verify(tmp_path / "out", samples=3)
+
+    assert report.ok and report.checked["vjp"]["samples"] == 3, report.as_dict()
+    recorded = json.loads((tmp_path / "out" / "manifest.json").read_text())["config"]["jacobian"]
+    assert recorded["vectors"] == str(tmp_path / "vectors" / "u.npy")
+    monkeypatch.chdir(tmp_path)
+    assert runner.run(cfg, [], show_progress=False).manifest["run"]["samples_computed"] == 0
+
+
 # reduce: the dataset whose value is altered, the model (slogdet needs a square one), more of jacobian
 _REDUCTIONS = {
     "sum_abs_over_channels": ("saliency", "small_cnn", {"outputs": {"top_k": 1}}),
