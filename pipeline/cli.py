@@ -49,12 +49,15 @@ def process_started_at() -> float:
         return _IMPORTED_AT
     return min(started, _IMPORTED_AT)
 
-# Exit statuses (the epilog of ``jacobeam --help`` lists them).
-OK, INCOMPLETE, ERROR, MISSING_EXTRA, BUSY, INTERRUPTED = 0, 1, 2, 3, 75, 130
+# Exit statuses (the epilog of ``jacobeam --help`` lists them). USAGE is kept for what the command line
+# or config must change, so that a script can tell it from a run that failed (FAILED).
+OK, FAILED, USAGE, MISSING_EXTRA, BUSY, INTERRUPTED = 0, 1, 2, 3, 75, 130
 EXIT_STATUSES = """exit status:
   0    done
-  1    inspect: the folder is incomplete; verify (or run --verify): a mismatch
-  2    an error (its message says what)
+  1    failed: an error during the run (inputs, model, output folder, self-check), or inspect: the folder
+       is incomplete, or verify (or run --verify): a mismatch, or a folder that cannot be read
+  2    usage: a command line or config to fix (an unknown option or config key, a malformed --set,
+       a config file that cannot be read)
   3    an optional package is missing (inspect --plot needs matplotlib)
   75   busy: another run holds the output folder (retry later, or --wait)
   130  interrupted (Ctrl-C): complete shards are kept, the same command finishes the run
@@ -63,6 +66,10 @@ EXIT_STATUSES = """exit status:
 
 class MissingExtra(JacobeamError):
     """An optional dependency the command needs is not installed (exit status 3)."""
+
+
+class UsageError(JacobeamError):
+    """A command line that cannot be run (exit status 2, as argparse's errors and ``ConfigError``)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -111,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser(
         "inspect", help="describe an output folder and check it is complete", parents=[common],
-        description="Exit status 0 when the folder is complete, 1 when it is not, 2 when it cannot be read, "
+        description="Exit status 0 when the folder is complete, 1 when it is not or cannot be read, "
         "3 when --plot needs matplotlib (pip install 'jacobeam[plot]').",
     )
     inspect.add_argument("folder")
@@ -121,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
 
     verify = commands.add_parser(
         "verify", help="check an output folder: checksums, ids, and K samples recomputed independently", parents=[common],
-        description="Exit status 0 when everything matches, 1 on any mismatch, 2 when the folder cannot be read.",
+        description="Exit status 0 when everything matches, 1 on any mismatch or when the folder cannot be read.",
     )
     verify.add_argument("folder")
     verify.add_argument("--samples", type=_count, default=8, metavar="K",
@@ -204,7 +211,7 @@ def _run(
         from jacobeam.pipeline.verify import format_report
 
         print(format_report(result.verification))
-        return OK if result.verification.ok else INCOMPLETE
+        return OK if result.verification.ok else FAILED
     return OK
 
 
@@ -224,7 +231,7 @@ def _verify(args) -> int:
 
     report = verify(args.folder, samples=args.samples, seed=args.seed)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
-    return OK if report.ok else INCOMPLETE
+    return OK if report.ok else FAILED
 
 
 def _ids(text: str) -> list[int]:
@@ -259,7 +266,7 @@ def _inspect(args) -> int:
             raise JacobeamError(str(err)) from err
         for note in notes:
             print(f"plot: note: {note}")
-    return OK if report.ok else INCOMPLETE
+    return OK if report.ok else FAILED
 
 
 def _split_at_double_dash(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -279,12 +286,12 @@ def _check_beam_args(beam_args: list[str]) -> None:
         return
     options = [arg for arg in unknown if arg.startswith("-")]
     if not options:
-        raise JacobeamError(f"unexpected argument{'s' if len(unknown) > 1 else ''}: {' '.join(unknown)}")
+        raise UsageError(f"unexpected argument{'s' if len(unknown) > 1 else ''}: {' '.join(unknown)}")
     name = options[0].split("=", 1)[0]
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
     more = f" (and {len(options) - 1} more)" if len(options) > 1 else ""
-    raise JacobeamError(
+    raise UsageError(
         f"unknown option {name}{hint}{more}: neither jacobeam nor Beam knows it; options for a custom runner "
         "go after -- or with --allow_unknown_beam_options"
     )
@@ -490,13 +497,13 @@ def _error(err: BaseException, verbose: bool, raised: BaseException | None = Non
     if isinstance(err, MissingExtra):
         print(f"jacobeam: {err}", file=sys.stderr)
         return MISSING_EXTRA
+    from jacobeam.pipeline.config import ConfigError
     from jacobeam.transforms.output.lease import LeaseBusy
 
-    if isinstance(err, LeaseBusy):
-        print(f"jacobeam: error: {_clean(str(err))}", file=sys.stderr)
-        return BUSY
     print(f"jacobeam: error: {_clean(str(err))}", file=sys.stderr)
-    return ERROR
+    if isinstance(err, LeaseBusy):
+        return BUSY
+    return USAGE if isinstance(err, (ConfigError, UsageError)) else FAILED
 
 
 def _command(args, beam_args: list[str], passthrough: list[str]) -> int:

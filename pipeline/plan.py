@@ -21,12 +21,12 @@ import os
 import time
 import uuid
 
-from jacobeam.pipeline.config import Config, ConfigError, to_dict
+from jacobeam.pipeline.config import Config, to_dict
 from jacobeam.pipeline.discover import known_scans, resolve_inputs, scan_inputs
 from jacobeam.pipeline.folder import folder_differences, read_folder, stored_fingerprint
 from jacobeam.pipeline.identity import run_identity, run_key
 from jacobeam.pipeline.ids import place_files, rejected_runs, shard_ranges, with_hashes
-from jacobeam.transforms.errors import InputError, OutputError
+from jacobeam.transforms.errors import InputError, ModelError, OutputError
 from jacobeam.transforms.finalize import remove_temp_files
 from jacobeam.transforms.inputs.readers import check_labels
 from jacobeam.transforms.inputs.scan import Labels
@@ -49,7 +49,8 @@ class Job:
 
 
 def _check_files_named(config: Config) -> None:
-    """Every file the config names (besides inputs) exists."""
+    """Every file the config names (besides inputs) exists. A missing one is a ``ModelError``, as when the
+    engine cannot read it, not a ``ConfigError``: the config is valid, the file is not there."""
     from apache_beam.io.filesystems import FileSystems
 
     jacobian = config.jacobian
@@ -61,7 +62,7 @@ def _check_files_named(config: Config) -> None:
     }
     for key, path in named.items():
         if path is not None and not FileSystems.exists(path):
-            raise ConfigError(f"{key} {path}: no such file or directory")
+            raise ModelError(f"{key} {path}: no such file or directory")
 
 
 def _rejected_lines(folder) -> list[dict]:
@@ -73,12 +74,16 @@ def _rejected_lines(folder) -> list[dict]:
 
 
 def _recorded_config(config: Config) -> dict:
-    """The config as the manifest records it: a local model path absolute, as the input paths are, so that
-    ``verify`` finds the model from any working directory. The run's identity keeps the path as written
-    (``run_identity`` of the config itself): a folder resumed by the same config is the same run."""
+    """The config as the manifest records it: the local files it names absolute (the model's, the vectors
+    and bases of ``reduce: vjp``, ``jvp``, ``basis``), as the input paths are, so that ``verify`` finds them
+    from any working directory. The run's identity keeps the paths as written (``run_identity`` of the
+    config itself): a folder resumed by the same config is the same run."""
     recorded = to_dict(config)
-    if recorded["model"].get("path"):
-        recorded["model"]["path"] = storage.absolute(recorded["model"]["path"])
+    jacobian = recorded["jacobian"]
+    for section, key in ((recorded["model"], "path"), (jacobian, "vectors"), (jacobian["basis"], "input"),
+                         (jacobian["basis"], "output")):
+        if section.get(key):
+            section[key] = storage.absolute(section[key])
     return recorded
 
 

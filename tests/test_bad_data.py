@@ -116,7 +116,7 @@ def test_bad_data_under_error_stops_before_any_output_is_touched(case, tmp_path,
     status = cli.main(["-q", "run", str(cfg)])
 
     err = capsys.readouterr().err
-    assert status == 2, err
+    assert status == cli.FAILED, err
     line = err.strip().splitlines()[-1] if "Traceback" not in err else err
     assert re.search(r"^jacobeam: error: .*" + message, err, re.M), err
     assert str(tmp_path / "data") in line  # the full path of the file
@@ -244,7 +244,7 @@ def test_samples_the_model_cannot_take_are_refused_naming_the_file(tmp_path, cap
     np.save(data / "x.npy", np.zeros((4, 8), np.float32))
     cfg = tmp_path / "job.yaml"
     cfg.write_text(json.dumps(_config(data, tmp_path / "out", "error").model_dump(mode="json")))
-    assert cli.main(["-q", "run", str(cfg)]) == 2
+    assert cli.main(["-q", "run", str(cfg)]) == cli.FAILED
     err = capsys.readouterr().err
     assert re.search(r"expects samples of shape \(12,\); the inputs hold samples of shape \(8,\) \(.*/data/x.npy\)", err), err
     assert not (tmp_path / "out").exists()
@@ -262,7 +262,7 @@ def test_output_folder_that_cannot_be_written_is_refused_first(tmp_path, capsys,
     out = tmp_path / "taken" if where == "file" else tmp_path / "taken" / "out"
     cfg = tmp_path / "job.yaml"
     cfg.write_text(json.dumps(_config(data, out, "error").model_dump(mode="json")))
-    assert cli.main(["-q", "run", str(cfg)]) == 2
+    assert cli.main(["-q", "run", str(cfg)]) == cli.FAILED
     assert re.search(message, capsys.readouterr().err)
     assert (tmp_path / "taken").read_text() == "a file, not a folder"
 
@@ -340,7 +340,7 @@ def test_a_bad_label_follows_on_bad_sample_naming_file_and_row(bad, tmp_path, rn
     path.write_text(json.dumps(cfg("error")))
     status = cli.main(["-q", "run", str(path)])
     err = capsys.readouterr().err
-    assert status == 2, err
+    assert status == cli.FAILED, err
     assert re.search(rf"^jacobeam: error: .*b.npz: row 4: label {bad:g} is not an output index 0..4", err, re.M), err
     assert not (tmp_path / "out").exists()
 

@@ -63,7 +63,7 @@ def keras_run(tmp_path):
 
 def _refused(cfg: Path, out: Path, capsys, *args: str) -> str:
     before = folder_state(out)
-    assert cli.main(["-q", "run", str(cfg), *args]) == 2
+    assert cli.main(["-q", "run", str(cfg), *args]) == cli.FAILED
     assert folder_state(out) == before  # nothing computed, nothing mixed in
     return capsys.readouterr().err
 

@@ -210,7 +210,7 @@ def test_bad_input_is_a_clear_error_and_leaves_output_as_it_was(cnn_run, case, t
 
     status = cli.main(["-q", "run", str(cfg_file), *[arg for o in overrides for arg in ("--set", o)]])
 
-    assert status == 2
+    assert status == (cli.USAGE if case == "unknown key" else cli.FAILED)
     err = capsys.readouterr().err
     assert err.startswith("jacobeam: error:"), err
     assert re.search(message, err), err
@@ -259,5 +259,5 @@ def test_inspect_plot_draws_a_png_of_the_promised_size(cnn_run, tmp_path, folder
     with Image.open(picture) as image:
         assert image.format == "PNG"
         assert image.size[0] == 640 and image.size[1] >= 3 * 3 * 80  # three sample rows and the histogram
-    assert cli.main(["inspect", str(out), "--plot", str(picture), "--samples", "40"]) == 2
+    assert cli.main(["inspect", str(out), "--plot", str(picture), "--samples", "40"]) == cli.FAILED
     assert "--samples [40]: ids run from 0 to 39" in capsys.readouterr().err

@@ -173,7 +173,7 @@ def test_a_remote_folder_without_manifest_is_reported_incomplete(store, capsys):
     storage.write_bytes(f"{OUT}/shards/.shard-000000000000-000000000016.h5.tmp-abc", b"x")
     assert cli.main(["inspect", OUT]) == 1
     assert "NOT COMPLETE" in capsys.readouterr().out
-    assert cli.main(["inspect", "fakegcs://bucket/nothing"]) == 2
+    assert cli.main(["inspect", "fakegcs://bucket/nothing"]) == cli.FAILED
 
 
 @pytest.mark.slow

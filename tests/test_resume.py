@@ -211,7 +211,7 @@ def test_incremental_run_with_a_changed_or_missing_old_file_is_refused(clean, tm
     cfg = tmp_path / "job.yaml"
     cfg.write_text(json.dumps(_config(data, out).model_dump(mode="json")))
 
-    assert cli.main(["-q", "run", str(cfg)]) == 2
+    assert cli.main(["-q", "run", str(cfg)]) == cli.FAILED
     err = capsys.readouterr().err
     assert re.search(
         r"holds the result of a different run:\n  input file .*/b.npy changed: data sha256 \"\w+\" there, \"\w+\" now",
@@ -277,7 +277,7 @@ def test_a_foreign_folder_is_refused_saying_what_differs_and_overwrite_replaces_
     cfg = tmp_path / "job.yaml"
     cfg.write_text(json.dumps(_config(data, out).model_dump(mode="json")))
 
-    assert cli.main(["-q", "run", str(cfg), *overrides]) == 2
+    assert cli.main(["-q", "run", str(cfg), *overrides]) == cli.FAILED
     err = capsys.readouterr().err
     assert re.search(message, err), err
     assert folder_state(out) == before
@@ -332,7 +332,7 @@ def test_files_with_jacobeams_names_but_not_its_content_are_never_touched(clean,
     (out / "manifest.json").write_text('{"my": "own manifest"}')
     cfg = tmp_path / "job.yaml"
     cfg.write_text(json.dumps(_config(root / "data", out).model_dump(mode="json")))
-    assert cli.main(["-q", "run", str(cfg), "--overwrite"]) == 2
+    assert cli.main(["-q", "run", str(cfg), "--overwrite"]) == cli.FAILED
     assert re.search(
         r"out/manifest.json — jacobeam uses these names, but did not write these files", capsys.readouterr().err
     )

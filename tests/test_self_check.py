@@ -177,7 +177,7 @@ def test_a_corrupted_result_fails_the_run_in_one_line_naming_shard_and_sample(cl
     cfg = tmp_path / "job.yaml"
     cfg.write_text(json.dumps(_config(root / "data", out).model_dump(mode="json")))
 
-    assert cli.main(["-q", "run", str(cfg)]) == 2
+    assert cli.main(["-q", "run", str(cfg)]) == cli.FAILED
 
     err = capsys.readouterr().err
     line = next(line for line in err.splitlines() if line.startswith("jacobeam: error:"))

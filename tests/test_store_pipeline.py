@@ -114,25 +114,30 @@ def test_projection_end_to_end_records_its_seed(flow, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "sets, message",
+    "sets, message, status",
     [
-        (["jacobian.outputs=label", "jacobian.labels={key: nolabels}"], r"part-0.npz: no array 'nolabels'"),
+        (["jacobian.outputs=label", "jacobian.labels={key: nolabels}"], r"part-0.npz: no array 'nolabels'", cli.FAILED),
         (
             ["jacobian.reduce=vjp", "jacobian.vectors=/no/vectors.npy"],
             r"jacobian.vectors /no/vectors.npy: no such file",
+            cli.FAILED,
         ),
-        (["jacobian.reduce=trace", "jacobian.outputs=argmax"], r"jacobian.reduce: trace needs every output row"),
+        (
+            ["jacobian.reduce=trace", "jacobian.outputs=argmax"],
+            r"jacobian.reduce: trace needs every output row",
+            cli.USAGE,
+        ),
         (
             ["jacobian.reduce=jvp", "jacobian.vectors=v.npy", "jacobian.aggregate=[mean]"],
             r"jacobian.aggregate: needs the Jacobian",
+            cli.USAGE,
         ),
     ],
 )
-def test_invalid_combinations_are_refused_before_anything_is_written(flow, tmp_path, capsys, sets, message):
+def test_invalid_combinations_are_refused_before_anything_is_written(flow, tmp_path, capsys, sets, message, status):
     root, _, _ = flow
     path = tmp_path / "job.yaml"
     path.write_text(json.dumps(_config(root / "data", tmp_path / "out").model_dump(mode="json")))
-    status = cli.main(["-q", "run", str(path), *[a for s in sets for a in ("--set", s)]])
-    assert status == 2
+    assert cli.main(["-q", "run", str(path), *[a for s in sets for a in ("--set", s)]]) == status
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()

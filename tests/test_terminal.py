@@ -214,13 +214,13 @@ def test_an_error_inside_the_pipeline_is_one_line(job, tmp_path, capsys):
     root, _ = job
     config = _failing_job(root, tmp_path)
     _calls = 0
-    assert cli.main(["run", str(config)]) == 2
+    assert cli.main(["run", str(config)]) == cli.FAILED
     err = capsys.readouterr().err
     assert _foreign(err) == []
     assert err.splitlines()[-1] == "jacobeam: error: tests: this model cannot be built in a worker"
 
     _calls = 0
-    assert cli.main(["-v", "run", str(config), "--set", f"output.path={tmp_path / 'again'}"]) == 2
+    assert cli.main(["-v", "run", str(config), "--set", f"output.path={tmp_path / 'again'}"]) == cli.FAILED
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err  # -v keeps it
     assert err.splitlines()[-1] == "jacobeam: error: tests: this model cannot be built in a worker"
@@ -230,7 +230,7 @@ def test_an_error_inside_the_pipeline_is_one_line(job, tmp_path, capsys):
 def test_an_error_in_a_worker_process_is_one_line(job, tmp_path):
     root, _ = job
     failed = _jacobeam("run", str(_failing_job(root, tmp_path)), *TWO_PROCESSES, cwd=root)
-    assert failed.returncode == 2
+    assert failed.returncode == cli.FAILED
     assert _foreign(failed.stderr) == []
     assert failed.stderr.splitlines()[-1] == "jacobeam: error: tests: this model cannot be built in a worker"
 
@@ -267,7 +267,7 @@ def test_a_corrupt_keras_file_is_not_reported_missing(job, tmp_path, capsys, dam
         "model": {"path": str(model)}, "input": {"paths": [str(root / "data" / "*.npy")]},
         "output": {"path": str(tmp_path / "out")},
     }))
-    assert cli.main(["-q", "run", str(config)]) == 2
+    assert cli.main(["-q", "run", str(config)]) == cli.FAILED
     err = capsys.readouterr().err
     assert f"model.path {model}: the file exists but cannot be read as a Keras model: {reason}" in err
     assert "not found" not in err.lower()
@@ -277,20 +277,41 @@ def test_a_mistyped_beam_option_names_the_closest_one(job, tmp_path, capsys):
     root, _ = job
     out = tmp_path / "out"
     args = ["-q", "run", str(root / "config.yaml"), "--set", f"output.path={out}"]
-    assert cli.main([*args, "--runnr", "DirectRunner"]) == 2
+    assert cli.main([*args, "--runnr", "DirectRunner"]) == cli.USAGE
     err = capsys.readouterr().err
     assert err.startswith("jacobeam: error: unknown option --runnr (did you mean --runner?)"), err
     assert not out.exists()  # before anything
-    assert cli.main([*args, "--direct_num_worker", "2"]) == 2
+    assert cli.main([*args, "--direct_num_worker", "2"]) == cli.USAGE
     assert "did you mean --direct_num_workers?" in capsys.readouterr().err
 
 
 def test_unknown_beam_options_pass_after_double_dash_or_when_allowed(tmp_path, capsys):
     missing = str(tmp_path / "missing.yaml")  # the run stops at the config: the options were accepted
     for args in (["--", "--my_runner_option", "1"], ["--allow_unknown_beam_options", "--my_runner_option", "1"]):
-        assert cli.main(["-q", "run", missing, *args]) == 2
+        assert cli.main(["-q", "run", missing, *args]) == cli.USAGE
         err = capsys.readouterr().err
         assert "missing.yaml" in err and "--my_runner_option" not in err
+
+
+def test_a_config_to_fix_exits_2_and_a_run_that_fails_exits_1(tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    samples = np.zeros((4, 784), np.float32)
+    samples[2, 5] = np.nan
+    np.save(tmp_path / "data" / "a.npy", samples)
+    raw = {
+        "model": {"builtin": "mlp"},
+        "input": {"paths": [str(tmp_path / "data" / "*.npy")], "on_bad_sample": "error"},
+        "output": {"path": str(tmp_path / "out")},
+    }
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({**raw, "jacobian": {"batchsize": 4}}))
+    assert cli.main(["-q", "run", str(config)]) == cli.USAGE == 2
+    assert "jacobian.batchsize: unknown key" in capsys.readouterr().err
+
+    config.write_text(json.dumps(raw))  # a valid config: the bad sample is found reading the inputs
+    assert cli.main(["-q", "run", str(config)]) == cli.FAILED == 1
+    assert re.search(r"^jacobeam: error: .*a.npy: row 2: non-finite input: holds NaN", capsys.readouterr().err, re.M)
+    assert not (tmp_path / "out").exists()
 
 
 def test_known_beam_options_include_registered_options_classes():

@@ -203,21 +203,60 @@ def test_a_folder_whose_config_named_the_model_by_a_relative_path_verifies_from_
     assert runner.run(cfg, [], show_progress=False).manifest["run"]["samples_computed"] == 0
 
 
-@pytest.mark.parametrize("reduce", ["sum_abs_over_channels"])
+def test_a_folder_whose_config_named_the_vectors_by_a_relative_path_verifies_from_any_directory(tmp_path, monkeypatch):
+    (tmp_path / "vectors").mkdir()
+    np.save(tmp_path / "vectors" / "u.npy", np.random.default_rng(1).normal(size=(2, 5)))  # over small_mlp's 5 outputs
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).normal(size=(10, 12)).astype(np.float32))
+    monkeypatch.chdir(tmp_path)
+    cfg = config.validate({
+        "model": {"factory": "tests.models:small_mlp"},
+        "input": {"paths": ["x.npy"]},
+        "jacobian": {"reduce": "vjp", "vectors": "vectors/u.npy"},
+        "output": {"path": "out", "samples_per_shard": 4},
+    })
+    runner.run(cfg, [], show_progress=False)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+
+    report = verify(tmp_path / "out", samples=3)
+
+    assert report.ok and report.checked["vjp"]["samples"] == 3, report.as_dict()
+    recorded = json.loads((tmp_path / "out" / "manifest.json").read_text())["config"]["jacobian"]
+    assert recorded["vectors"] == str(tmp_path / "vectors" / "u.npy")
+    monkeypatch.chdir(tmp_path)
+    assert runner.run(cfg, [], show_progress=False).manifest["run"]["samples_computed"] == 0
+
+
+# reduce: the dataset whose value is altered, the model (slogdet needs a square one), more of jacobian
+_REDUCTIONS = {
+    "sum_abs_over_channels": ("saliency", "small_cnn", {"outputs": {"top_k": 1}}),
+    "vjp": ("vjp", "small_cnn", {}),
+    "slogdet": ("logabsdet", "square_softplus", {}),
+}
+
+
+@pytest.mark.parametrize("reduce", list(_REDUCTIONS))
 def test_a_reduction_is_recomputed_and_an_altered_value_caught(tmp_path, reduce):
-    write_inputs(tmp_path / "data", (8, 8, 1))
+    name, model, jacobian = _REDUCTIONS[reduce]
+    write_inputs(tmp_path / "data", (6,) if model == "square_softplus" else (8, 8, 1))
     cfg = _config(tmp_path / "data", tmp_path / "out").model_dump(mode="json")
-    cfg["jacobian"].update(reduce=reduce, outputs={"top_k": 1})
+    cfg["model"] = {"factory": f"tests.models:{model}"}
+    cfg["jacobian"].update(reduce=reduce, **jacobian)
+    if reduce == "vjp":  # two fixed vectors u over small_cnn's 3 outputs
+        np.save(tmp_path / "u.npy", np.random.default_rng(1).normal(size=(2, 3)))
+        cfg["jacobian"]["vectors"] = str(tmp_path / "u.npy")
     runner.run(config.validate(cfg), [], show_progress=False)
     out = tmp_path / "out"
     report = verify(out, samples=40)
     assert report.ok, report.problems
-    name = "saliency"
     assert report.checked[name]["samples"] == 40
     shard = out / "shards" / "shard-000000000016-000000000032.h5"
     with h5py.File(shard, "r+") as h5:
-        value = h5[name][5]
-        value.flat[np.argmax(np.abs(value))] *= 1.01
+        value = np.array(h5[name][5])
+        if name == "logabsdet":  # compared absolutely: |det| 1% off
+            value += np.log(1.01)
+        else:
+            value.flat[np.argmax(np.abs(value))] *= 1.01
         h5[name][5] = value
     manifest = json.loads((out / "manifest.json").read_text())
     for entry in manifest["shards"]:
