@@ -2,6 +2,10 @@
 folder that jacobeam's own tools read."""
 
 import json
+import os
+import socket
+import time
+from pathlib import Path
 
 import apache_beam as beam
 import h5py
@@ -14,6 +18,8 @@ from apache_beam.testing.util import assert_that, equal_to
 from jacobeam.pipeline import verify
 from jacobeam.transforms import ComputeJacobians, EngineOptions, JacobianBatch, ModelSource, WriteShards, pipeline_spec
 from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.output.layout import LEASE
+from jacobeam.transforms.output.lease import LeaseBusy
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop, tape_loop_inputs
 
@@ -134,3 +140,48 @@ def test_a_shard_with_rows_missing_is_an_error_and_leaves_no_file(tmp_path, samp
     with pytest.raises(OutputError, match="4 rows written, 8 planned"):
         list(fn.process(half))
     assert not list((tmp_path / "out" / "shards").iterdir())
+
+
+def _write(spec, samples, replace=False):
+    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+        _ = (
+            pipeline
+            | beam.Create(list(enumerate(samples)))
+            | ComputeJacobians(MODEL, SHAPE, spec.engine)
+            | WriteShards(spec, replace=replace)
+        )
+    return json.loads((Path(spec.output_dir) / "manifest.json").read_text())
+
+
+def test_write_shards_refuses_a_folder_holding_another_runs_result_unless_told_to_replace_it(tmp_path, samples):
+    out = tmp_path / "out"
+    first = _write(pipeline_spec(str(out), MODEL, SHAPE, EngineOptions(batch_size=4), samples_per_shard=8), samples)
+    before = {p.name: p.read_bytes() for p in (out / "shards").iterdir()}
+    other = pipeline_spec(str(out), MODEL, SHAPE, EngineOptions(batch_size=8), samples_per_shard=16)
+
+    with pytest.raises(OutputError, match=rf"output folder {out} holds another run's result \(manifest.json of run key "
+                                          rf"{first['run_key']}; 3 shard\(s\), shards/shard-000000000000-000000000008.h5 "
+                                          r"first\): WriteShards\(spec, replace=True\)"):
+        _write(other, samples)
+    assert {p.name: p.read_bytes() for p in (out / "shards").iterdir()} == before  # untouched
+    assert not (out / LEASE).exists()  # the refusal released the folder
+
+    replaced = _write(other, samples[:20], replace=True)
+    assert replaced["run_key"] == other.run_key != first["run_key"]
+    assert sorted(p.name for p in (out / "shards").iterdir()) == [
+        "shard-000000000000-000000000016.h5", "shard-000000000016-000000000020.h5"
+    ]  # no shard of the first run left behind
+    assert not (out / LEASE).exists()  # released when the manifest was written
+    assert verify.verify(str(out), samples=0).ok
+
+
+def test_write_shards_into_a_folder_another_live_run_holds_is_refused_as_busy(tmp_path, samples):
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = {"holder": "0123456789ab", "host": socket.gethostname(), "pid": os.getppid(), "started_at": time.time(),
+              "heartbeat": time.time()}
+    (out / LEASE).write_text(json.dumps(holder))
+    spec = pipeline_spec(str(out), MODEL, SHAPE, EngineOptions(batch_size=4), samples_per_shard=8)
+    with pytest.raises(LeaseBusy, match=rf"output folder {out} is being written by run 0123456789ab"):
+        _write(spec, samples)
+    assert sorted(p.name for p in out.iterdir()) == [LEASE]

@@ -13,8 +13,11 @@ import numpy as np
 import pytest
 
 from jacobeam.transforms.errors import OutputError
-from jacobeam.transforms.output import shards, storage
-from jacobeam.transforms.output.shards import ShardWriter
+from jacobeam.transforms.finalize import check_shards, remove_temp_files
+from jacobeam.transforms.output import layout, shards, storage
+from jacobeam.transforms.output.shards import ShardRecord, ShardWriter
+from jacobeam.transforms.spec import ModelSource
+from jacobeam.transforms.write import pipeline_spec
 from jacobeam.transforms.testing import faults
 
 
@@ -299,3 +302,76 @@ def test_chunks_written_while_other_threads_use_hdf5_are_complete(tmp_path):
     assert not errors, errors[:3]
     with h5py.File(tmp_path / "rows-1-29.h5") as h5:
         np.testing.assert_array_equal(h5["x"][::32, 0], np.arange(64, dtype="f4"))
+
+
+def _commit(folder, run_key, rng, run_id=""):
+    with ShardWriter(str(folder), 0, 40, {"run_key": run_key}, run_id=run_id) as writer:
+        for first, arrays in _batches(rng)[0]:
+            writer.write(first, arrays)
+        return writer.commit(), writer.final_path
+
+
+def test_a_commit_never_replaces_a_complete_shard_of_another_run(tmp_path, rng):
+    checksum, path = _commit(tmp_path, "first", rng)
+    with pytest.raises(OutputError, match=r"a complete shard of another run \(run key first\) appeared while this "
+                                          r"run \(run key second\) wrote it; it is kept"):
+        _commit(tmp_path, "second", rng)
+    assert _crc32c(path) == checksum and h5py.File(path).attrs["run_key"] == "first"
+    assert _leftovers(tmp_path) == ["shard-000000000000-000000000040.h5"]  # the refused copy is gone
+
+
+def test_a_retried_attempt_of_the_same_run_keeps_the_shard_its_first_attempt_committed(tmp_path, rng):
+    checksum, path = _commit(tmp_path, "k", rng)
+    # The retry computes other bytes (here other values; in Beam, another worker's threads): the first stays.
+    again, _ = _commit(tmp_path, "k", np.random.default_rng(99))
+    assert again == checksum == _crc32c(path)
+    assert _leftovers(tmp_path) == ["shard-000000000000-000000000040.h5"]
+
+
+def test_a_shards_temporary_name_carries_its_runs_id(tmp_path, rng):
+    with ShardWriter(str(tmp_path), 0, 40, {"run_key": "k"}, run_id="a1b2c3") as writer:
+        (temp,) = _leftovers(tmp_path)
+        assert temp.startswith(".shard-000000000000-000000000040.h5.tmp-a1b2c3-")
+        assert layout.is_shard_temp(temp) and layout.temp_run(temp) == "a1b2c3"
+        for first, arrays in _batches(rng)[0]:
+            writer.write(first, arrays)
+        writer.commit()
+    assert _leftovers(tmp_path) == ["shard-000000000000-000000000040.h5"]
+
+
+def test_a_run_removes_only_its_own_temporary_files_unless_it_holds_the_lease(tmp_path):
+    shards_dir = tmp_path / "shards"
+    shards_dir.mkdir()
+    names = {
+        "ours": layout.temp_name(layout.shard_name(0, 8), "0f0f", "aaaa"),
+        "theirs": layout.temp_name(layout.shard_name(8, 16), "0e0e", "bbbb"),
+        "before run ids": layout.temp_name(layout.shard_name(16, 24), "0d0d"),
+    }
+    for name in names.values():
+        (shards_dir / name).write_bytes(b"partial")
+    (tmp_path / layout.temp_name(layout.MANIFEST, "0c0c", "aaaa")).write_text("{")
+
+    assert remove_temp_files(str(tmp_path), "aaaa") == 2  # the other run's and the one without an id stay
+    assert sorted(p.name for p in shards_dir.iterdir()) == sorted([names["theirs"], names["before run ids"]])
+    assert [p.name for p in tmp_path.iterdir()] == ["shards"]
+    assert remove_temp_files(str(tmp_path)) == 0  # the lease holder: every run's
+    assert list(shards_dir.iterdir()) == []
+
+
+def test_finalize_refuses_a_shard_replaced_or_changed_after_its_commit(tmp_path, rng):
+    spec = pipeline_spec(str(tmp_path), ModelSource(factory="tests.models:small_mlp"), (5,), samples_per_shard=40)
+    checksum, path = _commit(tmp_path, spec.run_key, rng)
+    record = ShardRecord(file="shards/" + os.path.basename(path), start=0, stop=40, sha256=None,
+                         model_fingerprint="", computed=True, crc32c=checksum)
+    check_shards([record], spec)  # as committed
+
+    with h5py.File(path, "r+") as h5:
+        h5.attrs["run_key"] = "another"
+    with pytest.raises(OutputError, match="replaced by another run's shard \\(run key another"):
+        check_shards([record], spec)
+    with h5py.File(path, "r+") as h5:
+        h5.attrs["run_key"] = spec.run_key
+        h5["jacobian"][0, 0, 0] += 1
+    with pytest.raises(OutputError, match=r"its bytes changed after this run committed it \(crc32c [0-9a-f]{8}, committed "
+                                          + checksum):
+        check_shards([record], spec)
