@@ -26,6 +26,7 @@ from jacobeam.transforms.job import ComputeShards
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import MANIFEST
 from jacobeam.transforms.output.lease import Lease
+from jacobeam.transforms.output.lease import supported as lease_supported
 from jacobeam.transforms.spec import JobSpec
 from jacobeam.transforms.testing import faults
 
@@ -345,11 +346,14 @@ def _missing_folders(folder: str) -> list[str]:
 
 
 def _take_lease(folder: str, wait: bool) -> tuple[Lease | None, list[str]]:
-    """The output folder's lease (``transforms.output.lease``), and the folders created to hold it (deepest
-    first). A local folder only: for a remote one (None) the exclusive create it needs, S3's
-    ``If-None-Match: *`` or GCS's ``ifGenerationMatch=0``, is not built yet."""
+    """The output folder's lease (``transforms.output.lease``), and the local folders created to hold it
+    (deepest first). None on a remote file system that has no lease yet (all but S3): said once."""
     if not storage.is_local(folder):
-        return None, []
+        if not lease_supported(folder):
+            log.warning("output.path %s: no lease on this file system yet (S3 and local folders have one): "
+                        "nothing stops another run from writing this folder at the same time", folder)
+            return None, []
+        return Lease(storage.normalize(folder)).acquire(wait=wait), []
     root = storage.normalize(folder)
     if os.path.exists(root) and not os.path.isdir(root):
         raise OutputError(f"output.path {root}: exists and is not a folder")

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 from jacobeam.pipeline import checks, cli, folder
-from jacobeam.transforms.output import shards, storage
-from jacobeam.transforms.output.layout import CRC32C_SUFFIX
+from jacobeam.transforms.output import lease, shards, storage
+from jacobeam.transforms.output.layout import CRC32C_SUFFIX, LEASE
 from tests.models import small_cnn
 from tests.reference import assert_close, tape_loop
 from tests.services import jacobeam_process, moto_s3
@@ -175,6 +175,38 @@ def test_inspect_and_verify_refuse_options_beam_does_not_know(bucket):
         assert exit_.value.code == 2
     with pytest.raises(SystemExit):
         cli.main(["verify", "some/local/folder", "--s3_endpoint_url"])  # an option without its value
+
+
+def test_an_s3_folder_has_one_writer_at_a_time(bucket, caplog):
+    """The lease on S3: conditional requests (If-None-Match to create, If-Match to refresh, take over
+    and remove), against the server's own checks."""
+    folder = bucket.url("out")
+    held = lease.Lease(folder).acquire()
+    assert json.loads(bucket.get(f"out/{LEASE}"))["holder"] == held.run_id
+    with pytest.raises(lease.LeaseBusy, match=rf"output folder {folder} is being written by run {held.run_id} "):
+        lease.Lease(folder).acquire()
+    assert held._file.refresh(held._record())  # the heartbeat: a conditional put on the lease's ETag
+
+    bucket.put(f"out/{LEASE}", json.dumps({"holder": "newer", "host": "elsewhere", "pid": 1, "started_at": 0,
+                                          "heartbeat": 9e12}).encode())  # as if taken over meanwhile
+    assert not held._file.refresh(held._record())  # so the heartbeat stops
+    held.release()
+    assert json.loads(bucket.get(f"out/{LEASE}"))["holder"] == "newer"  # never removes another run's lease
+
+    bucket.put(f"out/{LEASE}", json.dumps({"holder": "silent", "host": "elsewhere", "pid": 1, "started_at": 0,
+                                          "heartbeat": 0}).encode())
+    with lease.Lease(folder).acquire() as taken:
+        assert json.loads(bucket.get(f"out/{LEASE}"))["holder"] == taken.run_id
+    assert "taking over the lease of run silent" in caplog.text and "no heartbeat for" in caplog.text
+    assert f"out/{LEASE}" not in bucket.keys("out/")
+
+
+def test_a_run_into_an_s3_folder_another_run_holds_is_refused_before_anything_is_written(bucket, tmp_path):
+    write_inputs(tmp_path / "in", (8, 8, 1))
+    job = _config_file(tmp_path / "job.yaml", str(tmp_path / "in" / "*.npy"), bucket.url("out"))
+    with lease.Lease(bucket.url("out")).acquire():
+        assert cli.main(["-q", "run", str(job), *bucket.args]) == cli.BUSY
+        assert bucket.keys("out/") == [f"out/{LEASE}"]
 
 
 # -- whole runs ------------------------------------------------------------------------------------------

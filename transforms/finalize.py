@@ -340,7 +340,7 @@ def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
     summary = write_aggregates(combine_shards(spec), spec)
     fields = write_virtual_view(spec.output_dir, ordered)
     rejected_sha256 = write_rejected(spec.output_dir, rejected)
-    remove_temp_files(spec.output_dir, spec.run_id)  # another run's may be in use (no lease: remote folders)
+    remove_temp_files(spec.output_dir, spec.run_id)  # another run's may be in use (a file system without a lease)
     manifest = build_manifest(spec, ordered, fields, rejected, rejected_sha256)
     manifest["aggregates"] = summary
     write_manifest(spec.output_dir, manifest)

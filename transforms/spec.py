@@ -191,7 +191,7 @@ class JobSpec:
     # ids 0..n-1 are counted when every shard is written.
     open_ended: bool = False
     # This run's id (hex), carried by its temporary files' names: a run removes only its own, as another
-    # run may be writing beside it (remote folders have no lease).
+    # run may be writing beside it (on a file system without a lease: ``lease.supported``).
     run_id: str = ""
 
     @property

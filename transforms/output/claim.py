@@ -14,7 +14,7 @@ import json
 import logging
 
 from jacobeam.transforms.errors import OutputError
-from jacobeam.transforms.output import storage
+from jacobeam.transforms.output import lease, storage
 from jacobeam.transforms.output.layout import (
     AGGREGATES,
     MANIFEST,
@@ -26,25 +26,24 @@ from jacobeam.transforms.output.layout import (
     is_shard_file,
     is_shard_temp,
 )
-from jacobeam.transforms.output.lease import Lease
 from jacobeam.transforms.output.shards import read_attrs
 from jacobeam.transforms.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
-_claimed: dict[str, Lease] = {}  # the leases ``claim`` took in this process, by folder
+_claimed: dict[str, lease.Lease] = {}  # the leases ``claim`` took in this process, by folder
 
 
 def claim(spec: JobSpec, replace: bool = False) -> None:
-    """Take ``spec.output_dir``'s lease (a local folder; ``LeaseBusy`` while another run holds it) and
+    """Take ``spec.output_dir``'s lease (a local or S3 folder; ``LeaseBusy`` while another run holds it) and
     check that it holds no other run's result; with ``replace``, remove that result (only files with
     jacobeam's names) instead of refusing. The lease is held until ``release`` (``finalize`` calls it)
     or the process ends; claiming a folder this process holds again keeps its lease."""
     root = spec.output_dir
-    if storage.is_local(root):
+    if lease.supported(root):
         held = _claimed.get(root)
         if held is None or not held.held:
-            _claimed[root] = Lease(root).acquire()
+            _claimed[root] = lease.Lease(root).acquire()
     try:
         others = other_runs(spec)
         if others and not replace:
@@ -63,9 +62,9 @@ def claim(spec: JobSpec, replace: bool = False) -> None:
 
 def release(output_dir: str) -> None:
     """Release the lease ``claim`` took for ``output_dir`` in this process, if any."""
-    lease = _claimed.pop(output_dir, None)
-    if lease is not None:
-        lease.release()
+    held = _claimed.pop(output_dir, None)
+    if held is not None:
+        held.release()
 
 
 def other_runs(spec: JobSpec) -> list[str]:

@@ -6,10 +6,11 @@ retry), or waits (``wait=True``). A stale lease is taken over, with one warning:
 this host (a ``kill -9`` leaves the file), or its heartbeat, refreshed by the holder on a thread every
 ``HEARTBEAT_SECONDS``, is older than ``STALE_SECONDS`` (a holder on another host that died).
 
-Local folders only in this version: the exclusive create is a hard link of the complete record
-(``os.link``, which fails where the name exists). (Remote folders, S3's
-``IfNoneMatch='*'`` and GCS's ``ifGenerationMatch=0``, are not implemented yet: ``acquire`` returns a
-lease that holds nothing there.)
+Each change of the lease file is conditional on what its writer last saw, so that two runs can never
+both hold it: locally the create is a hard link of the complete record (``os.link``, which fails where
+the name exists) and a take-over moves the stale file aside first; on S3 each request is conditional
+(``If-None-Match: *`` to create, ``If-Match: <ETag>`` to refresh, take over or remove). Other remote
+file systems (GCS's ``ifGenerationMatch=0`` is not used yet) take no lease: ``supported`` says which.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import socket
 import threading
 import time
 import uuid
+from typing import Any
 
 from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.output.layout import LEASE
@@ -72,86 +74,196 @@ def describe(record: dict) -> str:
             f"heartbeat {time.time() - float(record.get('heartbeat', 0)):.0f} s ago)")
 
 
-class Lease:
-    """The lease of ``folder`` (local), held from ``acquire`` until ``release`` (or the ``with`` block's end)."""
+def supported(folder: str) -> bool:
+    """Whether a lease can be held on ``folder``: a local folder, or one on S3."""
+    return "://" not in folder or folder.startswith("s3://")
 
-    def __init__(self, folder: str, stale_seconds: float = STALE_SECONDS):
-        self.folder, self.path = folder, os.path.join(folder, LEASE)
-        self.run_id = uuid.uuid4().hex[:12]
-        self._stale_seconds = stale_seconds
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.held = False
 
-    def _record(self) -> dict:
-        return {"holder": self.run_id, "host": socket.gethostname(), "pid": os.getpid(),
-                "started_at": self._started, "heartbeat": time.time()}
+class _LocalFile:
+    """The lease file of a local folder. ``token``: the bytes last read or written (no versions locally)."""
 
-    def _read(self) -> tuple[bytes, dict] | None:
+    def __init__(self, folder: str, run_id: str):
+        self.path, self._run_id, self._mine = os.path.join(folder, LEASE), run_id, b""
+        os.makedirs(folder, exist_ok=True)
+
+    def _complete(self, data: bytes) -> str:
+        """``data`` in a file of its own, whole on disk: linked or renamed into place, so that a reader
+        never sees a lease half written."""
+        temp = f"{self.path}.{self._run_id}.new"
+        with open(temp, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
+        return temp
+
+    def create(self, data: bytes) -> bool:
+        temp = self._complete(data)
+        try:
+            os.link(temp, self.path)  # exclusive, as O_CREAT | O_EXCL, but of a complete file
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(temp)
+        self._mine = data
+        return True
+
+    def read(self) -> tuple[bytes, Any] | None:
         try:
             with open(self.path, "rb") as stream:
                 raw = stream.read()
         except FileNotFoundError:
             return None
+        return raw, raw
+
+    def modified(self) -> float | None:
         try:
-            return raw, json.loads(raw)
-        except ValueError:  # not a lease jacobeam wrote whole (it links complete files): judged by its age
-            try:
-                age_heartbeat = os.path.getmtime(self.path)
-            except FileNotFoundError:
-                return None
-            return raw, {"holder": "?", "host": "?", "pid": 0, "started_at": age_heartbeat, "heartbeat": age_heartbeat}
+            return os.path.getmtime(self.path)
+        except FileNotFoundError:
+            return None
 
-    def _written(self) -> str:
-        """This run's record in a file of its own, whole on disk: linked or renamed into place, so that a
-        reader never sees a lease half written."""
-        temp = f"{self.path}.{self.run_id}.new"
-        with open(temp, "w") as stream:
-            json.dump(self._record(), stream)
-            stream.flush()
-            os.fsync(stream.fileno())
-        return temp
-
-    def _create(self) -> bool:
-        temp = self._written()
-        try:
-            os.link(temp, self.path)  # exclusive, as O_CREAT | O_EXCL, but of a complete file
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(temp)
-
-    def _take_over(self, raw: bytes) -> None:
-        """Remove a stale lease, but only the one judged stale: it is moved aside first, and put back if
-        what moved is not those bytes (another taker's fresh lease, or a heartbeat in between)."""
-        aside = f"{self.path}.stale-{self.run_id}"
+    def take_over(self, token: Any) -> None:
+        """Remove the lease, but only if it still holds ``token`` (the stale one): it is moved aside first,
+        and put back if what moved is not those bytes (another taker's fresh lease, or a heartbeat)."""
+        aside = f"{self.path}.stale-{self._run_id}"
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return
         with open(aside, "rb") as stream:
             moved = stream.read()
-        if moved != raw:
+        if moved != token:
             try:
                 os.link(aside, self.path)  # no-replace: a lease created meanwhile stays
             except FileExistsError:
                 pass
         os.unlink(aside)
 
+    def refresh(self, data: bytes) -> bool:
+        found = self.read()
+        if found is None or found[0] != self._mine:
+            return False
+        os.replace(self._complete(data), self.path)
+        self._mine = data
+        return True
+
+    def remove(self) -> None:
+        found = self.read()
+        if found is not None and found[0] == self._mine:
+            os.unlink(self.path)
+
+
+class _S3Object:
+    """The lease object of an S3 folder; every change is conditional (``token``: the object's ETag)."""
+
+    def __init__(self, folder: str, run_id: str):
+        from apache_beam.io.aws import s3io
+
+        self.path = folder.rstrip("/") + "/" + LEASE
+        self._bucket, self._key = s3io.parse_s3_path(self.path)
+        self._client = _s3_client(self.path)
+        self._etag: str | None = None
+
+    def _put(self, data: bytes, **condition: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            reply = self._client.put_object(Bucket=self._bucket, Key=self._key, Body=data,
+                                            ContentType="application/json", **condition)
+        except ClientError as err:
+            # 412: the condition failed; 409: a concurrent conditional write to the key won.
+            if err.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            raise
+        self._etag = reply["ETag"]
+        return True
+
+    def create(self, data: bytes) -> bool:
+        return self._put(data, IfNoneMatch="*")
+
+    def read(self) -> tuple[bytes, Any] | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            reply = self._client.get_object(Bucket=self._bucket, Key=self._key)
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise
+        return reply["Body"].read(), reply["ETag"]
+
+    def modified(self) -> float | None:
+        return None  # every lease on S3 is one jacobeam wrote whole (one PutObject)
+
+    def take_over(self, token: Any) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.delete_object(Bucket=self._bucket, Key=self._key, IfMatch=token)
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "NoSuchKey", "404"):
+                raise
+
+    def refresh(self, data: bytes) -> bool:
+        return self._etag is not None and self._put(data, IfMatch=self._etag)
+
+    def remove(self) -> None:
+        if self._etag is not None:
+            self.take_over(self._etag)
+
+
+def _s3_client(path: str):
+    """The boto3 client Beam makes for ``path`` from the file systems' options (``storage._s3_put``)."""
+    from apache_beam.io.aws import s3io
+    from apache_beam.io.filesystems import FileSystems
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    options = getattr(FileSystems.get_filesystem(path), "_options", None) or PipelineOptions([])
+    return s3io.S3IO(options=options).client.client
+
+
+class Lease:
+    """The lease of ``folder`` (local, or on S3: ``supported``), held from ``acquire`` until ``release``
+    (or the ``with`` block's end)."""
+
+    def __init__(self, folder: str, stale_seconds: float = STALE_SECONDS):
+        self.folder = folder
+        self.run_id = uuid.uuid4().hex[:12]
+        self._file = _LocalFile(folder, self.run_id) if "://" not in folder else _S3Object(folder, self.run_id)
+        self.path = self._file.path
+        self._stale_seconds = stale_seconds
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = 0.0
+        self.held = False
+
+    def _record(self) -> bytes:
+        return json.dumps({"holder": self.run_id, "host": socket.gethostname(), "pid": os.getpid(),
+                           "started_at": self._started, "heartbeat": time.time()}).encode()
+
+    def _read(self) -> tuple[dict, Any] | None:
+        """The lease found (its record and the token a take-over needs), or None."""
+        found = self._file.read()
+        if found is None:
+            return None
+        raw, token = found
+        try:
+            return json.loads(raw), token
+        except ValueError:  # not a lease jacobeam wrote whole (it writes complete files): judged by its age
+            age = self._file.modified() or 0.0
+            return {"holder": "?", "host": "?", "pid": 0, "started_at": age, "heartbeat": age}, token
+
     def acquire(self, wait: bool = False) -> Lease:
-        os.makedirs(self.folder, exist_ok=True)
         self._started = time.time()
         waiting = False
-        while not self._create():
+        while not self._file.create(self._record()):
             found = self._read()
             if found is None:
                 continue
-            raw, record = found
+            record, token = found
             reason = stale_reason(record, stale_seconds=self._stale_seconds)
             if reason is not None:
                 log.warning("output folder %s: taking over the lease of %s: %s", self.folder, describe(record), reason)
-                self._take_over(raw)
+                self._file.take_over(token)
                 continue
             if not wait:
                 raise LeaseBusy(f"output folder {self.folder} is being written by {describe(record)}; "
@@ -166,16 +278,11 @@ class Lease:
         self._thread.start()
         return self
 
-    def _ours(self) -> bool:
-        found = self._read()
-        return found is not None and found[1].get("holder") == self.run_id
-
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_SECONDS):
-            if not self._ours():  # taken over (this run was stale): never write another run's lease
+            if not self._file.refresh(self._record()):  # taken over (this run was stale): never write another's
                 log.warning("output folder %s: this run's lease was taken over by another run", self.folder)
                 return
-            os.replace(self._written(), self.path)
 
     def release(self) -> None:
         """Remove the lease if it is still this run's (never another run's)."""
@@ -183,8 +290,8 @@ class Lease:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self.held and self._ours():
-            os.unlink(self.path)
+        if self.held:
+            self._file.remove()
         self.held = False
         _held.discard(self)
 
