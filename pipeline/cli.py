@@ -180,11 +180,13 @@ def _summary(result) -> str:
     reads = _reads(manifest)
     width = max(len(code) for code, _ in reads)
     total = time.time() - process_started_at()
+    rejected_part = f", {rejected['count']:,} rejected" if rejected["count"] else ""
+    rate = f", {run['samples_per_second']:,.0f} samples/s" if run["samples_computed"] and run["samples_per_second"] else ""
     return "\n".join(
         [
             f"done: {manifest['num_samples']:,} samples ({run['samples_computed']:,} computed, "
-            f"{run['samples_kept']:,} already complete) in {len(manifest['shards'])} shard(s), "
-            f"{total:.1f} s from start (pipeline {run['wall_seconds']:.1f} s, {run['samples_per_second'] or 0:,.0f} samples/s)",
+            f"{run['samples_kept']:,} already complete{rejected_part}) in {len(manifest['shards'])} shard(s), "
+            f"{total:.1f} s from start (pipeline {run['wall_seconds']:.1f} s{rate})",
             *warnings,
             *([f"precision: {precision}"] if precision else []),
             f"metrics: {metrics}",
@@ -479,6 +481,12 @@ def _main(argv: list[str] | None) -> int:
         return _command(args, beam_args, passthrough)
     except (JacobeamError, FileNotFoundError) as err:
         return _error(err, args.verbose, err if "[while running '" in str(err) else None)
+    except BrokenPipeError:  # the reader went away (``jacobeam inspect out | head``): no traceback
+        try:  # the interpreter flushes stdout once more at exit: into nothing, not the closed pipe
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return FAILED
     except Exception as err:
         found = _pipeline_error(err) or _remote_error(err)
         if found is None:

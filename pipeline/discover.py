@@ -84,8 +84,11 @@ def scan_inputs(
     began = time.monotonic()
     known = known or {}
     scans = {**scan_files([f for f in files if f.path not in known], labels=labels), **known}
-    unchanged = f" ({len(known)} unchanged since the last run, not read again)" if known else ""
-    log.info("scanned %d input file(s) in %.1f s%s", len(scans) - len(known), time.monotonic() - began, unchanged)
+    notes = [f"{len(known)} unchanged since the last run, not read again"] if known else []
+    unreadable = sum(1 for f in files if f.unreadable is not None)
+    notes += [f"{unreadable} unreadable"] if unreadable else []
+    log.info("scanned %d of %d input file(s) in %.1f s%s", len(files) - len(known) - unreadable, len(files),
+             time.monotonic() - began, f" ({', '.join(notes)})" if notes else "")
     if on_bad_sample == "error":
         bad = [(path, rows) for path, scan in sorted(scans.items()) for rows in scan.bad]
         if bad:

@@ -6,7 +6,6 @@ so one can resume or extend what the other wrote.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
@@ -46,10 +45,6 @@ def run_identity(config: dict[str, Any]) -> dict[str, Any]:
 
     flatten("jacobian.", config.get("jacobian", {}))
     return identity
-
-
-def run_key(identity: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def identity_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:

@@ -24,7 +24,7 @@ import uuid
 from jacobeam.pipeline.config import Config, to_dict
 from jacobeam.pipeline.discover import known_scans, resolve_inputs, scan_inputs
 from jacobeam.pipeline.folder import folder_differences, read_folder, stored_fingerprint
-from jacobeam.pipeline.identity import run_identity, run_key
+from jacobeam.pipeline.identity import run_identity
 from jacobeam.pipeline.ids import place_files, rejected_runs, shard_ranges, with_hashes
 from jacobeam.transforms.errors import InputError, ModelError, OutputError
 from jacobeam.transforms.finalize import remove_temp_files
@@ -33,7 +33,7 @@ from jacobeam.transforms.inputs.scan import Labels
 from jacobeam.transforms.model_identity import model_identity
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import REJECTED_FILE, SHARDS_DIR, shard_name
-from jacobeam.transforms.spec import JobSpec, ModelSource
+from jacobeam.transforms.spec import JobSpec, ModelSource, run_key
 
 log = logging.getLogger(__name__)
 

@@ -43,8 +43,10 @@ DATEFMT = "%H:%M:%S"
 _NOISE = re.compile(
     "|".join(
         [
-            # Abseil / glog lines of severity INFO, WARNING and ERROR (a FATAL one, F..., is kept)
-            r"[IWE]\d{4} [\d:.]+ +\d+ [^ \]]+:\d+\] .*",
+            # Abseil / glog lines of severity INFO and WARNING; an ERROR line (E...) only where it is the
+            # known complaint of a machine without a GPU. Other errors, and FATAL lines, reach the user.
+            r"[IW]\d{4} [\d:.]+ +\d+ [^ \]]+:\d+\] .*",
+            r"E\d{4} [\d:.]+ +\d+ [^ \]]+:\d+\] (?:failed call to cuInit|Unable to register cu\w+ factory).*",
             r"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR",
             # the second line of TensorFlow's cpu_feature_guard message
             r"To enable the following instructions: .* in other operations, rebuild TensorFlow .*",

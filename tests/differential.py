@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 from hypothesis import strategies as st
 
-from jacobeam.transforms.spec import EngineOptions, OutputSelection, Reduction
+from jacobeam.transforms.spec import EngineOptions, OutputSelection, Reduction, store_dtype
 from tests import models as test_models
 
 POOL = 24  # samples per model; a drawn call takes a slice of them
@@ -67,10 +67,6 @@ def compute_tolerance(case: Case) -> float:
     throughout (``ModelSpec.float64_exact``)."""
     exact = MODELS[case.model].float64_exact
     return COMPUTE_TOLERANCE[case.compute_dtype if exact else "float32"]
-
-
-def store_dtype(name: str) -> np.dtype:
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
 def unit_roundoff(name: str) -> float:

@@ -312,6 +312,16 @@ def test_inspect_names_every_dataset_of_a_reduced_folder(folder, capsys):
     assert set(json.loads(capsys.readouterr().out)["view"]) == {"saliency", "output", "sample_id", "nonfinite"}
 
 
+def test_inspect_into_a_reader_that_stopped_ends_without_a_traceback(folder, monkeypatch, capsys):
+    """``jacobeam inspect out | head -1``: the pipe is closed while inspect still prints."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone: every write raises BrokenPipeError
+    with os.fdopen(write_end, "w") as closed_pipe:
+        monkeypatch.setattr(sys, "stdout", closed_pipe)
+        assert cli.main(["inspect", str(folder("rgb-max"))]) == cli.FAILED
+    assert "Traceback" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", ["rgb-max", "slogdet", "gray-top2"])
 def test_the_read_it_snippet_reads_what_was_stored(folder, name):
     out = folder(name)

@@ -8,12 +8,12 @@ import pytest
 import tensorflow as tf
 
 from jacobeam.pipeline import config, runner
-from jacobeam.pipeline.identity import run_identity, run_key
+from jacobeam.pipeline.identity import run_identity
 from jacobeam.pipeline.verify import verify
 from jacobeam.transforms.engine import JacobianEngine
 from jacobeam.transforms.engine.models import load, without_softmax, wrap_model
 from jacobeam.transforms.errors import JacobeamError, ModelError
-from jacobeam.transforms.spec import EngineOptions, ModelSource
+from jacobeam.transforms.spec import EngineOptions, ModelSource, run_key
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
 from tests.test_self_check import _write

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from jacobeam.pipeline import config, ids, plan, runner, verify
 from jacobeam.pipeline.folder import folder_differences, read_folder
-from jacobeam.pipeline.identity import run_identity, run_key
+from jacobeam.pipeline.identity import run_identity
 from jacobeam.transforms import (
     ComputeJacobians,
     EngineOptions,
@@ -43,7 +43,7 @@ from jacobeam.transforms.inputs.readers import SourceFile
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.shards import ShardRecord
 from jacobeam.transforms.output.storage import sha256
-from jacobeam.transforms.spec import Reduction, Rejected
+from jacobeam.transforms.spec import Reduction, Rejected, run_key
 from jacobeam.transforms.testing.fake_engine import FakeEngine, FakeEngineFactory
 
 ROOT = Path(__file__).resolve().parents[1]

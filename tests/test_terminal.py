@@ -354,3 +354,18 @@ def test_the_process_ends_as_python_would_without_tearing_down_modules():
     assert done.returncode == 3
     assert done.stdout == "bufferedthread done\nhandler ran\n"
     assert done.stderr.strip() == "logged"
+
+
+@pytest.mark.parametrize("line, noise", [
+    ("I0000 00:00:1764681000.123456  4242 port.cc:153] oneDNN custom operations are on.", True),
+    ("W0000 00:00:1764681000.123456  4242 cpu_feature_guard.cc:210] This TensorFlow binary is optimized", True),
+    ("E0000 00:00:1764681000.123456  4242 cuda_driver.cc:152] failed call to cuInit: INTERNAL: CUDA error", True),
+    ("E0000 00:00:1764681000.123456  4242 op_kernel.cc:1839] OP_REQUIRES failed at conv_ops.cc:1: RESOURCE_EXHAUSTED",
+     False),
+    ("F0000 00:00:1764681000.123456  4242 logging.cc:43] Check failed: size >= 0", False),
+    ("Traceback (most recent call last):", False),
+])
+def test_native_error_lines_reach_the_user_and_only_known_noise_is_dropped(line, noise):
+    from jacobeam.pipeline.quiet import is_noise
+
+    assert is_noise(line) is noise

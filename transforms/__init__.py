@@ -9,6 +9,10 @@ Importing this package is light: every name loads its module on first use. Tenso
 only where a worker needs it, and ``JacobianModelHandler`` only when it is asked for: its Beam module
 (``apache_beam.ml.inference``) imports PyTorch and SciPy where they are installed, start-up that the
 pipeline never needs.
+
+The DoFns' element types are declared to Beam (``with_input_types``/``with_output_types``): Beam cannot
+resolve their modules' annotations (strings, by ``from __future__ import annotations``), so their
+methods are marked ``no_annotations`` and the annotations are for readers only.
 """
 
 import importlib

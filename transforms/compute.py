@@ -127,8 +127,6 @@ def _built(
     return engine
 
 
-# Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
-# annotations (strings: ``from __future__ import annotations``), so ``no_annotations`` keeps them for readers.
 @beam.typehints.with_input_types(SampleBatch)
 @beam.typehints.with_output_types(JacobianBatch)
 class ComputeJacobiansFn(beam.DoFn):

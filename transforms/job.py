@@ -28,8 +28,6 @@ from jacobeam.transforms.spec import JobSpec, ShardRange
 from jacobeam.transforms.write import ShardOutput, kept_record
 
 
-# Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
-# annotations (strings: ``from __future__ import annotations``), so ``no_annotations`` keeps them for readers.
 @beam.typehints.with_input_types(Any)  # a ShardRange, or a tuple of them (a work item)
 @beam.typehints.with_output_types(ShardRecord)
 class ComputeShardFn(ComputeJacobiansFn):

@@ -69,8 +69,6 @@ def _light(dataset):
     return dataset.prefetch(2).with_options(options)
 
 
-# Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
-# annotations (strings: ``from __future__ import annotations``), so ``no_annotations`` keeps them for readers.
 @beam.typehints.with_input_types(ShardRange)
 @beam.typehints.with_output_types(SampleBatch)
 class ReadShardFn(beam.DoFn):

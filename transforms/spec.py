@@ -7,9 +7,13 @@ imports neither TensorFlow nor Beam.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Iterator
 from importlib import metadata
 from typing import Any, Literal
+
+import numpy as np
 
 from jacobeam.transforms.inputs.types import Shape, SourceFile
 
@@ -100,6 +104,20 @@ class Reduction:
     project_seed: int = 0
     basis_input: str | None = None  # .npy (d, q): V in U^T J V
     basis_output: str | None = None  # .npy (m, p): U in U^T J V
+
+
+def run_key(identity: dict[str, Any]) -> str:
+    """The hash of a run's identity (``JobSpec.run_key``): what its shards are checked against."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def store_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a ``store_dtype`` name (bfloat16 from ml_dtypes)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
 
 
 @dataclasses.dataclass(frozen=True)

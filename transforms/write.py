@@ -21,7 +21,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -43,7 +42,16 @@ from jacobeam.transforms.metrics import ShardMetrics
 from jacobeam.transforms.output.claim import claim
 from jacobeam.transforms.output.layout import PIPELINE_INPUT, SAMPLE_ID, SELF_CHECK, shard_file
 from jacobeam.transforms.output.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_path
-from jacobeam.transforms.spec import EngineOptions, JobSpec, ModelSource, SelfCheck, ShardRange, shard_inputs, version
+from jacobeam.transforms.spec import (
+    EngineOptions,
+    JobSpec,
+    ModelSource,
+    SelfCheck,
+    ShardRange,
+    run_key,
+    shard_inputs,
+    version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -228,8 +236,6 @@ def kept_record(spec: JobSpec, shard: ShardRange, checksums: dict[str, str]) -> 
     return existing_record(spec.output_dir, shard.start, shard.stop, str(attrs["model_fingerprint"]), checksums)
 
 
-# Beam's type hints are declared (with_input_types/with_output_types); it cannot resolve this module's
-# annotations (strings: ``from __future__ import annotations``), so ``no_annotations`` keeps them for readers.
 @beam.typehints.with_input_types(JacobianBatch)
 @beam.typehints.with_output_types(ShardRecord)
 class WriteShardFn(beam.DoFn):
@@ -370,7 +376,7 @@ def pipeline_spec(
             ),
         ),
         output_dir=output_dir,
-        run_key=hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16],
+        run_key=run_key(identity),
         engine=options,
         samples_per_shard=samples_per_shard,
         compression=compression,

@@ -35,7 +35,7 @@ from jacobeam.transforms.engine.planner import Planner, disagreement
 from jacobeam.transforms.engine.reductions import FULL, reduce_full
 from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.output.layout import JACOBIAN, jacobian_dataset
-from jacobeam.transforms.spec import EngineOptions
+from jacobeam.transforms.spec import EngineOptions, store_dtype
 
 log = logging.getLogger(__name__)
 
@@ -403,12 +403,3 @@ def _avoiding(path, reference) -> str:
     if path.mode != reference.mode:
         return f"mode: {reference.mode}"
     return "mode: reverse_loop" if path.mode == "reverse" else "mode: reverse"
-
-
-def store_dtype(name: str) -> np.dtype:
-    """The numpy dtype of a ``store_dtype`` name (bfloat16 from ml_dtypes)."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)

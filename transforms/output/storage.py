@@ -247,14 +247,15 @@ def rename(source: str, target: str) -> None:
     if is_local(source):
         os.replace(source, target)
         return
+    from apache_beam.io.filesystem import BeamIOError
     from apache_beam.io.filesystems import FileSystems
 
     try:
         FileSystems.rename([source], [target])  # GCS and S3 copy over an existing target: no gap
-    except Exception:
-        if not FileSystems.exists(target):  # Beam wraps every failure in its own error types
+    except BeamIOError:  # how Beam's file systems report a failed rename
+        # HDFS refuses to rename onto an existing file: there (only), the target is briefly absent.
+        if not (target.startswith("hdfs://") and FileSystems.exists(target)):
             raise
-        # HDFS refuses to rename onto an existing file: there, the target is briefly absent.
         FileSystems.delete([target])
         FileSystems.rename([source], [target])
 

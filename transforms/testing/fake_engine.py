@@ -40,7 +40,7 @@ import numpy as np
 
 from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.output.layout import JACOBIAN
-from jacobeam.transforms.spec import EngineOptions, ModelSource
+from jacobeam.transforms.spec import EngineOptions, ModelSource, store_dtype
 
 INPUT_NAME = "x"  # the fake model's one input
 
@@ -50,14 +50,6 @@ def coefficients(input_shape: Sequence[int], outputs: int, seed: int) -> tuple[n
     d = math.prod(int(n) for n in input_shape)
     rng = np.random.default_rng(seed)
     return rng.standard_normal((outputs, d)), rng.standard_normal((outputs, d))
-
-
-def _store_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 class FakeEngine:
@@ -144,7 +136,7 @@ class FakeEngine:
         flat = x.reshape(n, -1).astype(np.float64)
         jacobian = self.a[None] + self.b[None] * flat[:, None, :]  # (n, m, d), entrywise
         output = flat @ self.a.T + 0.5 * (flat * flat) @ self.b.T  # (n, m)
-        store = _store_dtype(self.options.store_dtype)
+        store = store_dtype(self.options.store_dtype)
         stored = jacobian.astype(store)
         datasets = {"output": output.astype(store), JACOBIAN: stored.reshape(n, *self.output_shape, *self.input_shape)}
         return datasets, stored if self.options.aggregate else None
