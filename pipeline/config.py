@@ -584,10 +584,9 @@ class Config(_Section):
         names, jacobian = self.input.key, self.jacobian
         if not isinstance(names, dict):
             return self
-        if jacobian.reduce != "none":
-            raise ValueError(f"jacobian.reduce: {jacobian.reduce} is for one-input models; input.key names inputs {list(names)}")
-        if jacobian.aggregate:
-            raise ValueError(f"jacobian.aggregate: aggregates are for one-input models; input.key names inputs {list(names)}")
+        refusal = jacobian.engine_options().one_input_only()
+        if refusal:
+            raise ValueError(f"{refusal}; input.key names inputs {list(names)}")
         unknown = [name for name in jacobian.wrt if name not in names] if jacobian.wrt != "all" else []
         if unknown:
             raise ValueError(f"jacobian.wrt: {unknown} not among the inputs that input.key names, {list(names)}")

@@ -440,7 +440,7 @@ def refusals(case: Case) -> tuple[list[str], list[str]]:
     """
     spec, must, may = MODELS[case.model], [], []
     if case.reduce != "none" and len(spec.inputs) > 1:
-        must.append(r"only for one-input models")
+        must.append(r"is for one-input models")
     if case.outputs.rule != "all" and case.reduce in NEED_ALL_ROWS:
         must.append(r"cannot be combined with outputs")
     if case.reduce in SQUARE_ONLY and spec.m != spec.d:

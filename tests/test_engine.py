@@ -115,3 +115,15 @@ def test_agreement_is_judged_per_sample():
     assert per_sample_relative_error(with_nan, with_nan) == 0.0
     assert per_sample_relative_error(expected, with_nan) == float("inf")
     assert per_sample_relative_error(expected[:3], expected) == float("inf")  # a sample missing
+
+
+def test_aggregates_are_of_the_one_inputs_jacobian_and_refused_for_several_inputs(rng):
+    model = test_models.small_mlp()
+    x = rng.normal(size=(6, 12)).astype(np.float32)
+    _, full = _engine(model, aggregate=("mean", "jtj")).compute(x)
+    assert_close(full, tape_loop(model, x), rtol=1e-5)  # (n, rows, d): what aggregates.partial sums
+
+    two = test_models.two_inputs()
+    with pytest.raises(ModelError, match=r"^jacobian.aggregate: aggregates are for one-input models; test takes inputs "
+                                         r"\['image', 'meta'\]$"):
+        JacobianEngine(wrap_model(two, "test"), {"image": (4, 4, 1), "meta": (3,)}, EngineOptions(aggregate=("mean",)))

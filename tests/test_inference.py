@@ -2,12 +2,13 @@
 
 import apache_beam as beam
 import numpy as np
+import pytest
 from apache_beam.ml.inference.base import RunInference
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.util import assert_that
 
 from jacobeam.transforms.inference import JacobianModelHandler
-from jacobeam.transforms.spec import EngineOptions, ModelSource, Reduction
+from jacobeam.transforms.spec import EngineOptions, ModelSource, OutputSelection, Reduction
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
 
@@ -75,3 +76,35 @@ def test_a_two_input_model_through_run_inference():
 
     with beam.Pipeline(runner=FnApiRunner()) as pipeline:
         assert_that(pipeline | beam.Create(examples) | RunInference(handler), check)
+
+
+def test_labels_travel_with_their_samples_through_run_inference():
+    samples = np.random.default_rng(7).normal(size=(9, 12)).astype(np.float32)
+    labels = [i % 5 for i in range(9)]
+    full = tape_loop(test_models.small_mlp(), samples)  # (9, 5, 12)
+    # At most 3 samples a batch: several batches, each with other labels.
+    handler = JacobianModelHandler(
+        ModelSource(factory="tests.models:small_mlp"), (12,),
+        EngineOptions(batch_size=3, outputs=OutputSelection("label")), min_batch_size=2,
+    )
+
+    def check(results):
+        assert len(results) == 9
+        found = {float(r.example[0][0]): r for r in results}
+        for sample, label, jacobian in zip(samples, labels, full):
+            result = found[float(sample[0])]
+            assert result.example[1] == label
+            np.testing.assert_array_equal(result.inference["output_index"], [label])
+            assert_close(result.inference["jacobian"], jacobian[label][None], rtol=1e-5)
+
+    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+        examples = pipeline | beam.Create(list(zip(samples, labels)))
+        assert_that(examples | RunInference(handler), check)
+
+
+def test_inference_args_are_refused_as_they_are_one_value_for_every_batch():
+    handler = JacobianModelHandler(ModelSource(factory="tests.models:small_mlp"), (12,),
+                                   EngineOptions(outputs=OutputSelection("label")))
+    with pytest.raises(ValueError, match=r"takes no inference_args \(got \['labels'\]\): they are the same for every batch"):
+        with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+            _ = pipeline | beam.Create([np.zeros(12, np.float32)]) | RunInference(handler, inference_args={"labels": [0]})

@@ -278,12 +278,14 @@ def _bad_cases(root: Path) -> dict[str, tuple[list[str], str]]:
                       r"small_mlp takes one input; input.key maps inputs \['image', 'meta'\] to arrays"),
         "wrt": (["jacobian.wrt=[pixels]"], r"jacobian.wrt: \['pixels'\] not among the inputs that input.key names"),
         "reduce": (["jacobian.reduce=frobenius"], r"jacobian.reduce: frobenius is for one-input models"),
+        "aggregate": (["jacobian.aggregate=[mean]"], r"jacobian.aggregate: aggregates are for one-input models; "
+                                                     r"input.key names inputs \['image', 'meta'\]"),
         "bad mapping": (["input.key={image: 3}"], r"input.key: input 'image': expected the name of an array, got 3"),
     }
 
 
 @pytest.mark.parametrize("case", ["row counts", "missing key", "shape differs", "npy", "names differ", "one array",
-                                  "one input", "wrt", "reduce", "bad mapping"])
+                                  "one input", "wrt", "reduce", "aggregate", "bad mapping"])
 def test_inputs_that_do_not_fit_the_model_are_clear_errors_and_nothing_is_written(npz_run, tmp_path, capsys, case):
     root, _, _ = npz_run
     out = tmp_path / "out"
@@ -296,7 +298,7 @@ def test_inputs_that_do_not_fit_the_model_are_clear_errors_and_nothing_is_writte
     status = cli.main(["-q", "run", str(cfg), *[arg for o in overrides for arg in ("--set", o)]])
 
     err = capsys.readouterr().err
-    assert status == (cli.USAGE if case in ("wrt", "reduce", "bad mapping") else cli.FAILED), err  # config or files
+    assert status == (cli.USAGE if case in ("wrt", "reduce", "aggregate", "bad mapping") else cli.FAILED), err  # config or files
     assert err.startswith("jacobeam: error:") and re.search(message, err), err
     assert folder_state(out) == before
 

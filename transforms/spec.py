@@ -136,6 +136,16 @@ class EngineOptions:
     reduce: Reduction = Reduction()
     aggregate: tuple[str, ...] = ()  # any of mean, mean_abs, jtj
 
+    def one_input_only(self) -> str | None:
+        """Why these options need a one-input model, or None: a reduction or an aggregate is of one
+        input's Jacobian. The engine (for the model's inputs) and the config (for ``input.key``) refuse
+        them for several inputs with this reason."""
+        if self.reduce.kind != "none":
+            return f"jacobian.reduce: {self.reduce.kind} is for one-input models"
+        if self.aggregate:
+            return "jacobian.aggregate: aggregates are for one-input models"
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class SelfCheck:

@@ -58,8 +58,8 @@ class JacobianEngine:
 
     Raises:
         ModelError: the model does not take these samples, its samples interact inside a batch, the
-            output selection or reduction does not fit it, or no way to differentiate it works; and
-            from ``compute``, where the chosen path disagrees with the reference on the first real batch.
+            output selection, reduction or aggregate does not fit it, or no way to differentiate it
+            works; and from ``compute``, where the chosen path disagrees with the reference on the first real batch.
 
     ``engine(x)`` with ``x`` of shape ``(n, *input_shape)`` (or a mapping input name -> array) returns
     numpy arrays in ``store_dtype``:
@@ -326,8 +326,9 @@ class JacobianEngine:
         kind = self.options.reduce.kind
         full = None
         if kind in FULL:
+            if self.options.aggregate:  # of the one input: refused for several (EngineOptions.one_input_only)
+                full = products[self.wrt[0]].astype(store, copy=False)
             for k, product in products.items():
-                full = product.astype(store, copy=False)
                 reduced = reduce_full(kind, product, rows_shape, self.input_shapes[k])
                 if JACOBIAN in reduced:
                     reduced = {jacobian_dataset(self.input_names[k], len(self.input_names) > 1): reduced.pop(JACOBIAN)}
@@ -338,7 +339,7 @@ class JacobianEngine:
             name: value.astype(store, copy=False) if value.dtype.kind == "f" else value
             for name, value in datasets.items()
         }
-        return stored, full if self.options.aggregate else None
+        return stored, full
 
     def _products(self, kind: str, raw: np.ndarray, rows_shape: tuple[int, ...]) -> dict[str, np.ndarray]:
         n, input_shape = len(raw), self.input_shapes[0]

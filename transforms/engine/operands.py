@@ -113,8 +113,9 @@ def build_operands(
     kind = reduction.kind
     m = int(np.prod(output_shape, dtype=np.int64))
     sizes = tuple(int(np.prod(shape, dtype=np.int64)) for shape in input_shapes)
-    if kind != "none" and len(input_names) > 1:
-        raise ModelError(f"jacobian.reduce {kind}: only for one-input models; {source} has {list(input_names)}")
+    refusal = options.one_input_only() if len(input_names) > 1 else None
+    if refusal:
+        raise ModelError(f"{refusal}; {source} takes inputs {list(input_names)}")
     if selection.rule == "indices" and not all(0 <= i < m for i in selection.indices):
         raise ModelError(f"jacobian.outputs: indices {list(selection.indices)} out of range 0..{m - 1} for {source}")
     if selection.rule == "top_k" and not 1 <= selection.k <= m:
