@@ -6,11 +6,13 @@ The key names are a contract with users (see README, "Configuration"): add keys,
 from __future__ import annotations
 
 import copy
+import difflib
 import math
 import re
+from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -37,6 +39,12 @@ class ConfigError(JacobeamError, ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _one_string_is_a_list(value: Any) -> Any:
+    """A list key given one string (``--set jacobian.aggregate=mean``) means a list of that one string,
+    validated as any list."""
+    return [value] if isinstance(value, str) else value
 
 
 class ModelConfig(_Section):
@@ -212,10 +220,7 @@ class InputConfig(_Section):
         "cannot be opened gets none) and lists them in `rejected.jsonl`. Not part of the run identity.",
     )
 
-    @field_validator("paths", mode="before")
-    @classmethod
-    def _one_glob_is_a_list(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
+    _one_glob_is_a_list = field_validator("paths", mode="before")(_one_string_is_a_list)
 
     @field_validator("key", mode="before")
     @classmethod
@@ -385,8 +390,8 @@ class JacobianConfig(_Section):
     wrt: Literal["all"] | list[str] = Field(
         "all",
         description="The model inputs to differentiate by: `all`, or a list of input names (with a mapping "
-        "`input.key`, names of that mapping). A model with several inputs gets one dataset "
-        "`jacobian/<input name>` per input differentiated.",
+        "`input.key`, names of that mapping; a single name is read as a list of one). A model with several "
+        "inputs gets one dataset `jacobian/<input name>` per input differentiated.",
     )
     compute_dtype: Literal["float32", "float64"] = Field(
         "float32",
@@ -453,7 +458,8 @@ class JacobianConfig(_Section):
         description="Sums over every stored sample, written with `count` to `aggregates.h5`: `mean`, the mean "
         "Jacobian, and `mean_abs`, the mean `|J|`, both shaped like one sample's stored `jacobian`; `jtj`, "
         "`sum_i J_i^T J_i` of shape `(d, d)`. Summed in float64 in a fixed order: the same bits however the "
-        "work was split. Not with a `reduce` product, nor for a model with several inputs. `[]`: none.",
+        "work was split. Not with a `reduce` product, nor for a model with several inputs. A single name is read "
+        "as a list of one; `[]`: none.",
     )
     threads: PositiveInt | Literal["auto"] = Field(
         "auto",
@@ -468,6 +474,13 @@ class JacobianConfig(_Section):
         description="Each shard recomputes a few of its samples independently and records the error (see "
         "`jacobian.self_check`). Not part of the run identity.",
     )
+
+    _one_aggregate_is_a_list = field_validator("aggregate", mode="before")(_one_string_is_a_list)
+
+    @field_validator("wrt", mode="before")
+    @classmethod
+    def _one_input_is_a_list(cls, value: Any) -> Any:
+        return value if value == "all" else _one_string_is_a_list(value)
 
     @model_validator(mode="after")
     def _consistent_products(self) -> JacobianConfig:
@@ -553,7 +566,8 @@ class OutputConfig(_Section):
 class Config(_Section):
     """The run configuration: one YAML file plus ``--set KEY=VALUE`` overrides, validated once at start-up.
 
-    An unknown or mistyped key, a wrong type or a missing required key is an error naming the key.
+    An unknown or mistyped key, a wrong type or a missing required key is an error naming the key (and the
+    closest known key, for an unknown one), and the ``--set`` override that gave it, if one did.
     ``--set a.b=VALUE`` overrides any key (VALUE is parsed as YAML). Relative paths are relative to the
     directory jacobeam runs in. The run identity (the model source, ``input.key``, ``input.sample_shape``
     and ``input.image`` where given, ``output.samples_per_shard`` and every ``jacobian`` key but
@@ -630,33 +644,98 @@ def apply_override(raw: dict[str, Any], keys: list[str], value: Any) -> None:
     node[keys[-1]] = value
 
 
-def _describe(error: ValidationError) -> str:
-    lines = []
+# What a key of several forms accepts, said once instead of one pydantic error per member of its union.
+_FORMS = {
+    "input.sample_shape": "a shape such as [8, 8, 1], or a mapping {input name: shape}",
+    "input.image.mean": "a number, or a list of one number per channel",
+    "input.image.std": "a positive number, or a list of one per channel",
+    "jacobian.jit_compile": "true, false or auto",
+    "jacobian.wrt": "all, or a list of input names",
+    "jacobian.outputs": "all, argmax, label, a list of output indices such as [3, 7], or {top_k: K}",
+    "jacobian.threads": "auto, or a positive integer",
+}
+
+
+def _section_keys(path: tuple[Any, ...]) -> list[str]:
+    """The keys of the section at ``path`` (keys from the top level), for a did-you-mean; none when
+    ``path`` does not lead to a single section."""
+    section: type[BaseModel] = Config
+    for part in path:
+        field = section.model_fields.get(part)
+        models = [kind for kind in _member_types(field.annotation) if issubclass(kind, BaseModel)] if field else []
+        if len(models) != 1:
+            return []
+        section = models[0]
+    return list(section.model_fields)
+
+
+def _member_types(annotation: Any) -> list[type]:
+    """The classes an annotation names, through ``X | None`` and the like."""
+    if isinstance(annotation, type):
+        return [annotation]
+    return [kind for arg in get_args(annotation) for kind in _member_types(arg)]
+
+
+def _did_you_mean(word: Any, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1) if isinstance(word, str) else []
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _problems(error: ValidationError) -> list[tuple[str, str]]:
+    """``(dotted key, what is wrong with it)`` for each problem of ``error``."""
+    problems = []
     for item in error.errors():
-        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        if item["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key")
+        loc, given = item["loc"], item.get("input")
+        key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".") or "(top level)"
+        union = next((name for name in _FORMS if key.startswith(name + ".")), None)
+        if union:
+            # The first error of the union is its first member's, which was given the whole value.
+            if all(known != union for known, _ in problems):
+                problems.append((union, f"{given!r} is not one of {_FORMS[union]}"))
+        elif item["type"] == "extra_forbidden":
+            problems.append((key, "unknown key" + _did_you_mean(loc[-1], _section_keys(loc[:-1]))))
         elif item["type"] == "missing":
-            lines.append(f"  {key}: required key is missing")
-        elif item["type"] == "value_error" and isinstance(item.get("input"), dict):
+            problems.append((key, "required key is missing"))
+        elif item["type"] == "literal_error":
+            choices = re.findall(r"'([^']*)'", item["ctx"]["expected"])
+            problems.append((key, f"{item['msg']} (got {given!r}){_did_you_mean(given, choices)}"))
+        elif item["type"] == "value_error" and isinstance(given, dict):
             # A section-level check, whose message may start with the key inside the section (or, at
             # the top level, with the dotted key).
             message = item["msg"].removeprefix("Value error, ")
-            if not item["loc"] and re.match(r"^[\w.]+: ", message):
-                lines.append(f"  {message}")
+            inner = re.match(r"^([\w.]+): (.*)$" if not loc else r"^(\w+): (.*)$", message)
+            if inner and not loc:
+                problems.append(inner.groups())
+            elif inner:
+                problems.append((f"{key}.{inner[1]}", inner[2]))
             else:
-                lines.append(f"  {key}.{message}" if re.match(r"^\w+: ", message) else f"  {key}: {message}")
+                problems.append((key, message))
         else:
-            lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
-    return "\n".join(lines)
+            problems.append((key, f"{item['msg']} (got {given!r})"))
+    return problems
 
 
-def validate(raw: dict[str, Any], source: str = "config") -> Config:
+def _describe(error: ValidationError, source: str, overridden: Sequence[str]) -> str:
+    """One line per problem, a problem under a key that ``--set`` gave blamed on that override (it
+    replaced what the file said), any other on ``source``."""
+
+    def by_override(key: str) -> bool:
+        return any(key == set_key or key.startswith((set_key + ".", set_key + "[")) for set_key in overridden)
+
+    lines = [(f"--set {key}" if by_override(key) else key) + f": {message}" for key, message in _problems(error)]
+    if len(lines) == 1:
+        return lines[0] if lines[0].startswith("--set ") else f"{source}: {lines[0]}"
+    header = source if any(not line.startswith("--set ") for line in lines) else "the --set overrides"
+    return f"{header} {'is' if header == source else 'are'} not valid:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def validate(raw: dict[str, Any], source: str = "config", overridden: Sequence[str] = ()) -> Config:
     """Validate a raw config (plain data, as YAML reads it).
 
     Args:
         raw: the config as a mapping.
         source: what the config came from, for the error message (a file name).
+        overridden: the dotted keys that ``--set`` overrides gave, whose problems the message blames on them.
 
     Returns:
         The validated ``Config``, with every default filled in.
@@ -670,7 +749,7 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(f"{source} is not valid:\n{_describe(err)}") from None
+        raise ConfigError(_describe(err, source, overridden)) from None
 
 
 def load(path: str | Path | None, overrides: list[str] = (), base: dict[str, Any] | None = None) -> Config:
@@ -702,9 +781,12 @@ def load(path: str | Path | None, overrides: list[str] = (), base: dict[str, Any
             raise ConfigError(f"{path} is not valid YAML: {err}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a YAML mapping at the top level")
+    overridden = []
     for text in overrides:
-        apply_override(raw, *parse_override(text))
-    return validate(raw, source)
+        keys, value = parse_override(text)
+        apply_override(raw, keys, value)
+        overridden.append(".".join(keys))
+    return validate(raw, source, overridden)
 
 
 def to_dict(config: Config) -> dict[str, Any]:

@@ -354,3 +354,21 @@ def test_a_bad_label_follows_on_bad_sample_naming_file_and_row(bad, tmp_path, rn
         np.testing.assert_array_equal(view["sample_id"][:], kept)
         np.testing.assert_array_equal(view["output_index"][:, 0], labels[kept])
         assert_close(view["jacobian"][:, 0], full[np.arange(19), labels[kept].astype(int)], rtol=1e-5)
+
+
+def test_labels_of_npy_inputs_are_refused_naming_the_file(tmp_path, capsys):
+    """A .npy file holds one array, its samples: jacobian.labels.key cannot name another one there (it used
+    to read the samples as labels)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    np.save(data / "x.npy", np.zeros((4, 12), np.float32))
+    raw = _config(data, tmp_path / "out", "error").model_dump(mode="json")
+    raw["jacobian"].update(outputs="label", labels={"key": "labels"})
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(raw))
+    assert cli.main(["-q", "run", str(path)]) == cli.FAILED
+    assert capsys.readouterr().err == (
+        f"jacobeam: error: {data / 'x.npy'}: jacobian.labels.key 'labels': a .npy file holds one array, its "
+        "samples; labels need a named array beside the samples, in .npz or .h5 files\n"
+    )
+    assert not (tmp_path / "out").exists()

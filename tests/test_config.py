@@ -72,3 +72,84 @@ def test_shipped_configs_are_valid_and_demo_yaml_is_the_builtin_demo():
     for path in configs.glob("*.yaml"):
         config.load(path)
     assert config.load(configs / "demo.yaml") == config.validate(demo.demo_config())
+
+
+def _file(tmp_path, raw=MINIMAL):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _message(path, overrides=()):
+    with pytest.raises(config.ConfigError) as caught:
+        config.load(path, overrides)
+    return str(caught.value)
+
+
+def test_a_problem_set_by_an_override_is_blamed_on_the_override_not_the_file(tmp_path):
+    path = _file(tmp_path)
+    assert _message(path, ["jacobian.batchsize=8"]) == "--set jacobian.batchsize: unknown key; did you mean batch_size?"
+    assert _message(path, ["jacobian={batchsize: 8}"]) == "--set jacobian.batchsize: unknown key; did you mean batch_size?"
+    assert _message(path, ["jacobian.batch_size=0"]) == (
+        "--set jacobian.batch_size: Input should be greater than 0 (got 0)"
+    )
+    assert _message(path, ["foo"]) == "--set expects KEY=VALUE (e.g. output.path=out/), got 'foo'"
+    assert _message(path, ["foo=1"]) == "--set foo: unknown key"
+    # The file's own problems name the file; an override of another key does not take them over.
+    path = _file(tmp_path, {**MINIMAL, "jacobian": {"batchsize": 8}})
+    assert _message(path, ["jacobian.mode=forward"]) == f"{path}: jacobian.batchsize: unknown key; did you mean batch_size?"
+    assert _message(path, ["jacobian.mode=forwrd"]) == (
+        f"{path} is not valid:\n"
+        "  --set jacobian.mode: Input should be 'auto', 'reverse', 'reverse_loop', 'forward' or 'autotune' "
+        "(got 'forwrd'); did you mean forward?\n"
+        "  jacobian.batchsize: unknown key; did you mean batch_size?"
+    )
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({**MINIMAL, "jacobain": {}}, "jacobain: unknown key; did you mean jacobian?"),
+        ({**MINIMAL, "output": {"path": "o", "samples_per_shrad": 3}}, "output.samples_per_shrad: unknown key; "
+         "did you mean samples_per_shard?"),
+        ({**MINIMAL, "input": {"paths": "x", "image": {"chanels": 1}}}, "input.image.chanels: unknown key; "
+         "did you mean channels?"),
+        ({**MINIMAL, "jacobian": {"self_check": {"sample": 1}}}, "jacobian.self_check.sample: unknown key; "
+         "did you mean samples?"),
+        ({**MINIMAL, "jacobian": {"zzz": 1}}, "jacobian.zzz: unknown key"),
+    ],
+)
+def test_an_unknown_key_suggests_the_closest_key_of_its_section(raw, message):
+    with pytest.raises(config.ConfigError) as caught:
+        config.validate(raw)
+    assert str(caught.value) == f"config: {message}"
+
+
+@pytest.mark.parametrize("outputs", ["foo", [-1], {"top_kk": 2}, {"top_k": 0}, 2.5])
+def test_a_bad_outputs_value_lists_what_is_accepted(tmp_path, outputs):
+    path = _file(tmp_path, {**MINIMAL, "jacobian": {"outputs": outputs}})
+    assert _message(path) == (
+        f"{path}: jacobian.outputs: {outputs!r} is not one of all, argmax, label, a list of output indices such "
+        "as [3, 7], or {top_k: K}"
+    )
+
+
+def test_a_list_key_takes_a_single_string_validated_as_a_list_of_one(tmp_path):
+    path = _file(tmp_path)
+    cfg = config.load(path, ["jacobian.aggregate=mean_abs", "jacobian.wrt=image", "input.paths=a/*.npy"])
+    assert (cfg.jacobian.aggregate, cfg.jacobian.wrt, cfg.input.paths) == (["mean_abs"], ["image"], ["a/*.npy"])
+    assert config.load(path, ["jacobian.wrt=all"]).jacobian.wrt == "all"
+    assert _message(path, ["jacobian.aggregate=mean_ab"]) == (
+        "--set jacobian.aggregate[0]: Input should be 'mean', 'mean_abs' or 'jtj' (got 'mean_ab'); did you mean mean_abs?"
+    )
+    assert _message(path, ["jacobian.aggregate=mean", "jacobian.reduce=vjp", "jacobian.vectors=u.npy"]) == (
+        "--set jacobian.aggregate: needs the Jacobian, which reduce: vjp never forms"
+    )
+
+
+def test_problems_of_overrides_alone_are_listed_one_per_line_under_the_overrides(tmp_path):
+    assert _message(_file(tmp_path), ["jacobian.threads=0", "output.compresion=gzip"]) == (
+        "the --set overrides are not valid:\n"
+        "  --set jacobian.threads: 0 is not one of auto, or a positive integer\n"
+        "  --set output.compresion: unknown key; did you mean compression?"
+    )

@@ -60,6 +60,14 @@ def unreadable_file(path: str, key: Key, reason: str) -> SourceFile:
 def check_labels(source: SourceFile, label_key: str) -> np.dtype:
     """The file holds one label per sample under ``label_key``, numbers; returns their dtype (their values
     are checked by the input scan)."""
+    fmt = file_format(source.path)
+    if fmt not in ("npz", "h5"):
+        # Whatever the key, a .npy file would give its samples for labels.
+        holds = "a .npy file holds one array, its samples" if fmt == "npy" else f"a {fmt} file holds no named arrays"
+        raise InputError(
+            f"{source.path}: jacobian.labels.key {label_key!r}: {holds}; labels need a named array beside the "
+            "samples, in .npz or .h5 files"
+        )
     with open_rows(source.path, label_key, "jacobian.labels.key") as labels:
         shape, dtype = tuple(int(d) for d in labels.shape), np.dtype(labels.dtype)
     if shape not in ((source.num_samples,), (source.num_samples, 1)):
