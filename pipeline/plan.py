@@ -201,11 +201,11 @@ def make_job(
     return Job(spec, already_done, remove, output_shape)
 
 
-def prepare_output(job: Job, leased: bool) -> None:
+def prepare_output(job: Job) -> None:
     """The run's first writes, once every check has passed: make sure the folder can be written, apply
-    ``--overwrite`` (only files jacobeam wrote), remove temporary files that a killed run left. Those
-    of other runs only when this run holds the folder's lease (``leased``): without it (a remote folder)
-    another run may be writing them."""
+    ``--overwrite`` (only files jacobeam wrote), remove temporary files that killed runs left. Every
+    run's: the run holds the folder's lease (a file system without one is written by one run at a time,
+    ``transforms.output.lease.supported``), so no other run is writing them."""
     from jacobeam.pipeline.checks import check_writable
 
     root = job.spec.output_dir
@@ -214,7 +214,4 @@ def prepare_output(job: Job, leased: bool) -> None:
     shards = storage.join(root, SHARDS_DIR)
     if job.remove and storage.is_local(root) and os.path.isdir(shards) and not os.listdir(shards):
         os.rmdir(shards)
-    left = remove_temp_files(root, None if leased else job.spec.run_id)
-    if left:
-        log.info("%s: %d temporary file(s) of other runs left alone (without a lease, a run may still be "
-                 "writing them)", root, left)
+    remove_temp_files(root)

@@ -393,7 +393,7 @@ def _run_leased(
         run_id=lease.run_id if lease is not None else "",
     )
     spec, already_done = job.spec, job.already_done
-    plan.prepare_output(job, leased=lease is not None)
+    plan.prepare_output(job)
     if planned is not None:
         planned(spec)
     faults.reached("plan")

@@ -331,7 +331,7 @@ def test_read_compute_write_composed_in_a_users_pipeline_give_the_same_folder_as
     cfg = _config(root / "data", out)
     threads = runner.tf_threads(cfg, runner.PipelineOptions([]))  # the run's: shards record their threads
     job = plan.make_job(cfg, threads, check_model=False, identify_model=False)
-    plan.prepare_output(job, leased=True)
+    plan.prepare_output(job)
     spec = job.spec
     with test_pipeline.TestPipeline(runner=FnApiRunner()) as pipeline:
         _ = (

@@ -304,15 +304,14 @@ def check_shards(records: Sequence[ShardRecord], spec: JobSpec) -> None:
                               f"{record.crc32c}): two runs are writing one output folder, or it was edited")
 
 
-def remove_temp_files(output_dir: str, run_id: str | None = None) -> int:
+def remove_temp_files(output_dir: str, run_id: str | None = None) -> None:
     """Delete temporary files that killed writers left behind (only jacobeam's own names): every run's,
-    or with ``run_id`` only that run's. Returns how many other runs' were left."""
+    or with ``run_id`` only that run's."""
     shards = storage.join(output_dir, SHARDS_DIR)
     temps = [storage.join(shards, name) for name in storage.listdir(shards) if is_shard_temp(name)]
     temps += [storage.join(output_dir, name) for name in storage.listdir(output_dir) if is_folder_temp(name)]
     ours = [path for path in temps if run_id is None or temp_run(storage.name_of(path)) == run_id]
     storage.delete(*ours)
-    return len(temps) - len(ours)
 
 
 def write_manifest(output_dir: str, manifest: dict[str, Any]) -> None:
@@ -340,7 +339,8 @@ def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
     summary = write_aggregates(combine_shards(spec), spec)
     fields = write_virtual_view(spec.output_dir, ordered)
     rejected_sha256 = write_rejected(spec.output_dir, rejected)
-    remove_temp_files(spec.output_dir, spec.run_id)  # another run's may be in use (a file system without a lease)
+    # Its own only: at its end a run answers for its own files (the next run's start removes a killed run's).
+    remove_temp_files(spec.output_dir, spec.run_id)
     manifest = build_manifest(spec, ordered, fields, rejected, rejected_sha256)
     manifest["aggregates"] = summary
     write_manifest(spec.output_dir, manifest)

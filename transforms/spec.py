@@ -218,8 +218,8 @@ class JobSpec:
     # The samples of a user's pipeline (``transforms.write.pipeline_spec``): not planned from files, their
     # ids 0..n-1 are counted when every shard is written.
     open_ended: bool = False
-    # This run's id (hex), carried by its temporary files' names: a run removes only its own, as another
-    # run may be writing beside it (on a file system without a lease: ``lease.supported``).
+    # This run's id (hex; its lease's), carried by its temporary files' names: at its end a run removes
+    # only its own.
     run_id: str = ""
 
     @property

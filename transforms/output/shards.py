@@ -107,9 +107,10 @@ def proven_checksum(path: str) -> dict[str, str] | None:
     return None
 
 
-def _has_sidecar(path: str) -> bool:
-    """Whether a remote shard at ``path`` is complete: its copy finished and its checksum was written."""
-    return any(storage.exists(path + suffix) for suffix in (CRC32C_SUFFIX, CHECKSUM_SUFFIX))
+def _proven(path: str) -> bool:
+    """Whether a remote shard at ``path`` is complete (``proven_checksum``; reads it only if it exists):
+    one that is not, a copy cut short or one whose sidecar disagrees, is computed again and replaced."""
+    return storage.exists(path) and proven_checksum(path) is not None
 
 
 def read_attrs(path: str | os.PathLike) -> dict[str, Any]:
@@ -229,7 +230,7 @@ class ShardWriter:
         if not self._remote:
             os.makedirs(os.path.dirname(self.final_path), exist_ok=True)
         self._file = storage.IncompleteFile(
-            self.final_path, point="shard_commit", run_id=self._run_id, replace=False, complete=_has_sidecar
+            self.final_path, point="shard_commit", run_id=self._run_id, replace=False, complete=_proven
         )
         self._h5 = h5py.File(self._file.local, "w")
         self._h5.attrs.update(self._attrs)
