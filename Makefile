@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint install clean
+.PHONY: demo test test-fast lint install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
+
+# The edit loop: no multi-process or subprocess tests, fewer hypothesis examples (docs/development.md).
+test-fast: $(VENV)/.installed
+	JACOBEAM_HYPOTHESIS_PROFILE=fast $(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

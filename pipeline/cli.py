@@ -478,7 +478,9 @@ def _main(argv: list[str] | None) -> int:
         _filesystem_options(args.folder, beam_args + passthrough)
     logging.captureWarnings(not args.verbose)  # Python warnings of the libraries: -v shows them as they are
     try:
-        return _command(args, beam_args, passthrough)
+        status = _command(args, beam_args, passthrough)
+        sys.stdout.flush()  # a closed pipe shows here, where it is handled, not in the interpreter's exit
+        return status
     except (JacobeamError, FileNotFoundError) as err:
         return _error(err, args.verbose, err if "[while running '" in str(err) else None)
     except BrokenPipeError:  # the reader went away (``jacobeam inspect out | head``): no traceback

@@ -59,13 +59,15 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     print_blob=True,
 )
+# The edit loop's profile (``make test-fast``): the same fixed seed, an eighth of the examples.
+settings.register_profile("jacobeam-fast", settings.get_profile("jacobeam-ci"), max_examples=25)
 PROFILE = os.environ.get("JACOBEAM_HYPOTHESIS_PROFILE", "ci")
-if PROFILE not in ("ci", "deep"):
-    raise ValueError(f"JACOBEAM_HYPOTHESIS_PROFILE: expected ci or deep, got {PROFILE!r}")
+if PROFILE not in ("fast", "ci", "deep"):
+    raise ValueError(f"JACOBEAM_HYPOTHESIS_PROFILE: expected fast, ci or deep, got {PROFILE!r}")
 _chosen = settings.get_profile(f"jacobeam-{PROFILE}")
 _examples = int(os.environ.get("JACOBEAM_HYPOTHESIS_EXAMPLES", 0)) or _chosen.max_examples
 ENGINE_SETTINGS = settings(_chosen, max_examples=_examples)
-RUN_SETTINGS = settings(ENGINE_SETTINGS, max_examples={"ci": 12, "deep": 60}[PROFILE])
+RUN_SETTINGS = settings(ENGINE_SETTINGS, max_examples={"fast": 3, "ci": 12, "deep": 60}[PROFILE])
 # The deep profile runs for about an hour: no per-test timeout (pyproject.toml sets 900 s).
 pytestmark = [pytest.mark.timeout(0)] if PROFILE == "deep" else []
 
