@@ -290,7 +290,7 @@ class IncompleteFile:
     error. ``point`` is the fault-injection point reached just before the rename. ``run_id``: the
     writing run's, carried by the temporary name. ``replace=False``: the commit never replaces a
     complete file at ``path`` (``TargetExists`` instead; locally a hard link, which fails where the name
-    exists; remotely an existence check just before the rename, which narrows the race but cannot close
+    exists; remotely ``complete(path)`` just before the rename, which narrows the race but cannot close
     it without a conditional write).
     """
 
@@ -365,7 +365,7 @@ class IncompleteFile:
             self.discard()
 
 
-def write_atomically(path: str, write: Callable[[Path], None], point: str | None = None, run_id: str = "") -> None:
+def write_atomically(path: str, write: Callable[[Path], None], point: str | None = None) -> None:
     """Write ``path`` whole or not at all: ``write(local_file)`` fills a local file (``IncompleteFile``)."""
-    with IncompleteFile(path, point, run_id) as temp:
+    with IncompleteFile(path, point) as temp:
         write(temp.local)
