@@ -1,6 +1,8 @@
 """The shard writer: rows written on its background thread, failures surfacing in the caller, and
 nothing half-written left behind."""
 
+import dataclasses
+import json
 import os
 import sys
 import threading
@@ -375,3 +377,21 @@ def test_finalize_refuses_a_shard_replaced_or_changed_after_its_commit(tmp_path,
     with pytest.raises(OutputError, match=r"its bytes changed after this run committed it \(crc32c [0-9a-f]{8}, committed "
                                           + checksum):
         check_shards([record], spec)
+
+
+def test_finalize_names_shards_computed_with_other_library_versions_than_its_own(tmp_path, rng):
+    from jacobeam.transforms import model_identity
+
+    spec = pipeline_spec(str(tmp_path), ModelSource(factory="tests.models:small_mlp"), (5,), samples_per_shard=40)
+    other = {**model_identity.library_versions(), "tensorflow": "2.0.0"}  # a worker image of its own
+    with ShardWriter(str(tmp_path), 0, 40, {"run_key": spec.run_key, model_identity.VERSIONS_ATTR: json.dumps(other)}) as writer:
+        for first, arrays in _batches(rng)[0]:
+            writer.write(first, arrays)
+        checksum = writer.commit()
+    record = ShardRecord(file="shards/shard-000000000000-000000000040.h5", start=0, stop=40, sha256=None,
+                         model_fingerprint="", computed=True, crc32c=checksum)
+    ours = model_identity.library_versions()["tensorflow"]
+    assert check_shards([record], spec) == [
+        f"shards/shard-000000000000-000000000040.h5: tensorflow 2.0.0 there, {ours} now"
+    ]
+    assert check_shards([dataclasses.replace(record, computed=False)], spec) == []  # kept: judged by the plan

@@ -16,6 +16,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -43,6 +44,8 @@ from jacobeam.transforms.output.layout import (
 from jacobeam.transforms.output.shards import ShardRecord, read_attrs
 from jacobeam.transforms.spec import JobSpec, Rejected, version
 from jacobeam.transforms.testing import faults
+
+log = logging.getLogger(__name__)
 
 
 def check_coverage(
@@ -279,29 +282,37 @@ def _stored(spec: JobSpec) -> dict[str, Any]:
     return stored
 
 
-def check_shards(records: Sequence[ShardRecord], spec: JobSpec) -> None:
+def check_shards(records: Sequence[ShardRecord], spec: JobSpec) -> list[str]:
     """Every shard the manifest will name is, on disk, the one its record describes: this run's key and
     the checksum its writer recorded (locally the bytes are read again; remotely the sidecar, which the
-    writer checked against the bytes). A shard replaced after its commit, by another run or by hand,
-    stops the run before a manifest names it."""
+    writer checked against the bytes; a kept shard's was read by this run when it kept it). A shard
+    replaced after its commit, by another run or by hand, stops the run before a manifest names it.
+    Returns how the library versions of the workers that computed shards in this run differ from this
+    process's (one line each), for a warning."""
+    ours, versions = model_identity.library_versions(), []
     for record in records:
         path = storage.join(spec.output_dir, record.file)
         try:
-            theirs = read_attrs(path).get("run_key")
+            attrs = read_attrs(path)
         except (OSError, ValueError) as err:
             raise OutputError(f"{path}: the shard this run committed cannot be read any more ({err})") from err
+        theirs = attrs.get("run_key")
+        found = model_identity.version_differences(model_identity.versions_from_attrs(attrs) or {}, ours)
+        if record.computed and found:
+            versions.append(f"{record.file}: {', '.join(found)}")
         if theirs != spec.run_key:
             raise OutputError(f"{path}: replaced by another run's shard (run key {theirs}, this run {spec.run_key}) "
                               "after this run committed it: two runs are writing one output folder")
-        if record.crc32c is None:  # a remote shard kept from before CRC32C: its sha256 was proven by the worker
+        if not record.computed or record.crc32c is None:  # a kept shard: this run's plan read its checksum
             continue
         if storage.is_local(path):
-            found = storage.crc32c(path)
+            crc = storage.crc32c(path)
         else:
-            found = storage.read_text(path + CRC32C_SUFFIX).strip() if storage.exists(path + CRC32C_SUFFIX) else None
-        if found != record.crc32c:
-            raise OutputError(f"{path}: its bytes changed after this run committed it (crc32c {found}, committed "
+            crc = storage.read_text(path + CRC32C_SUFFIX).strip() if storage.exists(path + CRC32C_SUFFIX) else None
+        if crc != record.crc32c:
+            raise OutputError(f"{path}: its bytes changed after this run committed it (crc32c {crc}, committed "
                               f"{record.crc32c}): two runs are writing one output folder, or it was edited")
+    return versions
 
 
 def remove_temp_files(output_dir: str, run_id: str | None = None) -> None:
@@ -328,7 +339,10 @@ def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
         spec = dataclasses.replace(spec, files=(dataclasses.replace(spec.files[0], num_samples=count),))
     rejected = spec.rejected()
     ordered = check_coverage(records, spec.num_samples, rejected)
-    check_shards(ordered, spec)
+    versions = check_shards(ordered, spec)
+    if versions:  # a worker image other than the launcher's: the numbers may differ in the last bits
+        log.warning("%d shard(s) computed with other library versions than this process's (the manifest's "
+                    "versions): %s%s", len(versions), versions[0], ", ..." if len(versions) > 1 else "")
     weights = sorted({record.model_fingerprint for record in ordered})
     if len(weights) > 1:  # worker processes that each loaded the model (runner.launcher_loads_model)
         raise OutputError(
