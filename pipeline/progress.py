@@ -1,7 +1,9 @@
 """Progress of a local run, read from the output folder: a shard counts once its rename made it complete.
 
 Watching the folder works the same for every local running mode (in-process or worker processes),
-where Beam's own metrics only arrive when the run has finished.
+where Beam's own metrics only arrive when the run has finished. In-process runners also count, batch
+by batch, the rows written into shards under way (``metrics.rows_in_progress``); worker processes'
+progress shows shard by shard.
 
 Before the first shard, the engine sets up (loads the model, traces, checks and times the ways to
 differentiate): on a large model that takes many seconds. When the engine is built in this process
@@ -18,6 +20,7 @@ import time
 from typing import TextIO
 
 from jacobeam.transforms.compute import engine_setup
+from jacobeam.transforms.metrics import rows_in_progress
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import SHARDS_DIR, shard_name
 from jacobeam.transforms.spec import JobSpec
@@ -46,7 +49,10 @@ class ShardProgress:
         self._bar = None
 
     def done(self) -> int:
-        return sum(self._sizes.get(name, 0) for name in storage.listdir(self._shards))
+        """Samples in complete shards, and those already written into shards under way in this process."""
+        complete = set(storage.listdir(self._shards))
+        written = sum(rows for name, rows in rows_in_progress().items() if name in self._sizes and name not in complete)
+        return sum(self._sizes.get(name, 0) for name in complete) + written
 
     def line(self, done: int, elapsed: float) -> str:
         rate = (done - self._baseline) / elapsed if elapsed > 0 else 0.0

@@ -3,6 +3,7 @@ the output folder holds. Pictures are compared with the stored datasets, read he
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -391,3 +392,28 @@ def test_engine_set_up_shows_progress_when_it_is_slow(tmp_path, capsys):
     shutil.rmtree(tmp_path / "out")
     runner.run(_fake_config(tmp_path), [], show_progress=True, engine_factory=FakeEngineFactory())
     assert "setting up the engine" not in capsys.readouterr().err  # a quick set-up says nothing
+
+
+def test_progress_counts_the_rows_of_shards_under_way_batch_by_batch(tmp_path):
+    """Between two complete shards, an in-process run's progress moves with each batch written."""
+    import io
+
+    from jacobeam.pipeline.progress import ShardProgress
+    from jacobeam.transforms.elements import JacobianBatch
+    from jacobeam.transforms.metrics import ShardMetrics, rows_in_progress
+    from jacobeam.transforms.spec import ModelSource, ShardRange
+    from jacobeam.transforms.write import ShardOutput, pipeline_spec
+
+    spec = pipeline_spec(str(tmp_path / "out"), ModelSource(factory="tests.models:small_mlp"), (5,),
+                         samples_per_shard=16)
+    spec = dataclasses.replace(spec, open_ended=False, files=(dataclasses.replace(spec.files[0], num_samples=32),))
+    progress = ShardProgress(spec, 0, stream=io.StringIO())
+    shard = ShardRange(0, 16)
+    with ShardOutput(spec, shard, ShardMetrics()) as output:
+        for start in (0, 8):
+            ids = np.arange(start, start + 8)
+            output.add(JacobianBatch(ids=ids, datasets={"jacobian": np.zeros((8, 3, 5), np.float32),
+                                                        "output": np.zeros((8, 3), np.float32)}, shard=shard))
+            assert progress.done() == start + 8  # the shard is not complete: its rows so far count
+        output.commit()
+    assert rows_in_progress() == {} and progress.done() == 16  # complete: counted once, by its file

@@ -38,7 +38,7 @@ from jacobeam.transforms.errors import OutputError, SelfCheckError
 from jacobeam.transforms.finalize import Finalize
 from jacobeam.transforms.inputs.readers import shape_from_record, shape_record
 from jacobeam.transforms.inputs.types import SourceFile
-from jacobeam.transforms.metrics import ShardMetrics
+from jacobeam.transforms.metrics import ShardMetrics, shard_rows
 from jacobeam.transforms.output.claim import claim
 from jacobeam.transforms.output.layout import PIPELINE_INPUT, SAMPLE_ID, SELF_CHECK, shard_file
 from jacobeam.transforms.output.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_path
@@ -83,6 +83,8 @@ class ShardOutput:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        if self._writer is not None:
+            shard_rows(self._writer.name, None)
         if self._writer is not None and not self._closed:
             # Closes the writer: a commit in flight finishes (a complete shard, which a retry or rerun
             # keeps), one not begun is dropped; without a commit the temporary file is deleted.
@@ -94,6 +96,7 @@ class ShardOutput:
             self._begin(batch)
         self._take_checks(batch.checks or [])
         self._writer.write(int(batch.ids[0]), {**batch.datasets, SAMPLE_ID: batch.ids})
+        shard_rows(self._writer.name, self._writer.rows_written)
         self._sums = aggregates.add(self._sums, batch.partial)
 
     def commit_later(self) -> None:
