@@ -24,7 +24,7 @@ from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.finalize import Finalize
 from jacobeam.transforms.job import ComputeShards
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import MANIFEST
+from jacobeam.transforms.output.layout import MANIFEST, SHARDS_DIR, shard_name
 from jacobeam.transforms.output.lease import Lease
 from jacobeam.transforms.output.lease import supported as lease_supported
 from jacobeam.transforms.spec import JobSpec
@@ -333,6 +333,23 @@ def run(
                 _remove_created(created)
 
 
+def _warn_idle_workers(spec: JobSpec, options: PipelineOptions) -> None:
+    """Say when local worker processes cannot all help (two processes ran slower than one here, without
+    a word): fewer shards to compute than processes, or more TensorFlow threads than cores."""
+    workers = local_worker_processes(options)
+    if workers < 2:
+        return
+    complete = set(storage.listdir(storage.join(spec.output_dir, SHARDS_DIR)))
+    todo = sum(1 for r in spec.stored_ranges() if shard_name(r.start, r.stop) not in complete)
+    if 0 < todo < workers:
+        log.warning("%d shard(s) to compute for %d worker processes: %d will idle (a smaller "
+                    "output.samples_per_shard gives each work)", todo, workers, workers - todo)
+    cores = os.cpu_count() or 1
+    if spec.tf_threads and workers * spec.tf_threads > cores:
+        log.warning("%d worker processes x %d TensorFlow threads (jacobian.threads) on %d cores: they compete "
+                    "for the cores (jacobian.threads: auto splits them)", workers, spec.tf_threads, cores)
+
+
 def _missing_folders(folder: str) -> list[str]:
     """``folder`` and those of its parents that do not exist, deepest first."""
     missing, path = [], os.path.abspath(folder)
@@ -404,6 +421,7 @@ def _run_leased(
         spec.num_samples, spec.sample_shape, len(spec.files), sum(1 for r in ranges if r.rows), spec.output_dir,
         already_done, rejected,
     )
+    _warn_idle_workers(spec, options)
     progress = ShardProgress(spec, already_done) if show_progress and is_local(options) else contextlib.nullcontext()
     with progress:
         if pipeline is None:

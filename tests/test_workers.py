@@ -169,3 +169,24 @@ def test_demo_command_from_a_fresh_folder(tmp_path):
         [sys.executable, "-m", "jacobeam", "inspect", "demo/out"], cwd=tmp_path, capture_output=True, text=True
     )
     assert inspect.returncode == 0 and "complete" in inspect.stdout, inspect.stdout + inspect.stderr
+
+
+def test_worker_processes_that_cannot_all_help_are_named(tmp_path, caplog):
+    """Two worker processes ran slower than one here without a word: fewer shards to compute than
+    processes, or more threads than cores, are said in one line each."""
+    import dataclasses
+
+    from jacobeam.transforms.spec import ModelSource
+    from jacobeam.transforms.write import pipeline_spec
+
+    spec = pipeline_spec(str(tmp_path / "out"), ModelSource(factory="tests.models:small_mlp"), (5,), samples_per_shard=4096)
+    spec = dataclasses.replace(spec, open_ended=False, files=(dataclasses.replace(spec.files[0], num_samples=1000),),
+                               tf_threads=os.cpu_count() or 1)
+    options = PipelineOptions(["--direct_running_mode=multi_processing", "--direct_num_workers=2"])
+    runner._warn_idle_workers(spec, options)
+    assert "1 shard(s) to compute for 2 worker processes: 1 will idle" in caplog.text
+    assert f"2 worker processes x {os.cpu_count() or 1} TensorFlow threads (jacobian.threads) on" in caplog.text
+
+    caplog.clear()
+    runner._warn_idle_workers(dataclasses.replace(spec, tf_threads=1), PipelineOptions([]))  # one process
+    assert caplog.text == ""
