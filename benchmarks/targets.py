@@ -192,7 +192,8 @@ def end_to_end(workload: str, samples: int, repeats: int) -> list[Result]:
     return [Result("1 end to end", workload, pipeline_rate / loop_rate, goal, True, "x", detail)]
 
 
-PEERS = {  # the peers that can be the best on each workload (the others are 10-100x slower there: README)
+PEERS = {  # the peers that can be the best on each workload (the others were 10-100x slower there in earlier
+    # rounds: git log -p benchmarks/README.md)
     "mlp": ("jax_jacrev", "torch_jacrev"),
     "cnn": ("jax_jacrev", "torch_jacrev"),
     "wide": ("jax_jacfwd", "torch_jacfwd", "jax_jacrev"),
