@@ -9,7 +9,7 @@ What is drawn follows the datasets ``jacobian.reduce`` stored in ``jacobians.h5`
     ``reduce: none`` (whatever ``outputs`` selects), ``|J|`` summed over the stored output rows and the
     channels; ``max_abs_over_outputs``, the stored saliency's maximum over channels (``max |J|`` over
     outputs and channels); ``sum_abs_over_channels``, the stored saliency summed over the output rows;
-    ``vjp``, ``|u^T J|`` summed over the vectors and channels;
+    ``vjp``, ``|u_k^T J|`` summed over the channels, one map per vector (the first ``MAX_VECTOR_MAPS``);
   - other inputs: each stored matrix as a heatmap (white is zero): the Jacobian's rows (the selected
     ones, named by ``output_index``) by flattened input entries, one per input for a model with several;
     ``vjp`` vectors by inputs, ``jvp`` vectors by outputs, ``projection`` rows by columns of ``P``,
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,8 @@ from jacobeam.transforms.inputs.readers import from_a_pipeline, iter_slices, man
 from jacobeam.transforms.output.layout import OUTPUT_INDEX, SAMPLE_ID, VIEW, jacobian_dataset, result_datasets
 
 _CHUNK = 256  # samples read at a time for the histogram
+TITLE_CHARS = 44  # characters per title line in a 4-inch column at matplotlib's default title size
+MAX_VECTOR_MAPS = 4  # vjp: maps of the first vectors only (a figure of dozens of columns cannot be read)
 
 
 @dataclasses.dataclass
@@ -233,8 +236,10 @@ class _Contents:
         if self.image:
             height, width, channels = self.input_shape
             stored = np.abs(self.chosen("vjp").astype(np.float64)).reshape(len(self.rows), -1, height, width, channels)
-            titles = [f"|u^T J| summed over the {len(s)} vectors and the channels" for s in stored]
-            self.panels.append(_Panel(titles, list(stored.sum(axis=(1, 4))), "map"))
+            vectors = stored.shape[1]
+            for k in range(min(vectors, MAX_VECTOR_MAPS)):  # one map per vector, as a saliency map of u_k^T y
+                titles = [f"|u{k}^T J| (vector {k + 1} of {vectors}), summed over the channels"] * len(stored)
+                self.panels.append(_Panel(titles, list(stored[:, k].sum(axis=-1)), "map"))
             return
         self.matrices("vjp", lambda k, m: f"u^T J for {len(m)} vectors (rows) x {m.shape[1]} inputs")
 
@@ -326,9 +331,14 @@ def _inputs(manifest: dict[str, Any], ids: Sequence[int]) -> tuple[np.ndarray | 
         return None, f"the input files cannot be read ({str(err).splitlines()[0][:200]})"
 
 
+def _wrapped(title: str) -> str:
+    """A title in lines that fit a 4-inch column (a longer line runs past the figure's edge)."""
+    return textwrap.fill(title, TITLE_CHARS, break_long_words=False, break_on_hyphens=False)
+
+
 def _draw_panel(figure, axis, panel: _Panel, k: int, sample_id: int) -> None:
     picture = panel.pictures[k]
-    axis.set_title(f"sample {sample_id}: {panel.titles[k]}")
+    axis.set_title(_wrapped(f"sample {sample_id}: {panel.titles[k]}"))
     if panel.style == "curve":
         axis.plot(np.arange(len(picture)), picture, marker=".")
         axis.axhline(0.0, color="gray", linewidth=0.5)

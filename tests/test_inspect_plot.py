@@ -39,6 +39,7 @@ RUNS = {
     "slogdet": ("tests.models:square_softplus", (6,), {"reduce": "slogdet"}),
     "diagonal": ("tests.models:square_softplus", (6,), {"reduce": "diagonal"}),
     "vjp": ("tests.models:square_softplus", (6,), {"reduce": "vjp", "vectors": "VECTORS"}),
+    "rgb-vjp": ("tests.first_hour_models:rgb_cnn", (5, 5, 3), {"reduce": "vjp", "vectors": "VECTORS3"}),
     "jvp": ("tests.models:square_softplus", (6,), {"reduce": "jvp", "vectors": "VECTORS"}),
     "project": ("tests.models:square_softplus", (6,), {"reduce": "project", "project": {"dim": 3}}),
     "basis": ("tests.models:square_softplus", (6,), {"reduce": "basis", "basis": {"input": "BASIS_IN", "output": "BASIS_OUT"}}),
@@ -51,11 +52,12 @@ def _make(root: Path, name: str) -> Path:
     data.mkdir()
     rng = np.random.default_rng(len(name))
     np.save(data / "x.npy", rng.normal(size=(N, *shape)).astype(np.float32))
-    files = {"VECTORS": (2, 6), "BASIS_IN": (6, 3), "BASIS_OUT": (6, 2)}
+    files = {"VECTORS": (2, 6), "VECTORS3": (2, 3), "BASIS_IN": (6, 3), "BASIS_OUT": (6, 2)}
     for key, size in files.items():
         np.save(data / f"{key}.npy", rng.normal(size=size))
     jacobian = json.loads(
         json.dumps(jacobian).replace('"VECTORS"', json.dumps(str(data / "VECTORS.npy")))
+        .replace('"VECTORS3"', json.dumps(str(data / "VECTORS3.npy")))
         .replace('"BASIS_IN"', json.dumps(str(data / "BASIS_IN.npy")))
         .replace('"BASIS_OUT"', json.dumps(str(data / "BASIS_OUT.npy")))
     )
@@ -113,8 +115,8 @@ def _plot(out: Path, tmp_path: Path, drawn: list, ids: str | None = None):
 
 
 def _maps(figure) -> dict[str, np.ndarray]:
-    """Each drawn picture by its axis's title."""
-    return {axis.get_title(): np.asarray(axis.images[0].get_array()) for axis in figure.axes if axis.images}
+    """Each drawn picture by its axis's title (wrapped into lines that fit its column: joined again)."""
+    return {axis.get_title().replace("\n", " "): np.asarray(axis.images[0].get_array()) for axis in figure.axes if axis.images}
 
 
 def _histograms(figure) -> dict[str, tuple[str, float, float, float]]:
@@ -169,6 +171,17 @@ def test_sum_over_channels_saliency_is_drawn_as_stored(folder, tmp_path, drawn, 
         assert "3 outputs" in title
 
 
+def test_a_vjp_of_images_is_drawn_as_one_map_per_vector(folder, tmp_path, drawn):
+    out = folder("rgb-vjp")
+    stored = np.abs(_view(out)["vjp"].astype(np.float64))  # (n, vectors, H, W, C): u_k^T J
+    assert stored.shape[1:] == (2, 5, 5, 3)
+    maps = _maps(_plot(out, tmp_path, drawn, "0,2"))
+    for sample in (0, 2):
+        for k in (0, 1):
+            _, picture = _one(maps, f"sample {sample}: |u{k}^T J| (vector {k + 1} of 2), summed over the channels")
+            np.testing.assert_allclose(picture, stored[sample, k].sum(axis=-1), rtol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["gray-none", "rgb-none", "gray-top2"])
 def test_full_jacobian_saliency_is_drawn_as_stored(folder, tmp_path, drawn, name):
     out = folder(name)
@@ -206,7 +219,7 @@ def test_diagonal_is_drawn_per_sample_and_its_trace_over_all(folder, tmp_path, d
     out = folder("diagonal")
     diagonal = _view(out)["diagonal"]
     figure = _plot(out, tmp_path, drawn, "0,2")
-    lines = {axis.get_title(): axis.lines[0].get_ydata() for axis in figure.axes if axis.lines and axis.get_title()}
+    lines = {axis.get_title().replace("\n", " "): axis.lines[0].get_ydata() for axis in figure.axes if axis.lines and axis.get_title()}
     for sample in (0, 2):
         (ydata,) = [y for title, y in lines.items() if title.startswith(f"sample {sample}: diagonal of J")]
         np.testing.assert_allclose(ydata, diagonal[sample], rtol=1e-6)
