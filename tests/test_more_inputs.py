@@ -228,7 +228,8 @@ def test_tfrecord_needs_a_key_and_a_sample_shape_that_fit(tmp_path, capsys):
                 on_bad_sample="error",
             )
             | {"jacobian": {"outputs": "label", "labels": {"key": "y"}}},
-            r"a.tfrecord: jacobian.labels.key names arrays of .npy, .npz and .h5 files; this is a tfrecord file",
+            r"a.tfrecord: jacobian.labels.key 'y': labels are not read from tfrecord files; labels need a named "
+            r"array beside the samples, in .npz or .h5 files",
         ),
     ]
     for raw, message in cases:

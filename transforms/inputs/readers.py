@@ -63,7 +63,7 @@ def check_labels(source: SourceFile, label_key: str) -> np.dtype:
     fmt = file_format(source.path)
     if fmt not in ("npz", "h5"):
         # Whatever the key, a .npy file would give its samples for labels.
-        holds = "a .npy file holds one array, its samples" if fmt == "npy" else f"a {fmt} file holds no named arrays"
+        holds = "a .npy file holds one array, its samples" if fmt == "npy" else f"labels are not read from {fmt} files"
         raise InputError(
             f"{source.path}: jacobian.labels.key {label_key!r}: {holds}; labels need a named array beside the "
             "samples, in .npz or .h5 files"
