@@ -219,7 +219,9 @@ def test_diagonal_is_drawn_per_sample_and_its_trace_over_all(folder, tmp_path, d
     out = folder("diagonal")
     diagonal = _view(out)["diagonal"]
     figure = _plot(out, tmp_path, drawn, "0,2")
-    lines = {axis.get_title().replace("\n", " "): axis.lines[0].get_ydata() for axis in figure.axes if axis.lines and axis.get_title()}
+    lines = {
+        axis.get_title().replace("\n", " "): axis.lines[0].get_ydata() for axis in figure.axes if axis.lines and axis.get_title()
+    }
     for sample in (0, 2):
         (ydata,) = [y for title, y in lines.items() if title.startswith(f"sample {sample}: diagonal of J")]
         np.testing.assert_allclose(ydata, diagonal[sample], rtol=1e-6)
