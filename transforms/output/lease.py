@@ -25,6 +25,7 @@ import uuid
 from typing import Any
 
 from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import LEASE
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class _S3Object:
 
         self.path = folder.rstrip("/") + "/" + LEASE
         self._bucket, self._key = s3io.parse_s3_path(self.path)
-        self._client = _s3_client(self.path)
+        self._client = storage.s3_client(self.path)
         self._etag: str | None = None
 
     def _put(self, data: bytes, **condition: str) -> bool:
@@ -209,16 +210,6 @@ class _S3Object:
     def remove(self) -> None:
         if self._etag is not None:
             self.take_over(self._etag)
-
-
-def _s3_client(path: str):
-    """The boto3 client Beam makes for ``path`` from the file systems' options (``storage._s3_put``)."""
-    from apache_beam.io.aws import s3io
-    from apache_beam.io.filesystems import FileSystems
-    from apache_beam.options.pipeline_options import PipelineOptions
-
-    options = getattr(FileSystems.get_filesystem(path), "_options", None) or PipelineOptions([])
-    return s3io.S3IO(options=options).client.client
 
 
 class Lease:

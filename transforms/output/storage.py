@@ -194,22 +194,28 @@ def _put_whole_object(path: str, size: int) -> bool:
     return size < S3_PUT_BYTES and path.startswith("s3://")
 
 
-def _s3_put(path: str, data: bytes) -> None:
-    """Write a whole S3 object in one PutObject request, through the boto3 client Beam makes from the
-    file systems' options (``--s3_endpoint_url``, ``--s3_access_key_id``, ``--s3_region_name``, ... as
-    given to ``FileSystems.set_options``: by ``runner.run`` in the launcher, by Beam in each worker)."""
+def s3_client(path: str):
+    """The boto3 client Beam makes for the S3 ``path`` from the file systems' options
+    (``--s3_endpoint_url``, ``--s3_access_key_id``, ``--s3_region_name``, ... as given to
+    ``FileSystems.set_options``: by ``runner.run`` in the launcher, by Beam in each worker)."""
     from apache_beam.io.aws import s3io
-    from apache_beam.io.filesystem import BeamIOError
     from apache_beam.io.filesystems import FileSystems
     from apache_beam.options.pipeline_options import PipelineOptions
 
     # The options the S3FileSystem that Beam hands out for this path was made with (None when nothing
     # set them: then the defaults, as boto3 would take them from the environment).
     options = getattr(FileSystems.get_filesystem(path), "_options", None) or PipelineOptions([])
+    return s3io.S3IO(options=options).client.client  # Beam's boto3_client.Client wraps a boto3 client
+
+
+def _s3_put(path: str, data: bytes) -> None:
+    """Write a whole S3 object in one PutObject request, through Beam's client (``s3_client``)."""
+    from apache_beam.io.aws import s3io
+    from apache_beam.io.filesystem import BeamIOError
+
     bucket, key = s3io.parse_s3_path(path)
     try:
-        client = s3io.S3IO(options=options).client.client  # Beam's boto3_client.Client wraps a boto3 client
-        client.put_object(Bucket=bucket, Key=key, Body=data, ContentType="application/octet-stream")
+        s3_client(path).put_object(Bucket=bucket, Key=key, Body=data, ContentType="application/octet-stream")
     except Exception as err:  # botocore's errors, as Beam's own S3 calls wrap them
         raise BeamIOError(f"writing {path} failed: {err}", {path: err}) from err
 
