@@ -132,7 +132,7 @@ def test_a_shard_with_rows_missing_is_an_error_and_leaves_no_file(tmp_path, samp
     the bundle, not commit or leave a half shard."""
     from jacobeam.transforms.elements import JacobianBatch as Batch
     from jacobeam.transforms.spec import ShardRange
-    from jacobeam.transforms.write import WriteShardFn
+    from jacobeam.transforms.write_shards import WriteShardFn
 
     spec = pipeline_spec(str(tmp_path / "out"), MODEL, SHAPE, samples_per_shard=8)
     fn = WriteShardFn(spec)

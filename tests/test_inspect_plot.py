@@ -417,7 +417,8 @@ def test_progress_counts_the_rows_of_shards_under_way_batch_by_batch(tmp_path):
     from jacobeam.transforms.elements import JacobianBatch
     from jacobeam.transforms.metrics import ShardMetrics, rows_in_progress
     from jacobeam.transforms.spec import ModelSource, ShardRange
-    from jacobeam.transforms.write import ShardOutput, pipeline_spec
+    from jacobeam.transforms.write import ShardOutput
+    from jacobeam.transforms.write_shards import pipeline_spec
 
     spec = pipeline_spec(str(tmp_path / "out"), ModelSource(factory="tests.models:small_mlp"), (5,),
                          samples_per_shard=16)

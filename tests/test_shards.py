@@ -20,7 +20,7 @@ from jacobeam.transforms.output import layout, shards, storage
 from jacobeam.transforms.output.shards import ShardRecord, ShardWriter
 from jacobeam.transforms.spec import ModelSource
 from jacobeam.transforms.testing import faults
-from jacobeam.transforms.write import pipeline_spec
+from jacobeam.transforms.write_shards import pipeline_spec
 
 
 def _batches(rng, rows=40, batch=16):

@@ -177,7 +177,7 @@ def test_worker_processes_that_cannot_all_help_are_named(tmp_path, caplog):
     import dataclasses
 
     from jacobeam.transforms.spec import ModelSource
-    from jacobeam.transforms.write import pipeline_spec
+    from jacobeam.transforms.write_shards import pipeline_spec
 
     spec = pipeline_spec(str(tmp_path / "out"), ModelSource(factory="tests.models:small_mlp"), (5,), samples_per_shard=4096)
     spec = dataclasses.replace(spec, open_ended=False, files=(dataclasses.replace(spec.files[0], num_samples=1000),),

@@ -36,8 +36,8 @@ _EXPORTS = {
     "Reduction": "spec",
     "SampleBatch": "elements",
     "ShardRange": "spec",
-    "WriteShards": "write",
-    "pipeline_spec": "write",
+    "WriteShards": "write_shards",
+    "pipeline_spec": "write_shards",
 }
 __all__ = sorted(_EXPORTS)
 

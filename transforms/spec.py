@@ -215,7 +215,7 @@ class JobSpec:
     # pipeline): stored in every shard, and a worker that loads another model refuses to write.
     model_identity: dict[str, Any] = dataclasses.field(default_factory=dict)
     self_check: SelfCheck = SelfCheck()  # jacobian.self_check
-    # The samples of a user's pipeline (``transforms.write.pipeline_spec``): not planned from files, their
+    # The samples of a user's pipeline (``transforms.write_shards.pipeline_spec``): not planned from files, their
     # ids 0..n-1 are counted when every shard is written.
     open_ended: bool = False
     # This run's id (hex; its lease's), carried by its temporary files' names: at its end a run removes

@@ -1,15 +1,12 @@
-"""Writing Jacobian records: batches in, complete HDF5 shards, ``manifest.json`` and ``jacobians.h5`` out.
+"""Writing one shard: batches in, a complete HDF5 shard and its ``ShardRecord`` out.
 
 ``ShardOutput`` writes one shard: batches of its rows are streamed into the shard's temporary file as
 they come (``ShardWriter``: on the writer's thread, while the caller computes the next batch), then
 the shard is committed (checksum, flush, rename) and its ``ShardRecord`` returned. A planned job uses it
 inside ``ComputeShards`` (``transforms.job``), which reads, computes and writes one shard range per
-element, so that no more than a few batches of a shard are in memory at a time.
-
-``WriteShards`` is the same for a pipeline of your own: its batches carry their own integer ids (or,
-from ``ReadSamples``, their planned shard); they are grouped by shard first (a ``GroupByKey``, which
-holds one shard's records at a time), and each shard is written by one call of ``WriteShardFn.process``,
-which yields its record: every output of the step comes out of ``process``.
+element, so that no more than a few batches of a shard are in memory at a time; ``kept_record`` is the
+record of a shard a resumed run finds complete. ``transforms.write_shards`` uses it for a pipeline of
+your own (``WriteShards``).
 
 Processing is idempotent: a failed attempt's temporary file is removed (or, if the process died, never
 counts and is removed by the next run), and only the rename makes a shard count, so a retried bundle
@@ -19,39 +16,20 @@ leaves neither a half shard nor a duplicate.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import functools
 import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
-
-import apache_beam as beam
-import numpy as np
-from apache_beam.typehints.decorators import no_annotations
 
 from jacobeam.transforms import aggregates, model_identity, self_check
 from jacobeam.transforms.elements import JacobianBatch
 from jacobeam.transforms.errors import OutputError, SelfCheckError
-from jacobeam.transforms.finalize import Finalize
-from jacobeam.transforms.inputs.readers import shape_from_record, shape_record
-from jacobeam.transforms.inputs.types import SourceFile
+from jacobeam.transforms.inputs.readers import shape_record
 from jacobeam.transforms.metrics import ShardMetrics, shard_rows
-from jacobeam.transforms.output.claim import claim
-from jacobeam.transforms.output.layout import PIPELINE_INPUT, SAMPLE_ID, SELF_CHECK, shard_file
+from jacobeam.transforms.output.layout import SAMPLE_ID, SELF_CHECK, shard_file
 from jacobeam.transforms.output.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_path
-from jacobeam.transforms.spec import (
-    EngineOptions,
-    JobSpec,
-    ModelSource,
-    SelfCheck,
-    ShardRange,
-    run_key,
-    shard_inputs,
-    version,
-)
+from jacobeam.transforms.spec import JobSpec, ShardRange, shard_inputs, version
 
 log = logging.getLogger(__name__)
 
@@ -237,208 +215,3 @@ def kept_record(spec: JobSpec, shard: ShardRange, checksums: dict[str, str]) -> 
                 f"{value!r}); use a new output.path or remove that folder"
             )
     return existing_record(spec.output_dir, shard.start, shard.stop, str(attrs["model_fingerprint"]), checksums)
-
-
-@beam.typehints.with_input_types(JacobianBatch)
-@beam.typehints.with_output_types(ShardRecord)
-class WriteShardFn(beam.DoFn):
-    """``JacobianBatch`` holding every row of its shard (``batch.shard``) -> the shard's ``ShardRecord``,
-    once it is committed."""
-
-    def __init__(self, spec: JobSpec):
-        self._spec = spec
-        self._metrics = ShardMetrics()
-
-    @no_annotations
-    def process(self, batch: JacobianBatch) -> Iterator[ShardRecord]:
-        if batch.shard is None:
-            raise OutputError("WriteShards: a batch without its shard; ids must be grouped into shards first")
-        with ShardOutput(self._spec, batch.shard, self._metrics) as output:
-            output.add(batch)
-            yield output.commit()
-
-
-@no_annotations
-@beam.typehints.with_input_types(JacobianBatch, int)
-@beam.typehints.with_output_types(Iterator[tuple[int, JacobianBatch]])  # FlatMap: an iterable of them
-def _split_by_shard(batch: JacobianBatch, samples_per_shard: int) -> Iterator[tuple[int, JacobianBatch]]:
-    """A user's batch as ``(shard index, the part of the batch in that shard)``."""
-    try:
-        ids = np.asarray(batch.ids, np.int64)
-    except (TypeError, ValueError):
-        ids = None
-    if ids is None or ids.shape != (len(batch),) or (len(ids) and ids.min() < 0):
-        raise OutputError(
-            f"WriteShards needs each sample keyed by its id, an integer >= 0 (found keys such as "
-            f"{list(batch.ids[:3])}); key the samples (id, sample) before ComputeJacobians"
-        )
-    index = ids // samples_per_shard
-    for shard in np.unique(index):
-        rows = np.flatnonzero(index == shard)
-        yield int(shard), dataclasses.replace(
-            batch,
-            ids=ids[rows],
-            datasets={name: values[rows] for name, values in batch.datasets.items()},
-            partial=None,  # per batch, not per shard: user pipelines take no aggregates
-        )
-
-
-def _concatenate(parts: Iterable[JacobianBatch]) -> JacobianBatch:
-    """Batches of one shard as one batch, in the order of their first ids: their ids, datasets, partial
-    sums, compute seconds and self-check records together."""
-    parts = sorted(parts, key=lambda part: int(part.ids[0]))
-    checks = [check for part in parts for check in part.checks or []]
-    return dataclasses.replace(
-        parts[0],
-        ids=np.concatenate([part.ids for part in parts]),
-        datasets={name: np.concatenate([part.datasets[name] for part in parts]) for name in parts[0].datasets},
-        partial=functools.reduce(aggregates.add, (part.partial for part in parts), None),
-        seconds=sum(part.seconds for part in parts),
-        checks=checks or None,
-    )
-
-
-@no_annotations
-@beam.typehints.with_input_types(tuple[int, Iterable[JacobianBatch]])
-@beam.typehints.with_output_types(JacobianBatch)
-def _join_shard(element: tuple[int, Sequence[JacobianBatch]]) -> JacobianBatch:
-    """One shard's parts, in id order, as one batch with its ``ShardRange``: ids ``[first, last + 1)``
-    without a gap or a repeat."""
-    joined = _concatenate(element[1])
-    order = np.argsort(joined.ids, kind="stable")  # a user's batches may interleave their ids
-    ids = joined.ids[order]
-    start, stop = int(ids[0]), int(ids[-1]) + 1
-    if len(ids) != stop - start or (len(ids) > 1 and (np.diff(ids) != 1).any()):
-        repeated = ids[1:][np.diff(ids) == 0]
-        problem = f"id {int(repeated[0])} twice" if len(repeated) else "a gap in the ids"
-        raise OutputError(f"WriteShards: shard of ids {start}..{stop - 1} holds {problem}; ids must be 0..n-1, each once")
-    datasets = {name: values[order] for name, values in joined.datasets.items()}
-    return dataclasses.replace(joined, ids=ids, datasets=datasets, shard=ShardRange(start, stop))
-
-
-@no_annotations
-@beam.typehints.with_input_types(JacobianBatch)
-@beam.typehints.with_output_types(tuple[int, JacobianBatch])
-def _planned_shard(batch: JacobianBatch) -> tuple[int, JacobianBatch]:
-    """A planned job's batch keyed by its shard's first id."""
-    if batch.shard is None:
-        raise OutputError("WriteShards: a batch of a planned job without its shard (read it with ReadSamples)")
-    return batch.shard.start, batch
-
-
-@no_annotations
-@beam.typehints.with_input_types(tuple[int, Iterable[JacobianBatch]])
-@beam.typehints.with_output_types(JacobianBatch)
-def _join_planned(element: tuple[int, Sequence[JacobianBatch]]) -> JacobianBatch:
-    """A planned shard's batches, in id order, as one batch (its self-check records with it)."""
-    return _concatenate(element[1])
-
-
-def pipeline_spec(
-    output_dir: str,
-    model: ModelSource,
-    input_shape: Sequence[int] | Mapping[str, Sequence[int]],
-    options: EngineOptions = EngineOptions(),
-    samples_per_shard: int = 4096,
-    compression: str = "none",
-) -> JobSpec:
-    """The job description for writing a user's pipeline's Jacobians with ``WriteShards``.
-
-    Args:
-        output_dir: the output folder, local or remote (``gs://``, ``s3://``, ...).
-        model: the model the records were computed with (recorded in the manifest).
-        input_shape: one sample's shape, or ``{input name: shape}`` for a model with several inputs.
-        options: the engine options the records were computed with; ``aggregate`` must be empty.
-        samples_per_shard: ids per shard file: shard ``k`` holds ids ``[k * samples_per_shard, ...)``.
-        compression: the shards' HDF5 compression: ``none``, ``gzip`` or ``lzf``.
-
-    Returns:
-        A ``JobSpec`` without input files: the number of samples, ``n``, is known once every shard is
-        written (the records' ids must be ``0..n-1``, each once).
-
-    Raises:
-        ValueError: ``options.aggregate`` is set (aggregates are for planned jobs; combine the records
-            with a ``CombineFn`` instead).
-    """
-    if options.aggregate:
-        raise ValueError(
-            "jacobian.aggregate is for planned jobs (jacobeam run); in a pipeline of your own, combine "
-            "the records with a CombineFn"
-        )
-    shape = shape_record(input_shape)  # a list, or {input name: list} for several inputs
-    identity = {"model": dataclasses.asdict(model), "input_shape": shape, "engine": repr(options)}
-    return JobSpec(
-        model=model,
-        files=(
-            SourceFile(
-                path=PIPELINE_INPUT,
-                key=None,
-                num_samples=0,
-                sample_shape=shape_from_record(shape),
-                dtype=options.compute_dtype,
-            ),
-        ),
-        output_dir=output_dir,
-        run_key=run_key(identity),
-        engine=options,
-        samples_per_shard=samples_per_shard,
-        compression=compression,
-        config={"model": dataclasses.asdict(model), "pipeline": True},
-        started_at=time.time(),
-        identity=identity,
-        open_ended=True,
-        self_check=SelfCheck(samples=0),  # its batches have no planned shard to check samples of
-    )
-
-
-class WriteShards(beam.PTransform):
-    """``PCollection[JacobianBatch] -> PCollection[manifest dict]``: an output folder.
-
-    Groups the batches by shard (``GroupByKey``: one shard's records are held at a time), writes each
-    shard (``shards/shard-<start>-<stop>.h5``, under a temporary name and renamed when complete), then
-    ``aggregates.h5`` (if asked for), ``rejected.jsonl``, ``jacobians.h5`` and, last, ``manifest.json``
-    in ``spec.output_dir`` (``transforms.output.layout`` names every file).
-
-    Args:
-        spec: ``pipeline_spec(...)`` for a user's pipeline (whose batches' ids are then the samples' ids
-            ``0..n-1``, each once, in any order and batching), or a planned job's spec, whose batches
-            carry their shard (``ReadSamples`` -> ``ComputeJacobians``): then every stored range of the
-            plan must arrive (``jacobeam run`` instead computes each range with ``ComputeShards``, which
-            keeps shards already complete and holds no whole shard in memory).
-        replace: remove another run's result found in the output folder (only files jacobeam wrote)
-            instead of refusing to write there.
-
-    Returns:
-        A single-element ``PCollection`` holding the manifest (a dict, as written to
-        ``manifest.json``).
-
-    Building the step takes the output folder's lease (``transforms.output.claim``; a local folder),
-    held until the manifest is written or the process ends.
-
-    Raises:
-        LeaseBusy: another run is writing the output folder (when the step is built).
-        OutputError: the output folder holds another run's result (when the step is built, unless
-            ``replace``); a shard cannot be written; the ids of a user's pipeline have gaps or repeats, or
-            keys that are not integers; a self-check mismatch under ``on_mismatch: fail``.
-    """
-
-    def __init__(self, spec: JobSpec, replace: bool = False):
-        super().__init__()
-        self._spec, self._replace = spec, replace
-
-    def expand(self, batches):
-        spec = self._spec
-        claim(spec, self._replace)
-        if spec.open_ended:
-            keyed = batches | "ByShard" >> beam.FlatMap(_split_by_shard, spec.samples_per_shard)
-            join = _join_shard
-        else:
-            keyed = batches | "ByShard" >> beam.Map(_planned_shard)
-            join = _join_planned
-        return (
-            keyed
-            | "GroupShards" >> beam.GroupByKey()
-            | "JoinShards" >> beam.Map(join)
-            | "Write" >> beam.ParDo(WriteShardFn(spec))
-            | "Finalize" >> Finalize(spec)
-        )
