@@ -79,7 +79,7 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        f"<!-- Generated from pipeline/config.py by `{COMMAND}`: edit the models there, not this file. -->",
+        f"<!-- Generated from pipeline/config/ by `{COMMAND}`: edit the models there, not this file. -->",
         "",
         *_intro(Config, ""),
         "",
@@ -94,7 +94,7 @@ def render() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Write docs/configuration.md, or with ``--check`` only compare it; returns the exit status."""
     parser = argparse.ArgumentParser(
-        prog=COMMAND, description="Generate the configuration reference from the config models (pipeline/config.py)."
+        prog=COMMAND, description="Generate the configuration reference from the config models (pipeline/config/)."
     )
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the file differs from the models")
     parser.add_argument("--output", type=Path, default=DEFAULT_PATH, help="the file (default: %(default)s)")

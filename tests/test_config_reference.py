@@ -17,7 +17,7 @@ def test_committed_reference_is_current():
     if committed != config_reference.render():
         pytest.fail(
             f"docs/configuration.md is {'out of date' if committed else 'missing'}: the config models in "
-            f"pipeline/config.py changed. Regenerate it with `{config_reference.COMMAND}` and commit it.",
+            f"pipeline/config/ changed. Regenerate it with `{config_reference.COMMAND}` and commit it.",
             pytrace=False,
         )
 

@@ -1,0 +1,294 @@
+"""The ``jacobian`` section: how the Jacobians are computed and what of them is stored, with its
+sub-sections (``labels``, ``project``, ``basis``, ``self_check``) and ``outputs: {top_k: k}``."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ByteSize, Field, NonNegativeInt, PositiveInt, field_validator, model_validator
+
+from jacobeam.pipeline.config.section import Section, one_string_is_a_list
+from jacobeam.transforms.engine.reductions import FULL, NEEDS_ALL_ROWS, PRODUCTS
+from jacobeam.transforms.spec import EngineOptions, OutputSelection, Reduction, SelfCheck
+
+
+class TopK(Section):
+    """``jacobian.outputs: {top_k: k}``: each sample's ``k`` largest outputs, largest first."""
+
+    top_k: PositiveInt = Field(
+        description="How many of each sample's largest outputs to differentiate, largest first; at most the "
+        "number of outputs.",
+    )
+
+
+class LabelsConfig(Section):
+    """``jacobian.labels``: where ``jacobian.outputs: label`` finds each sample's label."""
+
+    key: str = Field(
+        description="The array (`.npz`) or dataset path (`.h5`) of the input files that holds their samples' "
+        "labels, one per sample (shape `(n,)` or `(n, 1)`): integer flat output indices `0..m-1`. Required "
+        "when `labels` is given: there is no default key.",
+    )
+
+
+class ProjectConfig(Section):
+    """``jacobian.project``: the random projection of ``reduce: project``, which stores ``J P`` for a
+    seeded ``P`` of shape ``(d, dim)`` (``d`` input entries), in forward mode, without forming ``J``.
+
+    ``P`` is ``rng = numpy.random.default_rng(seed)``; rademacher: ``rng.choice([-1.0, 1.0], size=(d,
+    dim))``, gaussian: ``rng.standard_normal((d, dim))``; both divided by ``sqrt(dim)``. Other reductions
+    ignore these keys.
+    """
+
+    dim: PositiveInt = Field(
+        256,
+        description="Columns of `P`: each sample's dataset `projection` is `(*rows, dim)`.",
+    )
+    kind: Literal["rademacher", "gaussian"] = Field(
+        "rademacher",
+        description="The entries of `P` before the division by `sqrt(dim)`: `rademacher`, ±1 with equal "
+        "probability; `gaussian`, standard normal.",
+    )
+    seed: int = Field(
+        0,
+        description="Seed of `numpy.random.default_rng`, which draws `P`; the manifest records it "
+        "(`stored.projection`) so that `P` can be rebuilt.",
+    )
+
+
+class BasisConfig(Section):
+    """``jacobian.basis``: the fixed bases of ``reduce: basis``, which stores ``U^T J V`` of shape
+    ``(n, p, q)`` (dataset ``basis_projection``). A side left ``null`` is the identity; ``reduce: basis``
+    needs at least one. Other reductions ignore these keys."""
+
+    input: str | None = Field(
+        None,
+        description="`.npy` file of `V`, shape `(d, q)`: one column per basis vector of the flattened input "
+        "(`d` entries). `null`: the identity.",
+    )
+    output: str | None = Field(
+        None,
+        description="`.npy` file of `U`, shape `(m, p)`: one column per basis vector of the flattened output "
+        "(`m` entries). `null`: the identity.",
+    )
+
+
+class SelfCheckConfig(Section):
+    """``jacobian.self_check``: every shard recomputes a few of its samples one at a time, independently
+    of the engine's batched computation, in the compute dtype and in a float64 copy of the model (the
+    truth), and records how far the stored values are from the truth (shard attribute ``self_check``, the
+    manifest's ``self_check.precision``, the run's summary and ``inspect``).
+
+    A stored value fails when it is further from the truth than the tolerance and than 4 times an
+    independent per-sample computation in the compute dtype (on a deep ReLU net float32 itself is about
+    1e-3 off): docs/verifying.md. Not part of the run identity: it decides how results are checked, not
+    what they are.
+    """
+
+    samples: NonNegativeInt = Field(
+        4,
+        description="Samples recomputed per shard, drawn from its stored samples by a generator seeded with "
+        "the shard's first id (a resumed run checks what an uninterrupted one does); all of them when the "
+        "shard holds fewer. `0` turns the self-check off.",
+    )
+    on_mismatch: Literal["fail", "warn"] = Field(
+        "fail",
+        description="What a stored value beyond the bound does: the bound is the larger of the tolerance of "
+        "the compute dtype (1e-4 for float32, 1e-9 for float64, at least twice the epsilon of the store dtype) "
+        "and 4 times the error of an independent per-sample computation in the compute dtype, both against a "
+        "float64 copy of the model. `fail` stops the run, naming the shard, sample, input file and row, and "
+        "dataset; `warn` logs it, records it in the shard and the manifest, and goes on.",
+    )
+
+    def spec(self) -> SelfCheck:
+        return SelfCheck(samples=self.samples, on_mismatch=self.on_mismatch)
+
+
+class JacobianConfig(Section):
+    """``jacobian``: how the Jacobians are computed and what of them is stored.
+
+    Each worker builds the Jacobian function once and checks it before trusting it; what ran and why is
+    written to the manifest under ``engine``. Combinations that make no sense are refused when the config
+    is read. Every key but ``threads`` and ``self_check`` is part of the run identity.
+    """
+
+    batch_size: PositiveInt = Field(
+        256,
+        description="Samples per call of the compiled Jacobian function (and per batch read from the inputs). "
+        "The engine uses fewer when one sample's Jacobian is large for `memory_budget`.",
+    )
+    mode: Literal["auto", "reverse", "reverse_loop", "forward", "autotune"] = Field(
+        "auto",
+        description="How to differentiate: `reverse`, `batch_jacobian` vectorised by pfor (cost grows with the "
+        "output rows); `reverse_loop`, a graph-mode loop of batched gradients, one per output row, without "
+        "pfor; `forward`, forward mode over a batch of basis tangents (cost grows with the input entries); "
+        "`auto`, forward when the input entries are at most as many as the output rows, else reverse; "
+        "`autotune`, times every mode on a full batch and keeps the fastest that agrees with the reference. "
+        "Under `auto` and `autotune` a mode that fails falls back to the reverse ones. `reduce` products "
+        "set the direction themselves: `jvp`, `project` and `basis` with `basis.input` run forward; `vjp` "
+        "and `basis` with only `basis.output` run reverse.",
+    )
+    jit_compile: bool | Literal["auto"] = Field(
+        False,
+        description="XLA: `false`, the plain graph only; `true`, XLA, an error if it cannot compile or "
+        "disagrees with the plain graph on a probe batch; `auto`, XLA where it compiles, agrees with the "
+        "plain graph and ran a full batch faster than it at set-up, else the plain graph. A timed choice "
+        "(`auto`, or `mode: autotune`) can differ between worker processes: use `true` or `false` where "
+        "shards must be reproducible bit for bit.",
+    )
+    memory_budget: ByteSize = Field(
+        ByteSize(2 * 2**30),
+        description="Bytes for one block's working set, results included: a positive number of bytes, or a "
+        "size such as `512MiB` or `2GiB` (binary) or `2GB` (decimal). The engine estimates the working set "
+        "from the traced graph and sizes batches and blocks (output rows in reverse mode, input entries in "
+        "forward mode) to fit; an out-of-memory error re-plans with half the rows per block, then half the "
+        "samples.",
+    )
+    wrt: Literal["all"] | list[str] = Field(
+        "all",
+        description="The model inputs to differentiate by: `all`, or a list of input names (with a mapping "
+        "`input.key`, names of that mapping; a single name is read as a list of one). A model with several "
+        "inputs gets one dataset `jacobian/<input name>` per input differentiated.",
+    )
+    compute_dtype: Literal["float32", "float64"] = Field(
+        "float32",
+        description="The dtype samples are cast to and the model computes in; `float64` runs a float64 twin "
+        "of a Keras model (same weights; other models cannot) and checks paths against each other to 1e-9 "
+        "instead of 1e-4.",
+    )
+    store_dtype: Literal["float16", "bfloat16", "float32", "float64"] = Field(
+        "float32",
+        description="The dtype of the floating-point datasets the shards store per sample (`output`, "
+        "`jacobian` or what `reduce` stores instead); results are cast to it. `bfloat16` is stored as a "
+        "2-byte HDF5 float that h5py reads as float32.",
+    )
+    check_batch_independence: bool = Field(
+        True,
+        description="Refuse a model whose outputs for a sample depend on the other samples in its batch "
+        "(BatchNorm in training mode, batch statistics), found by comparing one probe batch with its two "
+        "halves: per-sample Jacobians by `batch_jacobian` would be wrong. `false` skips the check.",
+    )
+    outputs: Literal["all", "argmax", "label"] | list[NonNegativeInt] | TopK = Field(
+        "all",
+        description="Which output rows to differentiate (only these are computed): `all`; a non-empty list "
+        "of flat output indices such as `[3, 7]`; `argmax`, each sample's largest output; `label`, each "
+        "sample's label (needs `labels`); `{top_k: k}`, each sample's `k` largest outputs, largest first. "
+        "Other than `all`, the chosen indices are stored as `output_index` `(n, k)` and `jacobian` as "
+        "`(n, k, *input_shape)`, and `reduce` cannot be any of " + ", ".join(f"`{kind}`" for kind in NEEDS_ALL_ROWS)
+        + ".",
+    )
+    labels: LabelsConfig | None = Field(
+        None,
+        description="Where `outputs: label` finds each sample's label: `{key: <array>}`, an array of the same "
+        "input files (see `jacobian.labels`). Required for `outputs: label` and unused otherwise; "
+        "`null`: no labels (there is no default key).",
+    )
+    reduce: Literal[FULL + PRODUCTS] = Field(
+        "none",
+        description="What to keep of each sample's Jacobian `J` (`m` outputs, `d` input entries; the dataset "
+        "in parentheses): `none`, `J` itself (`jacobian`); `frobenius`, its Frobenius norm (`frobenius`); "
+        "`diagonal`, `trace` and `slogdet`, for square Jacobians only (`diagonal`; `trace`; `sign` and "
+        "`logabsdet`); `max_abs_over_outputs`, the maximum of `|J|` over the output rows (`saliency`); "
+        "`sum_abs_over_channels`, `|J|` summed over the last input axis (`saliency`); `vjp` and `jvp`, the "
+        "products `u^T J` and `J v` with the vectors of `vectors` (`vjp`, `jvp`); `project`, `J P` (see "
+        "`jacobian.project`; `projection`); `basis`, `U^T J V` (see `jacobian.basis`; `basis_projection`). "
+        "The products (" + ", ".join(f"`{kind}`" for kind in PRODUCTS) + ") never form `J`. A model with "
+        "several inputs allows only `none`.",
+    )
+    vectors: str | None = Field(
+        None,
+        description="`.npy` file of the fixed vectors of `reduce: vjp`, vectors `u` over the outputs of shape "
+        "`(r, *output_shape)`, or `reduce: jvp`, vectors `v` over the inputs of shape `(r, *input_shape)`; "
+        "one vector may come without the `r` axis. Required for `vjp` and `jvp`, unused otherwise.",
+    )
+    project: ProjectConfig = Field(
+        ProjectConfig(),
+        description="The random projection `P` of `reduce: project` (see `jacobian.project`).",
+    )
+    basis: BasisConfig = Field(
+        BasisConfig(),
+        description="The bases of `reduce: basis` (see `jacobian.basis`): at least one of `basis.input` and "
+        "`basis.output` is required for it.",
+    )
+    aggregate: list[Literal["mean", "mean_abs", "jtj"]] = Field(
+        [],
+        description="Sums over every stored sample, written with `count` to `aggregates.h5`: `mean`, the mean "
+        "Jacobian, and `mean_abs`, the mean `|J|`, both shaped like one sample's stored `jacobian`; `jtj`, "
+        "`sum_i J_i^T J_i` of shape `(d, d)`. Summed in float64 in a fixed order: the same bits however the "
+        "work was split. Not with a `reduce` product, nor for a model with several inputs. A single name is read "
+        "as a list of one; `[]`: none.",
+    )
+    threads: PositiveInt | Literal["auto"] = Field(
+        "auto",
+        description="TensorFlow intra-op threads per worker process. `auto`: on a local runner, the machine's "
+        "cores divided by its worker processes (`--direct_num_workers` under `multi_processing`) so that they "
+        "do not oversubscribe the CPU; on other runners, TensorFlow's default. Not part of the run identity, though "
+        "on some CPUs the last bits of a float32 result depend on it ([engine](engine.md)): keep it fixed where "
+        "shards must match bit for bit.",
+    )
+    self_check: SelfCheckConfig = Field(
+        SelfCheckConfig(),
+        description="Each shard recomputes a few of its samples independently and records the error (see "
+        "`jacobian.self_check`). Not part of the run identity.",
+    )
+
+    _one_aggregate_is_a_list = field_validator("aggregate", mode="before")(one_string_is_a_list)
+
+    @field_validator("wrt", mode="before")
+    @classmethod
+    def _one_input_is_a_list(cls, value: Any) -> Any:
+        return value if value == "all" else one_string_is_a_list(value)
+
+    @model_validator(mode="after")
+    def _consistent_products(self) -> JacobianConfig:
+        rule = self.outputs if isinstance(self.outputs, str) else "selection"
+        if self.outputs == []:
+            raise ValueError("outputs: an empty list selects nothing; use all or give indices")
+        if rule == "label" and self.labels is None:
+            raise ValueError("outputs: label needs labels: {key: <array of labels in the input files>}")
+        if rule != "all" and self.reduce in NEEDS_ALL_ROWS:
+            raise ValueError(f"reduce: {self.reduce} needs every output row; it cannot follow outputs: {self.outputs}")
+        if self.reduce in ("vjp", "jvp") and self.vectors is None:
+            raise ValueError(f"reduce: {self.reduce} needs vectors: <.npy file of fixed vectors>")
+        if self.reduce == "basis" and self.basis.input is None and self.basis.output is None:
+            raise ValueError("reduce: basis needs basis.input and/or basis.output (.npy files)")
+        if self.aggregate and self.reduce in PRODUCTS:
+            raise ValueError(f"aggregate: needs the Jacobian, which reduce: {self.reduce} never forms")
+        return self
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _positive_budget(cls, value: ByteSize) -> ByteSize:
+        if value <= 0:
+            raise ValueError("must be a positive size such as 2GiB or 512MB")
+        return value
+
+    def engine_options(self) -> EngineOptions:
+        return EngineOptions(
+            batch_size=self.batch_size,
+            mode=self.mode,
+            jit_compile=self.jit_compile,
+            memory_budget=int(self.memory_budget),
+            wrt=None if self.wrt == "all" else tuple(self.wrt),
+            compute_dtype=self.compute_dtype,
+            store_dtype=self.store_dtype,
+            check_batch_independence=self.check_batch_independence,
+            outputs=self._selection(),
+            reduce=Reduction(
+                kind=self.reduce,
+                vectors=self.vectors,
+                project_dim=self.project.dim,
+                project_kind=self.project.kind,
+                project_seed=self.project.seed,
+                basis_input=self.basis.input,
+                basis_output=self.basis.output,
+            ),
+            aggregate=tuple(self.aggregate),
+        )
+
+    def _selection(self) -> OutputSelection:
+        if isinstance(self.outputs, TopK):
+            return OutputSelection("top_k", k=self.outputs.top_k)
+        if isinstance(self.outputs, list):
+            return OutputSelection("indices", indices=tuple(self.outputs))
+        return OutputSelection(self.outputs)
