@@ -17,12 +17,16 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/jacobeam demo
 
+# Two pytest-xdist processes, one group of tests each at a time (tests/conftest.py); WORKERS=0 runs in one.
+WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup
+
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 # The edit loop: no multi-process or subprocess tests, fewer hypothesis examples (docs/development.md).
 test-fast: $(VENV)/.installed
-	JACOBEAM_HYPOTHESIS_PROFILE=fast $(BIN)/python -m pytest -q -m "not slow"
+	JACOBEAM_HYPOTHESIS_PROFILE=fast $(PYTEST) -m "not slow"
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

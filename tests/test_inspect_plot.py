@@ -330,11 +330,12 @@ def test_inspect_names_every_dataset_of_a_reduced_folder(folder, capsys):
 
 def test_inspect_into_a_reader_that_stopped_ends_without_a_traceback(folder, monkeypatch, capsys):
     """``jacobeam inspect out | head -1``: the pipe is closed while inspect still prints."""
+    out = folder("rgb-max")  # written first: the run that makes it must not print into the closed pipe
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone: every write raises BrokenPipeError
     with os.fdopen(write_end, "w") as closed_pipe:
         monkeypatch.setattr(sys, "stdout", closed_pipe)
-        assert cli.main(["inspect", str(folder("rgb-max"))]) == cli.FAILED
+        assert cli.main(["inspect", str(out)]) == cli.FAILED
     assert "Traceback" not in capsys.readouterr().err
 
 
