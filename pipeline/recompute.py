@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jacobeam.transforms.engine.assembly import DatasetAssembly
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import AGGREGATES, NONFINITE, SAMPLE_ID
 
@@ -23,9 +24,10 @@ if TYPE_CHECKING:
     from jacobeam.pipeline.verify import Report
 
 
-class _RecordedEngine:
+class _RecordedEngine(DatasetAssembly):
     """What ``SelfChecker`` reads of an engine, from the manifest: the options, the model in the compute
-    dtype, the operands (vectors, projections, bases, loaded as the run loaded them), the run's mode."""
+    dtype, the operands (vectors, projections, bases, loaded as the run loaded them), the run's mode; and
+    the engine's own numpy post-processing of full Jacobians (``assemble``: reductions, products, store dtype)."""
 
     def __init__(self, loaded, manifest: dict[str, Any], output_shape: tuple[int, ...]):
         import tensorflow as tf
@@ -48,13 +50,6 @@ class _RecordedEngine:
 
     def describe(self) -> dict[str, Any]:
         return {"mode": self._mode}
-
-    # The engine's own numpy post-processing of full Jacobians (reductions, products, store dtype).
-    from jacobeam.transforms.engine.facade import JacobianEngine as _Engine
-
-    assemble = _Engine.assemble
-    _products = _Engine._products
-    del _Engine
 
 
 def load_model(manifest: dict[str, Any]):

@@ -18,15 +18,14 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 from jacobeam.pipeline import plan
 from jacobeam.pipeline.config import Config, ConfigError
 from jacobeam.pipeline.folder import judged_by_weights, read_folder
+from jacobeam.pipeline.output_lease import remove_created, take_lease
 from jacobeam.pipeline.progress import ShardProgress
 from jacobeam.transforms.compute import EngineFactory
-from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.finalize import Finalize
 from jacobeam.transforms.job import ComputeShards
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import MANIFEST, SHARDS_DIR, shard_name
 from jacobeam.transforms.output.lease import Lease
-from jacobeam.transforms.output.lease import supported as lease_supported
 from jacobeam.transforms.spec import JobSpec
 from jacobeam.transforms.testing import faults
 
@@ -319,7 +318,7 @@ def run(
     FileSystems.set_options(options)
     # One writer per folder (issue 23): the lease is taken before the plan reads the folder, so that a
     # second run plans on the first's complete result, and held until the manifest is written.
-    lease, created = _take_lease(config.output.path, wait)
+    lease, created = take_lease(config.output.path, wait)
     done = False
     try:
         result = _run_leased(config, options, show_progress, overwrite, verify_samples, pipeline, engine_factory, planned,
@@ -330,7 +329,7 @@ def run(
         if lease is not None:
             lease.release()
             if not done:
-                _remove_created(created)
+                remove_created(created)
 
 
 def _warn_idle_workers(spec: JobSpec, options: PipelineOptions) -> None:
@@ -348,55 +347,6 @@ def _warn_idle_workers(spec: JobSpec, options: PipelineOptions) -> None:
     if spec.tf_threads and workers * spec.tf_threads > cores:
         log.warning("%d worker processes x %d TensorFlow threads (jacobian.threads) on %d cores: they compete "
                     "for the cores (jacobian.threads: auto splits them)", workers, spec.tf_threads, cores)
-
-
-def _missing_folders(folder: str) -> list[str]:
-    """``folder`` and those of its parents that do not exist, deepest first."""
-    missing, path = [], os.path.abspath(folder)
-    while not os.path.lexists(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return missing
-
-
-def _take_lease(folder: str, wait: bool) -> tuple[Lease | None, list[str]]:
-    """The output folder's lease (``transforms.output.lease``), and the local folders created to hold it
-    (deepest first). None on a remote file system that has no lease yet (all but S3): said once."""
-    if not storage.is_local(folder):
-        if not lease_supported(folder):
-            log.warning("output.path %s: no lease on this file system yet (S3 and local folders have one): "
-                        "nothing stops another run from writing this folder at the same time", folder)
-            return None, []
-        return Lease(storage.normalize(folder)).acquire(wait=wait), []
-    root = storage.normalize(folder)
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise OutputError(f"output.path {root}: exists and is not a folder")
-    created = _missing_folders(root)
-    try:
-        os.makedirs(root, exist_ok=True)
-    except OSError as err:
-        raise OutputError(f"output.path {root}: cannot create the folder: {err.strerror or err}") from err
-    try:
-        return Lease(root).acquire(wait=wait), created
-    except OSError as err:
-        _remove_created(created)
-        raise OutputError(f"output.path {root}: cannot write in {root}: {err.strerror or err}") from err
-    except BaseException:
-        _remove_created(created)
-        raise
-
-
-def _remove_created(created: list[str]) -> None:
-    """A failed run's folders that it created and left empty (its lease released): removed, deepest
-    first, as a failed check leaves no output folder. A folder holding anything stays."""
-    for path in created:
-        try:
-            os.rmdir(path)
-        except OSError:
-            return
 
 
 def _run_leased(

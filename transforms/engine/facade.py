@@ -7,7 +7,8 @@ Separation of concerns (the seams of JAX's and functorch's ``jacrev``/``jacfwd``
 - ``budget``: sizing sub-batches and blocks against the memory budget (arithmetic only);
 - ``planner``: choosing and checking a path, as an immutable ``Plan``;
 - ``executor``: running one call with the plan's sizes, fixed for the call;
-- this facade: set-up, re-planning smaller on out-of-memory, and turning products into datasets.
+- ``assembly``: turning products into the datasets stored;
+- this facade: set-up, re-planning smaller on out-of-memory, and checking the plan on the first real batch.
 """
 
 from __future__ import annotations
@@ -26,16 +27,15 @@ import tensorflow as tf
 from jacobeam.transforms import model_identity
 from jacobeam.transforms.engine import budget, layer_rules, model_checks
 from jacobeam.transforms.engine import decisions as setup_decisions
+from jacobeam.transforms.engine.assembly import DatasetAssembly
 from jacobeam.transforms.engine.blocks import BlockCache
 from jacobeam.transforms.engine.diagnostics import AGREEMENT, activation_size
 from jacobeam.transforms.engine.executor import Plan, execute, join
 from jacobeam.transforms.engine.models import LoadedModel
 from jacobeam.transforms.engine.operands import Operands, build_operands
 from jacobeam.transforms.engine.planner import Planner, disagreement
-from jacobeam.transforms.engine.reductions import FULL, reduce_full
 from jacobeam.transforms.errors import ModelError
-from jacobeam.transforms.output.layout import JACOBIAN, jacobian_dataset
-from jacobeam.transforms.spec import EngineOptions, store_dtype
+from jacobeam.transforms.spec import EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ _PROBE_SEED = 0
 _PROBE_SAMPLES = 8  # samples a path is checked on during set-up
 
 
-class JacobianEngine:
+class JacobianEngine(DatasetAssembly):
     """Per-sample Jacobians ``d output_i / d input_i`` for whole batches.
 
     Args:
@@ -311,47 +311,6 @@ class JacobianEngine:
                 self._when_trusted.append(callback)
                 return
         callback()
-
-    def assemble(
-        self, output: np.ndarray, products: Mapping[int, np.ndarray], index: np.ndarray | None
-    ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
-        """Datasets from the outputs ``(n, m)`` and ``L J R`` ``(n, r, c)`` per differentiated input
-        (``operands.apply`` of full Jacobians gives the same form): reductions, shapes, store dtype."""
-        n = len(output)
-        store = store_dtype(self.options.store_dtype)
-        datasets = {"output": output.reshape((n, *self.output_shape))}
-        if index is not None:
-            datasets["output_index"] = np.asarray(index).astype(np.int64)
-        rows_shape = self.output_shape if index is None else (index.shape[1],)
-        kind = self.options.reduce.kind
-        full = None
-        if kind in FULL:
-            if self.options.aggregate:  # of the one input: refused for several (EngineOptions.one_input_only)
-                full = products[self.wrt[0]].astype(store, copy=False)
-            for k, product in products.items():
-                reduced = reduce_full(kind, product, rows_shape, self.input_shapes[k])
-                if JACOBIAN in reduced:
-                    reduced = {jacobian_dataset(self.input_names[k], len(self.input_names) > 1): reduced.pop(JACOBIAN)}
-                datasets.update(reduced)
-        else:
-            datasets.update(self._products(kind, products[0], rows_shape))
-        stored = {
-            name: value.astype(store, copy=False) if value.dtype.kind == "f" else value
-            for name, value in datasets.items()
-        }
-        return stored, full
-
-    def _products(self, kind: str, raw: np.ndarray, rows_shape: tuple[int, ...]) -> dict[str, np.ndarray]:
-        n, input_shape = len(raw), self.input_shapes[0]
-        if kind == "vjp":  # (n, r, d): u^T J for each vector u
-            return {"vjp": raw.reshape((n, len(raw[0]), *input_shape))}
-        if kind == "jvp":  # (n, m, r) -> (n, r, *output_shape): J v for each vector v
-            return {"jvp": np.moveaxis(raw, 2, 1).reshape((n, raw.shape[2], *self.output_shape))}
-        if kind == "project":  # (n, rows, dim): J P
-            return {"projection": raw.reshape((n, *rows_shape, raw.shape[2]))}
-        if self.operands.after is not None:  # basis, both sides: U^T (J V)
-            return {"basis_projection": np.einsum("pm,nmq->npq", self.operands.after, raw)}
-        return {"basis_projection": raw}  # U^T J (reverse), or J V (forward) with the other side identity
 
     def __call__(self, x: np.ndarray | Mapping[str, np.ndarray], labels: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """The datasets to store for a batch (see the class docstring)."""
