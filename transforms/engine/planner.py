@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,21 @@ def disagreement(result: dict, reference: dict) -> float:
     """How far one path's results are from the reference's (``{"output": (n, m), k: (n, r, c)}``): the
     largest per-sample relative error over the outputs and every differentiated input."""
     return max(per_sample_relative_error(result[k], reference[k]) for k in reference)
+
+
+@dataclass
+class _Search:
+    """One ``Planner._first_good`` call's state, carried across its modes: the reference path's results
+    and plan (the first path to run), and the best plan so far with its rank."""
+
+    modes: list[str]
+    notes: list[str]
+    tried: list[dict[str, Any]]  # the telemetry's candidates
+    timed: bool
+    probe_samples: int
+    reference_result: dict | None = None
+    reference_plan: Plan | None = None
+    best: tuple[tuple, Plan] | None = None
 
 
 class Planner:
@@ -156,82 +172,19 @@ class Planner:
         loses on max-pooling CNNs and wins on small dense chains). With ``jit_compile: true`` the plain
         graph runs too, on the probe only, as the reference XLA must agree with; it is never used.
         """
-        options = self._options
-        autotune = options.mode == "autotune"
         timed = self._timed
-        reference_only = options.jit_compile is True
-        reference: dict | None = None
-        reference_plan: Plan | None = None
         tried = self._telemetry.setdefault("candidates", [])
         first_tried = len(tried)
-        best: tuple[tuple, Plan] | None = None
         # Paths are compared on the probe batch; a lone path only has to trace and run: two samples do.
         alone = not timed and len(modes) == 1 and len(self._paths(modes[0])) == 1
+        search = _Search(modes, notes, tried, timed, 2 if alone else self._probe_samples)
         for mode in modes:
-            if best is not None and not timed:
+            if search.best is not None and not timed:
                 break  # untimed, a later mode never ranks above a plan of an earlier one
-            paths = self._paths(mode)
-            if not timed:
-                # The order of preference (layer rules, double reverse, the plain graph) after the reference:
-                # the first path that agrees with it is taken, and the others are neither traced nor run.
-                paths = paths[:1] + sorted(paths[1:], key=lambda p: (not p.layer_rules, not p.double_reverse))
-            for path in paths:
-                if reference is None and not timed and path is not paths[0] and path != Path(mode, path.jit):
-                    # A fast path is trusted only once it agrees with a reference: here none ran.
-                    notes.append(f"{path.label}: not tried, as no reference ran to check it against")
-                    tried.append({"path": path.label, "error": "no reference to check it against"})
-                    continue
-                try:
-                    plan, result, seconds = self._try(path, timed, 2 if alone else self._probe_samples)
-                except NoLayerRule as err:
-                    notes.append(f"{path.label}: {err}")
-                    tried.append({"path": path.label, "error": str(err)})
-                    continue
-                except ForwardModeUnsupported as err:
-                    if options.mode == "forward":
-                        raise ModelError(f"{self._source}: {err}") from err
-                    notes.append(f"forward: {err}")
-                    tried.append({"path": path.label, "error": "an op has no forward-mode rule"})
-                    break
-                except _CANNOT_RUN as err:
-                    if isinstance(err, ModelError) or raised_by_jacobeam(err):
-                        raise
-                    first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-                    if path.jit and options.jit_compile is True:
-                        raise ModelError(
-                            f"{self._source}: XLA compilation failed (jit_compile: true): {first_line}"
-                        ) from err
-                    log.warning("%s failed for %s, falling back: %s", path.label, self._source, first_line)
-                    notes.append(f"{path.label} failed: {first_line}")
-                    tried.append({"path": path.label, "error": first_line})
-                    continue
-                entry: dict[str, Any] = {"path": path.label}
-                if timed:
-                    entry["seconds_per_sample"] = seconds
-                if reference is None:
-                    reference, reference_plan = result, plan
-                else:
-                    error = disagreement(result, reference)
-                    entry["relative_error"] = error
-                    if error > AGREEMENT[options.compute_dtype]:
-                        log.warning("%s disagrees with the reference path (relative error %.2g): not used", path.label, error)
-                        notes.append(f"{path.label} disagrees with the reference (relative error {error:.2g})")
-                        tried.append(entry)
-                        continue
-                tried.append(entry)
-                if path.eager or (reference_only and not path.jit):
-                    entry["reference_only"] = True
-                    continue
-                # Untimed, layer rules and then the double-reverse forward graph win over the accumulator's
-                # graph they agree with.
-                rank = (seconds,) if autotune else (modes.index(mode), seconds, not path.layer_rules, not path.double_reverse)
-                if best is None or rank < best[0]:
-                    best = (rank, plan)
-                if not timed and path is not paths[0]:
-                    break  # the most preferred path that agrees
-        if best is None:
+            self._search_mode(mode, search)
+        if search.best is None:
             return None
-        plan = best[1]
+        plan, reference_plan = search.best[1], search.reference_plan
         self.reference = None if reference_plan is None or reference_plan.path == plan.path else reference_plan
         if timed:
             speeds = [
@@ -241,6 +194,89 @@ class Planner:
             ]
             notes.append(f"timed on a full batch: {', '.join(speeds)}")
         return Plan(plan.path, plan.sizes, (*notes, *plan.sizes.notes, *plan.reasons))
+
+    def _search_mode(self, mode: str, search: _Search) -> None:
+        """Try ``mode``'s paths in turn for ``_first_good``, until one ends the mode's search (``_judge``) or
+        an op of the model has no forward-mode rule."""
+        paths = self._ordered_paths(mode, search.timed)
+        for path in paths:
+            if search.reference_result is None and not search.timed and path is not paths[0] and path != Path(mode, path.jit):
+                # A fast path is trusted only once it agrees with a reference: here none ran.
+                search.notes.append(f"{path.label}: not tried, as no reference ran to check it against")
+                search.tried.append({"path": path.label, "error": "no reference to check it against"})
+                continue
+            try:
+                plan, result, seconds = self._try(path, search.timed, search.probe_samples)
+            except NoLayerRule as err:
+                search.notes.append(f"{path.label}: {err}")
+                search.tried.append({"path": path.label, "error": str(err)})
+                continue
+            except ForwardModeUnsupported as err:
+                if self._options.mode == "forward":
+                    raise ModelError(f"{self._source}: {err}") from err
+                search.notes.append(f"forward: {err}")
+                search.tried.append({"path": path.label, "error": "an op has no forward-mode rule"})
+                return
+            except _CANNOT_RUN as err:
+                if isinstance(err, ModelError) or raised_by_jacobeam(err):
+                    raise
+                self._cannot_run(path, err, search)
+                continue
+            if self._judge(path, mode, paths, plan, result, seconds, search):
+                return
+
+    def _ordered_paths(self, mode: str, timed: bool) -> list[Path]:
+        """``mode``'s paths, the reference first. Untimed, the rest in the order of preference (layer
+        rules, double reverse, the plain graph): the first path that agrees with the reference is taken,
+        and the others are neither traced nor run."""
+        paths = self._paths(mode)
+        if timed:
+            return paths
+        return paths[:1] + sorted(paths[1:], key=lambda p: (not p.layer_rules, not p.double_reverse))
+
+    def _cannot_run(self, path: Path, err: Exception, search: _Search) -> None:
+        """A path TensorFlow cannot run: left out with its reason, or an error under ``jit_compile: true``
+        where it is XLA's."""
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        if path.jit and self._options.jit_compile is True:
+            raise ModelError(f"{self._source}: XLA compilation failed (jit_compile: true): {first_line}") from err
+        log.warning("%s failed for %s, falling back: %s", path.label, self._source, first_line)
+        search.notes.append(f"{path.label} failed: {first_line}")
+        search.tried.append({"path": path.label, "error": first_line})
+
+    def _judge(
+        self, path: Path, mode: str, paths: list[Path], plan: Plan, result: dict, seconds: float, search: _Search
+    ) -> bool:
+        """Record a path that ran: the first to run is the reference, every other must agree with it; one
+        that may be used (not only as a reference) becomes the best plan if it ranks above the best so far.
+        True where the mode's search ends here (untimed: the most preferred path that agrees)."""
+        options = self._options
+        entry: dict[str, Any] = {"path": path.label}
+        if search.timed:
+            entry["seconds_per_sample"] = seconds
+        if search.reference_result is None:
+            search.reference_result, search.reference_plan = result, plan
+        else:
+            error = disagreement(result, search.reference_result)
+            entry["relative_error"] = error
+            if error > AGREEMENT[options.compute_dtype]:
+                log.warning("%s disagrees with the reference path (relative error %.2g): not used", path.label, error)
+                search.notes.append(f"{path.label} disagrees with the reference (relative error {error:.2g})")
+                search.tried.append(entry)
+                return False
+        search.tried.append(entry)
+        if path.eager or (options.jit_compile is True and not path.jit):
+            entry["reference_only"] = True
+            return False
+        # Untimed, layer rules and then the double-reverse forward graph win over the accumulator's
+        # graph they agree with.
+        if options.mode == "autotune":
+            rank: tuple = (seconds,)
+        else:
+            rank = (search.modes.index(mode), seconds, not path.layer_rules, not path.double_reverse)
+        if search.best is None or rank < search.best[0]:
+            search.best = (rank, plan)
+        return not search.timed and path is not paths[0]
 
     def _try(self, path: Path, timed: bool, probe_samples: int) -> tuple[Plan, dict, float]:
         """Trace and run a path on a probe batch of ``probe_samples``: the plan it ran with (smaller if it
