@@ -16,8 +16,9 @@ import pytest
 
 from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.finalize import check_shards, remove_temp_files
-from jacobeam.transforms.output import layout, shards, storage
-from jacobeam.transforms.output.shards import ShardRecord, ShardWriter
+from jacobeam.transforms.output import layout, shard_writer, storage
+from jacobeam.transforms.output.shard_writer import ShardWriter
+from jacobeam.transforms.output.shards import ShardRecord
 from jacobeam.transforms.spec import ModelSource
 from jacobeam.transforms.testing import faults
 from jacobeam.transforms.write_shards import pipeline_spec
@@ -224,7 +225,7 @@ def test_rows_across_chunks_and_batches_are_stored_exactly(tmp_path, rng, monkey
     """Chunks of 4 jacobian rows (6 would fit: a power of two is taken, without compression) against
     batches of 8, of uneven sizes, or one batch; a last chunk that ends past the last row; bfloat16; a
     dataset that is one chunk. Every row reads back as written."""
-    monkeypatch.setattr(shards, "_CHUNK_BYTES", 6 * 60)  # 6 rows of the jacobian's 60 bytes
+    monkeypatch.setattr(shard_writer, "_CHUNK_BYTES", 6 * 60)  # 6 rows of the jacobian's 60 bytes
     rows = sum(sizes)
     jacobian = rng.normal(size=(rows, 3, 5)).astype(np.float32)
     jacobian[9, 0, 0] = np.inf
@@ -279,7 +280,7 @@ def test_chunks_written_while_other_threads_use_hdf5_are_complete(tmp_path):
             for r in range(30):
                 with h5py.File(tmp_path / f"rows-{k}-{r}.h5", "w") as h5:
                     dataset = h5.create_dataset("x", (64 * 32, 256), "f4", chunks=(32, 256))
-                    rows = shards._Rows(dataset, np.dtype("f4"))
+                    rows = shard_writer._Rows(dataset, np.dtype("f4"))
                     for i in range(64):
                         rows.write(i * 32, np.full((32, 256), i, "f4"))
                     rows.close()

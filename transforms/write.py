@@ -28,7 +28,8 @@ from jacobeam.transforms.errors import OutputError, SelfCheckError
 from jacobeam.transforms.inputs.readers import shape_record
 from jacobeam.transforms.metrics import ShardMetrics, shard_rows
 from jacobeam.transforms.output.layout import SAMPLE_ID, SELF_CHECK, shard_file
-from jacobeam.transforms.output.shards import ShardRecord, ShardWriter, existing_record, read_attrs, shard_path
+from jacobeam.transforms.output.shard_writer import ShardWriter
+from jacobeam.transforms.output.shards import ShardRecord, existing_record, read_attrs, shard_path
 from jacobeam.transforms.spec import JobSpec, ShardRange, shard_inputs, version
 
 log = logging.getLogger(__name__)
