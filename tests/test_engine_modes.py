@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 from jacobeam.transforms.compute import build_engine
-from jacobeam.transforms.engine import JacobianEngine, layer_rules
+from jacobeam.transforms.engine import JacobianEngine, reverse_layer_rules
 from jacobeam.transforms.engine import blocks as strategies
 from jacobeam.transforms.engine.models import seeded_weights, wrap_model
 from jacobeam.transforms.errors import ModelError
@@ -246,7 +246,7 @@ def test_auto_keeps_the_faster_of_xla_and_the_plain_graph(monkeypatch, slow):
 
     monkeypatch.setattr("jacobeam.transforms.engine.blocks.build_block", slowed)
     # The plain graph and XLA of pfor's path only: reverse layer rules (never slowed) would win the timing.
-    monkeypatch.setattr("jacobeam.transforms.engine.layer_rules.reverse_unsupported", lambda model: "switched off")
+    monkeypatch.setattr("jacobeam.transforms.engine.reverse_layer_rules.reverse_unsupported", lambda model: "switched off")
     engine = _engine(model, jit_compile="auto")
     described = engine.describe()
     assert described["jit_compile"] is not slow
@@ -504,7 +504,7 @@ def test_a_path_that_agreed_on_the_probe_but_not_on_the_first_batch_is_refused(m
     """Reverse layer rules right on the seeded probe and 1.5 times too large elsewhere: the first real batch
     is refused, and every later one; the set-up decisions are not cached (a resumed run would reuse them
     unchecked)."""
-    build = layer_rules.build_reverse_block
+    build = reverse_layer_rules.build_reverse_block
 
     def wrong_off_the_probe(*args, **kwargs):
         block = build(*args, **kwargs)
@@ -518,7 +518,7 @@ def test_a_path_that_agreed_on_the_probe_but_not_on_the_first_batch_is_refused(m
         wrong.experimental_get_tracing_count = block.experimental_get_tracing_count
         return wrong
 
-    monkeypatch.setattr(layer_rules, "build_reverse_block", wrong_off_the_probe)
+    monkeypatch.setattr(reverse_layer_rules, "build_reverse_block", wrong_off_the_probe)
     cache = tmp_path / ENGINE_PLAN
     mlp = ModelSource(factory="tests.models:small_mlp")
     engine = build_engine(mlp, (12,), EngineOptions(batch_size=8), plan_cache=str(cache))

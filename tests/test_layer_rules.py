@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jacobeam.transforms.engine import JacobianEngine, layer_rules
+from jacobeam.transforms.engine import JacobianEngine, layer_rules, reverse_layer_rules
 from jacobeam.transforms.engine.models import seeded_weights, wrap_model
 from jacobeam.transforms.spec import EngineOptions, OutputSelection, Reduction
 from tests.reference import assert_close, central_differences, tape_loop
@@ -145,9 +145,9 @@ def test_an_argument_without_a_rule_found_while_tracing_falls_back():
     assert_close(engine(samples)["jacobian"], tape_loop(model, samples), rtol=1e-5)
 
 
-def _wrong(monkeypatch, name: str) -> None:
-    """``layer_rules.<name>`` builds blocks whose derivatives are 1.5 times too large."""
-    build = getattr(layer_rules, name)
+def _wrong(monkeypatch, rules, name: str) -> None:
+    """``rules.<name>`` (a module of layer rules) builds blocks whose derivatives are 1.5 times too large."""
+    build = getattr(rules, name)
 
     def wrong(*args, **kwargs):
         block = build(*args, **kwargs)
@@ -159,11 +159,11 @@ def _wrong(monkeypatch, name: str) -> None:
         scaled.experimental_get_tracing_count = block.experimental_get_tracing_count
         return scaled
 
-    monkeypatch.setattr(layer_rules, name, wrong)
+    monkeypatch.setattr(rules, name, wrong)
 
 
 def test_layer_rules_that_disagree_with_the_accumulator_are_not_used(monkeypatch):
-    _wrong(monkeypatch, "build_block")
+    _wrong(monkeypatch, layer_rules, "build_block")
     model = dense_chain()
     x = _samples(model, 9)
     engine = _engine(model)
@@ -246,7 +246,7 @@ def reverse_chain(
 @pytest.mark.parametrize("functional", [False, True], ids=["sequential", "functional"])
 def test_reverse_layer_rules_match_the_tape_loop_and_are_chosen_where_they_agree(functional):
     model = reverse_chain(functional=functional)
-    assert layer_rules.reverse_unsupported(model) is None
+    assert reverse_layer_rules.reverse_unsupported(model) is None
     x = _samples(model, 11)
     engine = _engine(model)
     described = engine.describe()
@@ -314,7 +314,7 @@ def test_a_model_without_reverse_rules_falls_back_to_pfor():
     residual = keras.Model(inputs, h[:, :2] + h[:, 2:], name="residual")
     for model in (normalised, residual):
         seeded_weights(model, 2)
-        assert layer_rules.reverse_unsupported(model) is not None
+        assert reverse_layer_rules.reverse_unsupported(model) is not None
         samples = _samples(model, 7)
         engine = _engine(model)
         described = engine.describe()
@@ -324,7 +324,7 @@ def test_a_model_without_reverse_rules_falls_back_to_pfor():
 
 
 def test_reverse_layer_rules_that_disagree_with_pfor_are_not_used(monkeypatch):
-    _wrong(monkeypatch, "build_reverse_block")
+    _wrong(monkeypatch, reverse_layer_rules, "build_reverse_block")
     model = reverse_chain()
     x = _samples(model, 9)
     engine = _engine(model)

@@ -32,7 +32,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from jacobeam.transforms.engine import layer_rules
+from jacobeam.transforms.engine import layer_rules, reverse_layer_rules
 from jacobeam.transforms.errors import ModelError
 
 MODES = ("reverse", "reverse_loop", "forward")
@@ -180,9 +180,10 @@ def build_block(
 
 
 class Path(NamedTuple):
-    """One way to compute blocks: a mode, under XLA or not, and by layer rules (``layer_rules``: forward
-    or reverse mode), or (forward mode) by double reverse or by the accumulator run eagerly (``eager``:
-    only ever the reference the others are checked against, never used to compute a run)."""
+    """One way to compute blocks: a mode, under XLA or not, and by layer rules (``layer_rules`` in forward
+    mode, ``reverse_layer_rules`` in reverse mode), or (forward mode) by double reverse or by the
+    accumulator run eagerly (``eager``: only ever the reference the others are checked against, never
+    used to compute a run)."""
 
     mode: str
     jit: bool = False
@@ -222,7 +223,7 @@ class BlockCache:
         key = (path, wrt, rows, total, operand)
         if key not in self._built:
             if path.layer_rules:
-                build = layer_rules.build_block if path.mode == "forward" else layer_rules.build_reverse_block
+                build = layer_rules.build_block if path.mode == "forward" else reverse_layer_rules.build_reverse_block
                 fn = build(self._model, self._shapes[wrt], rows, total, self._dtype, path.jit, operand)
             else:
                 fn = build_block(

@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from jacobeam.transforms import model_identity
-from jacobeam.transforms.engine import budget, layer_rules, model_checks
+from jacobeam.transforms.engine import budget, layer_rules, model_checks, reverse_layer_rules
 from jacobeam.transforms.engine import decisions as setup_decisions
 from jacobeam.transforms.engine.assembly import DatasetAssembly
 from jacobeam.transforms.engine.blocks import BlockCache
@@ -120,7 +120,7 @@ class JacobianEngine(DatasetAssembly):
             planner = Planner(
                 options, self.operands, self.wrt, source, self._size, self._run, self._forward, self._probe,
                 _PROBE_SAMPLES, self.telemetry, layer_rules.unsupported(self.model.keras_model) is None,
-                reverse_layer_rules=layer_rules.reverse_unsupported(self.model.keras_model) is None,
+                reverse_layer_rules=reverse_layer_rules.reverse_unsupported(self.model.keras_model) is None,
             )
             self._plan, self._reference = planner.choose(), planner.reference
             self.telemetry["plan_cache"] = "probed"

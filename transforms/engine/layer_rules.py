@@ -1,4 +1,4 @@
-"""Forward mode by layer rules: ``J R`` pushed through a Keras model layer by layer (reverse mode: at the end).
+"""Forward mode by layer rules: ``J R`` pushed through a Keras model layer by layer (reverse mode: ``reverse_layer_rules``).
 
 TensorFlow's ``ForwardAccumulator`` computes each JVP as the transpose of a VJP (``AddN``/``pfor``/``Tile``
 beside every tangent matmul, benchmarks/README.md). For a model built only from layers and ops with a
@@ -12,7 +12,7 @@ and columns. The input's tangents (the columns of ``R``) are the same for every 
 identity basis is its kernel.
 
 Rules (exact classes: a subclass may compute something else): Dense and Activation with the
-activations in ``_DERIVATIVES``, Dropout (inference), Flatten, Reshape, nested Sequential and
+activations in ``DERIVATIVES``, Dropout (inference), Flatten, Reshape, nested Sequential and
 functional models, and the Keras ops ``x[...]`` (slicing the features), ``exp``, ``*``, ``+``, ``-``,
 ``concatenate`` and ``take`` (constant indices) along a feature axis. ``unsupported(model)`` says
 why a model has no rules (the engine then never tries the path); an argument found only while
@@ -38,7 +38,7 @@ class NoLayerRule(ModelError):
 
 # activation name -> its derivative from the pre-activation z and the activation y. Relu's is 0 at
 # z = 0 and for NaN z, as TensorFlow's ReluGrad.
-_DERIVATIVES: dict[str, Callable[[tf.Tensor, tf.Tensor], tf.Tensor | None]] = {
+DERIVATIVES: dict[str, Callable[[tf.Tensor, tf.Tensor], tf.Tensor | None]] = {
     "linear": lambda z, y: None,
     "tanh": lambda z, y: 1 - y * y,
     "sigmoid": lambda z, y: y * (1 - y),
@@ -62,7 +62,7 @@ class Dual:
         self.primal, self.tangent = primal, tangent
 
 
-def _activation_name(fn: Any) -> str | None:
+def activation_name(fn: Any) -> str | None:
     """The name of a Keras activation function with a derivative here, or None."""
     if fn is None:
         return "linear"
@@ -70,16 +70,16 @@ def _activation_name(fn: Any) -> str | None:
         name = keras.activations.serialize(fn)
     except (ValueError, TypeError):
         return None
-    if not isinstance(name, str) or name not in _DERIVATIVES or keras.activations.get(name) is not fn:
+    if not isinstance(name, str) or name not in DERIVATIVES or keras.activations.get(name) is not fn:
         return None
     return name
 
 
-def _is_model(op: Any) -> bool:
+def is_model(op: Any) -> bool:
     return isinstance(op, keras.Sequential) or (isinstance(op, keras.Model) and hasattr(op, "_run_through_graph"))
 
 
-def _operations(model: Any) -> list:
+def operations(model: Any) -> list:
     if isinstance(model, keras.Sequential):
         return list(model.layers)
     return list(model.operations)
@@ -87,15 +87,15 @@ def _operations(model: Any) -> list:
 
 def unsupported(model: Any) -> str | None:
     """Why ``model`` cannot run by layer rules (the first layer or op without one), or None where it can."""
-    if not _is_model(model):
+    if not is_model(model):
         return "not a Keras Sequential or functional model"
     if len(model.inputs or []) != 1 or len(model.outputs or []) != 1:
         return "not one input and one output"
-    for op in _operations(model):
+    for op in operations(model):
         kind = type(op)
         if kind is keras.layers.InputLayer or kind in (keras.layers.Dropout, keras.layers.Flatten, keras.layers.Reshape):
             continue
-        if _is_model(op):
+        if is_model(op):
             reason = unsupported(op)
             if reason:
                 return f"{op.name}: {reason}"
@@ -104,10 +104,10 @@ def unsupported(model: Any) -> str | None:
                 return f"{op.name}: a quantized or LoRA Dense layer"
             if op.kernel.dtype != op.compute_dtype:
                 return f"{op.name}: mixed precision"
-            if _activation_name(op.activation) is None:
+            if activation_name(op.activation) is None:
                 return f"{op.name}: activation {op.activation!r}"
         elif kind is keras.layers.Activation:
-            if _activation_name(op.activation) is None:
+            if activation_name(op.activation) is None:
                 return f"{op.name}: activation {op.activation!r}"
         elif not (kind.__module__ == _OPS and kind.__name__ in _OP_NAMES):
             return f"{op.name}: no rule for {kind.__name__}"
@@ -139,7 +139,7 @@ def _through_activation(name: str, fn: Any, z: tf.Tensor, tangent: tf.Tensor | N
     y = z if fn is None else fn(z)
     if tangent is None:
         return Dual(y, None)
-    return Dual(y, _scaled(tangent, _DERIVATIVES[name](z, y), z.shape.rank))
+    return Dual(y, _scaled(tangent, DERIVATIVES[name](z, y), z.shape.rank))
 
 
 def _dense(layer: Any, x: Dual) -> Dual:
@@ -154,7 +154,7 @@ def _dense(layer: Any, x: Dual) -> Dual:
         t = x.tangent
         flat = tf.matmul(kernel, tf.reshape(t, (kernel.shape[0], -1)), transpose_a=True)
         tangent = tf.reshape(flat, tf.concat([[kernel.shape[1]], tf.shape(t)[1:]], 0))
-    return _through_activation(_activation_name(layer.activation), layer.activation, z, tangent)
+    return _through_activation(activation_name(layer.activation), layer.activation, z, tangent)
 
 
 def _reshaped(x: Dual, primal: tf.Tensor) -> Dual:
@@ -246,13 +246,13 @@ def _take(op: Any, x: Dual, indices: Any) -> Dual:
 def _apply(op: Any, *args: Any, **kwargs: Any) -> Dual:
     """One op of the model on Duals."""
     kind = type(op)
-    if _is_model(op):
+    if is_model(op):
         return run(op, args[0])
     if kind is keras.layers.Dense:
         return _dense(op, args[0])
     if kind is keras.layers.Activation:
         x = args[0]
-        return _through_activation(_activation_name(op.activation), op.activation, x.primal, x.tangent)
+        return _through_activation(activation_name(op.activation), op.activation, x.primal, x.tangent)
     if kind is keras.layers.Dropout:
         return args[0]
     if kind in (keras.layers.Flatten, keras.layers.Reshape):
@@ -314,131 +314,5 @@ def build_block(
             return y, tf.zeros((n, tf.shape(y)[1], rows), dtype)
         tangent = tf.cast(tf.broadcast_to(out.tangent, tf.concat([tf.shape(out.primal)[1:], [n, rows]], 0)), dtype)
         return y, tf.transpose(tf.reshape(tangent, (-1, n, rows)), (1, 0, 2))
-
-    return tf.function(block, input_signature=signature, jit_compile=jit_compile, autograph=False)
-
-
-# -- reverse mode: cotangent rows pulled back through a chain of layers ----------------------------------
-#
-# pfor vectorises ``batch_jacobian``'s rows loop-first (transposes and a tiled TanhGrad beside every
-# matmul, benchmarks/README.md); here the rows ``(n or 1, c, *features)`` of every sample go back
-# through a Dense layer as one ``(n c, h) @ W^T`` matmul and through its activation as one product, as
-# ``jax.vmap(vjp)`` does. Rows that are the same for every sample (the identity, a fixed matrix) stay
-# ``(1, c, ...)`` until an activation's derivative mixes in a sample's values: the last Dense layer
-# pulls them back as its kernel's columns, without a matmul per sample.
-
-_REVERSE_LAYERS = (keras.layers.Dense, keras.layers.Activation, keras.layers.Dropout, keras.layers.Flatten, keras.layers.Reshape)
-
-
-def reverse_unsupported(model: Any) -> str | None:
-    """Why ``model`` cannot run reverse mode by layer rules (a layer without a reverse rule), or None."""
-    reason = unsupported(model)
-    if reason:
-        return reason
-    for op in _operations(model):
-        kind = type(op)
-        if _is_model(op):
-            reason = reverse_unsupported(op)
-            if reason:
-                return f"{op.name}: {reason}"
-        elif kind is not keras.layers.InputLayer and kind not in _REVERSE_LAYERS:
-            return f"{op.name}: no reverse rule for {kind.__name__}"
-    return None
-
-
-def _chain(model: Any, x: tf.Tensor, pullbacks: list) -> tf.Tensor:
-    """The model's output for ``x``, appending each layer's pullback (rows of ``d out / d in``) to
-    ``pullbacks``; a functional model must be a chain (each layer takes the previous one's output)."""
-    if isinstance(model, keras.Sequential):
-        for layer in model.layers:
-            if type(layer) is not keras.layers.InputLayer:
-                x = _pulled(layer, x, pullbacks)
-        return x
-    last = [x]
-
-    def operation_fn(op):
-        def call(*args, **kwargs):
-            if len(args) != 1 or args[0] is not last[0]:
-                raise NoLayerRule(f"{op.name}: not a chain of layers (reverse rules need one)")
-            last[0] = _pulled(op, args[0], pullbacks)
-            return last[0]
-
-        return call
-
-    return model._run_through_graph([x], operation_fn=operation_fn)
-
-
-def _scale(rows: tf.Tensor, factor: tf.Tensor | None) -> tf.Tensor:
-    return rows if factor is None else rows * tf.expand_dims(factor, 1)  # (n, features) beside each row
-
-
-def _pulled(op: Any, x: tf.Tensor, pullbacks: list) -> tf.Tensor:
-    kind = type(op)
-    if _is_model(op):
-        return _chain(op, x, pullbacks)
-    if kind is keras.layers.Dropout:
-        return x
-    if kind in (keras.layers.Flatten, keras.layers.Reshape):
-        y, features = op(x), tf.shape(x)[1:]
-        pullbacks.append(lambda rows: tf.reshape(rows, tf.concat([tf.shape(rows)[:2], features], 0)))
-        return y
-    name = _activation_name(op.activation)
-    if kind is keras.layers.Activation:
-        y = op.activation(x)
-        derivative = _DERIVATIVES[name](x, y)
-        pullbacks.append(lambda rows: _scale(rows, derivative))
-        return y
-    if x.shape.rank != 2:
-        raise NoLayerRule(f"{op.name}: Dense on inputs of rank {x.shape.rank} (2 has a rule)")
-    kernel = op.kernel
-    z = tf.matmul(x, kernel)
-    if op.bias is not None:
-        z = z + op.bias
-    y = z if op.activation is None else op.activation(z)
-    derivative = _DERIVATIVES[name](z, y)
-
-    def pullback(rows):  # (n or 1, c, out) -> (n or 1, c, in): one matmul for all samples and rows
-        rows = _scale(rows, derivative)
-        lead = tf.shape(rows)[:2]
-        flat = tf.matmul(tf.reshape(rows, (-1, kernel.shape[1])), kernel, transpose_b=True)
-        return tf.reshape(flat, tf.concat([lead, [kernel.shape[0]]], 0))
-
-    pullbacks.append(pullback)
-    return y
-
-
-def build_reverse_block(
-    model: Any,
-    input_shape: tuple[int, ...],
-    rows: int,
-    total: int,
-    dtype: tf.DType,
-    jit_compile: bool,
-    operand: str = "identity",
-) -> Callable:
-    """A compiled reverse block ``block(xs, start, operand) -> (y_flat (n, m), L J (n, rows, d))``, as
-    ``blocks.build_block`` makes for pfor's ``batch_jacobian`` (same arguments and results)."""
-    shape = tuple(input_shape)
-    size = int(np.prod(shape, dtype=np.int64))
-    operand_spec = tf.TensorSpec((None, None), tf.int32 if operand == "index" else dtype)
-    signature = [[tf.TensorSpec((None, *shape), dtype)], tf.TensorSpec((), tf.int32), operand_spec]
-
-    def block(xs, start, given):
-        pullbacks: list = []
-        out = _chain(model, xs[0], pullbacks)
-        n = tf.shape(out)[0]
-        y = tf.reshape(tf.cast(out, dtype), (n, -1))
-        m = tf.shape(y)[1]
-        if operand == "index":
-            cotangent = tf.one_hot(given[:, start : start + rows], m, dtype=out.dtype)  # (n, c, m)
-        elif operand == "matrix":
-            cotangent = tf.cast(given[None, start : start + rows], out.dtype)  # (1, c, m)
-        else:
-            cotangent = tf.one_hot(start + tf.range(rows), m, dtype=out.dtype)[None]
-        cotangent = tf.reshape(cotangent, tf.concat([tf.shape(cotangent)[:2], tf.shape(out)[1:]], 0))
-        for pullback in reversed(pullbacks):
-            cotangent = pullback(cotangent)
-        block = tf.reshape(tf.cast(cotangent, dtype), (-1, rows, size))
-        return y, tf.broadcast_to(block, (n, rows, size))  # (1, ...) where the output is linear in the input
 
     return tf.function(block, input_signature=signature, jit_compile=jit_compile, autograph=False)

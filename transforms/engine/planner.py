@@ -100,7 +100,7 @@ class Planner:
         self._probe_samples = probe_samples
         self._telemetry = telemetry
         self._layer_rules = layer_rules  # every layer of the model has a forward rule (layer_rules.unsupported)
-        self._reverse_layer_rules = reverse_layer_rules  # and a reverse rule (layer_rules.reverse_unsupported)
+        self._reverse_layer_rules = reverse_layer_rules  # and a reverse rule (reverse_layer_rules.reverse_unsupported)
         self.reference: Plan | None = None
 
     def choose(self) -> Plan:
