@@ -9,7 +9,8 @@ the folder.
 
 Run as a program (``main()`` without arguments), the command owns the process: by default it prints
 jacobeam's own lines only (``quiet.py``: native and worker noise filtered; ``-v`` shows everything), and
-Ctrl-C stops it with one line and exit status 130, its worker processes with it.
+Ctrl-C stops it with one line and exit status 130, its worker processes with it (``interrupt.py``). What
+``run`` prints when done is ``summary.py``'s.
 """
 
 from __future__ import annotations
@@ -20,34 +21,17 @@ import json
 import logging
 import os
 import re
-import signal
 import sys
-import threading
-import time
 import traceback
 from pathlib import Path
 
 from jacobeam.pipeline import process_exit, quiet
+from jacobeam.pipeline.interrupt import CtrlC
+from jacobeam.pipeline.summary import run_summary
 from jacobeam.transforms.errors import JacobeamError
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import JACOBIAN, SAMPLE_ID, VIEW, result_datasets
-from jacobeam.transforms.self_check import precision_line
 
 log = logging.getLogger("jacobeam")
-_IMPORTED_AT = time.time()  # the command's first moments, where the process's start time is not known
-
-
-def process_started_at() -> float:
-    """When this process started (``time.time()``'s scale): from ``/proc`` on Linux, else when this module
-    was imported (the ``jacobeam`` command's first import)."""
-    try:
-        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
-            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: ticks after boot
-            since_boot = float(uptime.read().split()[0])
-        started = time.time() - since_boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return _IMPORTED_AT
-    return min(started, _IMPORTED_AT)
 
 # Exit statuses (the epilog of ``jacobeam --help`` lists them). USAGE is kept for what the command line
 # or config must change, so that a script can tell it from a run that failed (FAILED).
@@ -62,6 +46,8 @@ EXIT_STATUSES = """exit status:
   75   busy: another run holds the output folder (retry later, or --wait)
   130  interrupted (Ctrl-C): complete shards are kept, the same command finishes the run
 """
+
+_ctrl_c = CtrlC(INTERRUPTED)
 
 
 class MissingExtra(JacobeamError):
@@ -145,61 +131,6 @@ def _count(text: str) -> int:
     return value
 
 
-def _reads(manifest) -> list[tuple[str, str]]:
-    """The "read it" lines, as (code, comment): each dataset the run stored of the Jacobian (``jacobian``,
-    ``jacobian/<input>`` per input, or what ``reduce`` kept instead) with its shape, then the ids."""
-    rows = min(8, manifest.get("num_rows", manifest["num_samples"]))
-    reads = []
-    for name in result_datasets(manifest["datasets"]):
-        variable = name.replace("/", "_")
-        shape = tuple(rows if dim == "n" else dim for dim in manifest["datasets"][name]["shape"])
-        reads.append((f"{variable if variable.isidentifier() else 'data'} = f[{name!r}][:8]", str(shape)))
-    if not reads:  # a manifest without the list of datasets
-        reads.append((f"jac = f[{JACOBIAN!r}][:8]", "(8, *output_shape, *input_shape)"))
-    return [*reads, (f"ids = f[{SAMPLE_ID!r}][:8]", "their sample ids")]
-
-
-def _summary(result) -> str:
-    manifest, run = result.manifest, result.manifest["run"]
-    out = storage.normalize(manifest["config"]["output"]["path"])
-    view = storage.join(out, VIEW)
-    shapes = ", ".join(
-        f"{name} ({', '.join(str(d) for d in info['shape'])})" for name, info in manifest["datasets"].items()
-    )
-    metrics = ", ".join(f"{k}={v}" for k, v in sorted(result.metrics.items()) if not isinstance(v, dict))
-    rejected, nonfinite = manifest["rejected"], manifest["nonfinite"]["count"]
-    warnings = []
-    if rejected["count"] or rejected["unreadable_files"]:
-        warnings.append(
-            f"rejected: {rejected['count']:,} bad sample(s), {len(rejected['unreadable_files'])} unreadable file(s); "
-            f"listed in {storage.join(out, rejected['file'])}"
-        )
-    if nonfinite:
-        warnings.append(f"nonfinite: {nonfinite:,} sample(s) with NaN/Inf results (the 'nonfinite' dataset flags them)")
-    precision = precision_line(manifest.get("self_check") or {}, manifest["config"]["jacobian"].get("compute_dtype", "float32"))
-    reads = _reads(manifest)
-    width = max(len(code) for code, _ in reads)
-    total = time.time() - process_started_at()
-    rejected_part = f", {rejected['count']:,} rejected" if rejected["count"] else ""
-    rate = f", {run['samples_per_second']:,.0f} samples/s" if run["samples_computed"] and run["samples_per_second"] else ""
-    return "\n".join(
-        [
-            f"done: {manifest['num_samples']:,} samples ({run['samples_computed']:,} computed, "
-            f"{run['samples_kept']:,} already complete{rejected_part}) in {len(manifest['shards'])} shard(s), "
-            f"{total:.1f} s from start (pipeline {run['wall_seconds']:.1f} s{rate})",
-            *warnings,
-            *([f"precision: {precision}"] if precision else []),
-            f"metrics: {metrics}",
-            f"output: {out}",
-            f"  {storage.name_of(view)}: {shapes}",
-            "read it:",
-            "  import h5py",
-            f"  with h5py.File({str(view)!r}) as f:",
-            *(f"      {code:<{width}}  # {comment}" for code, comment in reads),
-        ]
-    )
-
-
 def _run(
     config, beam_args: list[str], quiet: bool, overwrite: bool = False, verify_samples: int = 0,
     accept_library_versions: bool = False, wait: bool = False,
@@ -208,7 +139,7 @@ def _run(
 
     result = runner.run(config, beam_args, show_progress=not quiet, overwrite=overwrite, verify_samples=verify_samples,
                         accept_library_versions=accept_library_versions, planned=_ctrl_c.planned, wait=wait)
-    print(_summary(result))
+    print(run_summary(result))
     if result.verification is not None:
         from jacobeam.pipeline.verify import format_report
 
@@ -331,101 +262,6 @@ def _clean(message: str) -> str:
     return re.sub(r"( \[while running '[^']*'\])+$", "", message.strip())
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (worker processes, the shells Beam starts them through), from /proc or
-    ``ps``."""
-    parents: dict[int, int] = {}
-    if os.path.isdir("/proc"):
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as stat:
-                    fields = stat.read().rsplit(b")", 1)[1].split()
-                parents[int(entry)] = int(fields[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    else:
-        import subprocess
-
-        try:
-            listing = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, timeout=5).stdout
-        except (OSError, subprocess.SubprocessError):
-            return []
-        for line in listing.splitlines():
-            child, _, parent = line.strip().partition(" ")
-            if child.isdigit() and parent.strip().isdigit():
-                parents[int(child)] = int(parent.strip())
-    found, frontier = [], [pid]
-    while frontier:
-        below = [child for child, parent in parents.items() if parent in frontier]
-        found += below
-        frontier = below
-    return found
-
-
-class _CtrlC:
-    """What Ctrl-C does to the command: stop at once, its worker processes with it, and say in one line
-    what is kept. A shard is complete once renamed into place (as after a kill, the next run keeps every
-    complete shard and computes the rest), so nothing needs to wind down."""
-
-    def __init__(self) -> None:
-        self.spec = None
-        self.native: quiet.NativeStderrFilter | None = None
-
-    def planned(self, spec) -> None:
-        self.spec = spec
-
-    def install(self, native: quiet.NativeStderrFilter | None) -> None:
-        self.native, self.spec = native, None
-        signal.signal(signal.SIGINT, self)
-
-    def message(self) -> str:
-        if self.spec is None:
-            return "jacobeam: interrupted"
-        from jacobeam.transforms.output.layout import SHARDS_DIR, shard_name
-
-        expected = {shard_name(r.start, r.stop) for r in self.spec.ranges() if r.rows}
-        try:
-            done = len(expected & set(storage.listdir(storage.join(self.spec.output_dir, SHARDS_DIR))))
-        except Exception:  # the message must come out whatever the folder does
-            return "jacobeam: interrupted; complete shards are kept: run the same command again to finish"
-        return (
-            f"jacobeam: interrupted: {done} of {len(expected)} shards complete and kept; "
-            "run the same command again to finish"
-        )
-
-    def __call__(self, signum, frame) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        logging.disable(logging.CRITICAL)  # Beam's threads would log the failure the interrupt causes
-        threading.excepthook = lambda args: None
-        if self.native is not None:
-            self.native.mute()
-        for pid in _descendants(os.getpid()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        try:  # os._exit below skips every finally: the output folder's lease is released here
-            from jacobeam.transforms.output import lease
-
-            lease.release_held()
-        except Exception:
-            pass
-        fd = self.native.fileno if self.native is not None else 2
-        try:
-            sys.stdout.flush()
-        except Exception:  # inside a write that the signal interrupted
-            pass
-        try:
-            os.write(fd, (("\n" if os.isatty(fd) else "") + self.message() + "\n").encode())
-        finally:
-            os._exit(INTERRUPTED)  # no clean-up: Beam's threads would only print what they were doing
-
-
-_ctrl_c = _CtrlC()
-
-
 def _filesystem_options(folder: str, beam_args: list[str]) -> None:
     """``inspect`` and ``verify``: the arguments after the folder are Beam options for the file systems
     (``--s3_endpoint_url``, ``--s3_region_name``, ``--hdfs_host``, ...), handed to Beam's ``FileSystems``
@@ -448,7 +284,7 @@ def _filesystem_options(folder: str, beam_args: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """The command. ``argv`` None: the process's own command line (``jacobeam ...``, ``python -m
     jacobeam``), and the command owns the process: native stderr filtered unless ``-v``, Ctrl-C handled
-    (see ``_CtrlC``), and the process ends without Python's teardown of TensorFlow once the command has
+    (``interrupt.CtrlC``), and the process ends without Python's teardown of TensorFlow once the command has
     returned (``process_exit``). A list (a test calling the command in its process): the arguments, and
     none of these."""
     status = _main(argv)

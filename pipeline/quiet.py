@@ -18,7 +18,7 @@ Three sources of noise, three remedies:
 - **Local worker processes** (``--direct_running_mode multi_processing``): each imports
   ``jacobeam.pipeline.worker_start`` as it starts (``runner.py`` lists it in ``--beam_plugins``), which
   calls ``start_worker``: the worker's Python logging keeps to jacobeam's records as in the command,
-  and the worker ignores Ctrl-C, which the command handles for all of them (``cli.py``).
+  and the worker ignores Ctrl-C, which the command handles for all of them (``interrupt.py``).
 
 The command tells its workers how to behave in the environment variable ``JACOBEAM_WORKERS``
 (``quiet`` or ``verbose``); without it (a user's own pipeline calling ``runner.run``), ``start_worker``

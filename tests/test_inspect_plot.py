@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from jacobeam.pipeline import cli, config, runner
+from jacobeam.pipeline.summary import run_summary
 from tests import first_hour_models
 
 REPO = Path(__file__).resolve().parent.parent
@@ -343,7 +344,7 @@ def test_inspect_into_a_reader_that_stopped_ends_without_a_traceback(folder, mon
 def test_the_read_it_snippet_reads_what_was_stored(folder, name):
     out = folder(name)
     manifest = json.loads((out / "manifest.json").read_text())
-    summary = cli._summary(runner.RunResult(manifest=manifest, metrics={}))
+    summary = run_summary(runner.RunResult(manifest=manifest, metrics={}))
     snippet = textwrap.dedent(summary.split("read it:\n", 1)[1])
     read: dict = {}
     exec(snippet, read)  # the snippet as printed runs, and reads every dataset it names

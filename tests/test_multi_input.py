@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from jacobeam.pipeline import cli, config, runner
+from jacobeam.pipeline.summary import run_summary
 from jacobeam.pipeline.verify import verify
 from jacobeam.transforms.errors import InputError
 from jacobeam.transforms.inputs.readers import assign_ids, describe, iter_slices, manifest_sources, open_samples
@@ -166,7 +167,7 @@ def test_inspect_verify_and_plot_read_several_inputs(npz_run, tmp_path, capsys):
     from PIL import Image
 
     root, _, manifest = npz_run
-    summary = cli._summary(runner.RunResult(manifest=manifest, metrics={}))  # what `jacobeam run` prints
+    summary = run_summary(runner.RunResult(manifest=manifest, metrics={}))  # what `jacobeam run` prints
     assert "jacobian/image (n, 5, 4, 4, 1)" in summary and "f['jacobian/image'][:8]" in summary
     assert cli.main(["inspect", str(root / "out")]) == 0
     printed = capsys.readouterr().out
