@@ -362,6 +362,7 @@ def test_the_read_it_snippet_reads_what_was_stored(folder, name):
 # --- 5. the time reported covers start-up; engine set-up shows progress ---------------------------------
 
 
+@pytest.mark.slow
 def test_the_reported_time_covers_start_up(tmp_path):
     """The model sleeps in its first construction, which ``jacobeam run`` does while planning (the model
     check), before the pipeline starts: the time reported must include it."""

@@ -89,6 +89,7 @@ def job(tmp_path_factory):
     return root, done
 
 
+@pytest.mark.slow
 def test_a_run_prints_jacobeam_lines_only(job):
     root, done = job
     assert done.returncode == 0, done.stderr
@@ -107,6 +108,7 @@ def test_two_worker_processes_print_jacobeam_lines_only(job, tmp_path):
     assert _checksums(tmp_path / "out") == _checksums(root / "out")
 
 
+@pytest.mark.slow
 def test_verbose_shows_the_libraries_but_no_type_hint_conversions(job, tmp_path):
     root, _ = job
     verbose = _jacobeam("-v", "run", str(root / "config.yaml"), "--set", f"output.path={tmp_path / 'out'}", cwd=root)
@@ -180,6 +182,7 @@ def _finish(root: Path, out: Path, beam_args: list[str], reference: list[str]) -
     assert {name: (out / "shards" / name).stat().st_mtime_ns for name in before} == before  # kept, not rewritten
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_one_line_and_the_same_command_finishes(job, tmp_path):
     root, done = job
     _interrupt(root, tmp_path / "out", [], whole_group=False)
