@@ -42,18 +42,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from benchmarks import target_inputs
 from benchmarks.measure import interleaved, seconds
+from benchmarks.target_inputs import BATCH, SALIENCY_SHAPE
 
 REPO = Path(__file__).resolve().parent.parent
 DENSE = ("mlp", "wide", "cnn", "flow")
 SALIENCY = ("resnet50", "mobilenet_v2")
 SALIENCY_BATCH = 8
-SALIENCY_SHAPE = (224, 224, 3)
-BATCH = 256
 
 
 @dataclass
@@ -76,88 +75,17 @@ class Result:
 # -- measurements (each runs inside its own process) ------------------------------------------------
 
 
-def _rate(call: Callable[[], None], samples: int) -> Callable[[], float]:
-    def timed() -> float:
-        began = time.perf_counter()
-        call()
-        return samples / (time.perf_counter() - began)
-
-    return timed
-
-
-def _factory(workload: str) -> str:
-    """The workload's ``model.factory``."""
-    from benchmarks.workloads import WORKLOADS
-
-    return WORKLOADS[workload].factory if workload in WORKLOADS else f"benchmarks.workloads:{workload}"
-
-
-def _inputs(workload: str, samples: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """Standard normal samples from seed 1 (labels too, for the saliency models)."""
-    from benchmarks.workloads import WORKLOADS, inputs
-
-    if workload in WORKLOADS:
-        return inputs(WORKLOADS[workload], samples), None
-    rng = np.random.default_rng(1)
-    return rng.standard_normal((samples, *SALIENCY_SHAPE), dtype=np.float32), rng.integers(0, 1000, size=samples)
-
-
-def _config(workload: str, glob: str, out: Path) -> Any:
-    from benchmarks.workloads import WORKLOADS
-    from jacobeam.pipeline import config
-
-    if workload in WORKLOADS:
-        raw = {
-            "model": {"factory": _factory(workload)},
-            "input": {"paths": [glob]},
-            "jacobian": {"batch_size": BATCH},
-            "output": {"path": str(out)},
-        }
-    else:
-        raw = {
-            "model": {"factory": _factory(workload)},
-            "input": {"paths": [glob], "key": "x"},
-            # Every other key at its default: the self-check on (on_mismatch: fail), batch_size 256.
-            "jacobian": {"outputs": "label", "labels": {"key": "labels"}, "reduce": "sum_abs_over_channels"},
-            "output": {"path": str(out)},
-        }
-    return config.validate(raw)
-
-
-def _write(x: np.ndarray, labels: np.ndarray | None, folder: Path) -> str:
-    folder.mkdir(parents=True, exist_ok=True)
-    if labels is None:
-        np.save(folder / "x.npy", x)
-        return str(folder / "*.npy")
-    np.savez(folder / "x.npz", x=x, labels=labels)
-    return str(folder / "*.npz")
-
-
-def _hand_written(workload: str) -> Callable[[np.ndarray, np.ndarray | None], None]:
-    """The in-memory loop's per-batch call, computing only what the run stores."""
-    import tensorflow as tf
-
-    from benchmarks.rows import build, row_specs
-    from benchmarks.workloads import APPLICATIONS, WORKLOADS
-
-    if workload in WORKLOADS:
-        (spec,) = [s for s in row_specs([], None, {}) if s.id == "tf_batch_jacobian"]
-        row = build(spec, WORKLOADS[workload])
-        return lambda x, labels: row.jacobians(x)
-    from benchmarks.saliency import hand_written_saliency
-
-    saliency = hand_written_saliency(APPLICATIONS[workload]())
-    return lambda x, labels: saliency(tf.constant(x), tf.constant(labels, tf.int64)).numpy()
-
-
 def end_to_end(workload: str, samples: int, repeats: int) -> list[Result]:
     from jacobeam.pipeline import runner
 
     batch = SALIENCY_BATCH if workload in SALIENCY else BATCH
-    x, labels = _inputs(workload, 2 * samples)
+    x, labels = target_inputs.samples_of(workload, 2 * samples)
     hand_samples = min(samples, 2048)  # the loop's rate is steady; W3's batch_jacobian is slow
     with tempfile.TemporaryDirectory(prefix="jacobeam-targets-") as temp:
-        globs = {n: _write(x[:n], None if labels is None else labels[:n], Path(temp) / f"in-{n}") for n in (samples, 2 * samples)}
+        globs = {
+            n: target_inputs.write_inputs(x[:n], None if labels is None else labels[:n], Path(temp) / f"in-{n}")
+            for n in (samples, 2 * samples)
+        }
         loops: list[Callable] = []  # built after the first pipeline run, which sets TensorFlow's threads
 
         def pipeline(n: int) -> Callable[[], float]:
@@ -165,20 +93,20 @@ def end_to_end(workload: str, samples: int, repeats: int) -> list[Result]:
                 out = Path(temp) / "out"
                 shutil.rmtree(out, ignore_errors=True)
                 began = time.perf_counter()
-                runner.run(_config(workload, globs[n], out), [], show_progress=False)
+                runner.run(target_inputs.run_config(workload, globs[n], out), [], show_progress=False)
                 return time.perf_counter() - began
 
             return run
 
         def in_memory() -> None:
             if not loops:
-                loops.append(_hand_written(workload))
+                loops.append(target_inputs.hand_written(workload))
                 loops[0](x[:batch], None if labels is None else labels[:batch])  # tracing
             loop = loops[0]
             for lo in range(0, hand_samples, batch):
                 loop(x[lo : lo + batch], None if labels is None else labels[lo : lo + batch])
 
-        calls = {"N": pipeline(samples), "2N": pipeline(2 * samples), "loop": _rate(in_memory, hand_samples)}
+        calls = {"N": pipeline(samples), "2N": pipeline(2 * samples), "loop": target_inputs.rate(in_memory, hand_samples)}
         interleaved(calls, 1)  # warm-up: imports, tracing, first-touch memory
         found = interleaved(calls, repeats)
     marginal = [samples / (two - one) for one, two in zip(found["N"], found["2N"])]
@@ -224,12 +152,12 @@ def setup(workload: str, repeats: int) -> list[Result]:
     from jacobeam.transforms.engine.models import load
 
     batch = SALIENCY_BATCH if workload in SALIENCY else BATCH
-    x, labels = _inputs(workload, batch)
+    x, labels = target_inputs.samples_of(workload, batch)
     began = time.perf_counter()
-    model = load(factory=_factory(workload))
+    model = load(factory=target_inputs.factory(workload))
     shape = WORKLOADS[workload].input_shape if workload in WORKLOADS else SALIENCY_SHAPE
     loaded = time.perf_counter()
-    options = _config(workload, "unused", Path("unused")).jacobian.engine_options()
+    options = target_inputs.run_config(workload, "unused", Path("unused")).jacobian.engine_options()
     engine = JacobianEngine(model, shape, options)
     built = time.perf_counter()
     call = (lambda: engine(x)) if labels is None else (lambda: engine(x, labels))
@@ -238,7 +166,7 @@ def setup(workload: str, repeats: int) -> list[Result]:
     steady = statistics.median(seconds(call) for _ in range(repeats))
     set_up = built - loaded + max(0.0, first - steady)
     # The floor any first call pays: the hand-written function's tracing (its first call over a steady one).
-    loop = _hand_written(workload)
+    loop = target_inputs.hand_written(workload)
     hand_first = seconds(lambda: loop(x, labels))
     hand_steady = statistics.median(seconds(lambda: loop(x, labels)) for _ in range(repeats))
     detail = (
