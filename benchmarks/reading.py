@@ -18,16 +18,16 @@ from pathlib import Path
 
 
 def measure(samples: int, repeats: int) -> dict[str, float]:
-    from benchmarks import targets
+    from benchmarks import target_inputs
     from jacobeam.pipeline import plan
     from jacobeam.transforms.engine.threads import configure_tf_threads
     from jacobeam.transforms.read import shard_batches
 
     configure_tf_threads(2)
-    x, _ = targets._inputs("mlp", samples)
+    x, _ = target_inputs.samples_of("mlp", samples)
     with tempfile.TemporaryDirectory(prefix="jacobeam-reading-") as temp:
-        glob = targets._write(x, None, Path(temp) / "in")
-        spec = plan.make_job(targets._config("mlp", glob, Path(temp) / "out"), check_model=False).spec
+        glob = target_inputs.write_inputs(x, None, Path(temp) / "in")
+        spec = plan.make_job(target_inputs.run_config("mlp", glob, Path(temp) / "out"), check_model=False).spec
         found: dict[str, list[float]] = {"wall": [], "thread": [], "process": []}
         for repeat in range(repeats + 1):
             began, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
