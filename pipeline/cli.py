@@ -307,7 +307,7 @@ def _main(argv: list[str] | None) -> int:
         _ctrl_c.install(native)
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO,
-        handlers=[quiet.jacobeam_handler(sys.stderr, args.verbose)],
+        handlers=[quiet.jacobeam_handler(None, args.verbose)],
         force=True,  # Beam logs while it is imported, which would otherwise fix the root config first
     )
     if args.command in ("inspect", "verify"):

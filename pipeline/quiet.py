@@ -67,10 +67,26 @@ def is_jacobeam(record: logging.LogRecord) -> bool:
     return record.name == "jacobeam" or record.name.startswith("jacobeam.")
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is when a record is emitted, like logging's last resort: ``cli.main``
+    called in a process (a notebook, a test) must not keep a stream that its caller later closes."""
+
+    def __init__(self):
+        super().__init__(None)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
 def jacobeam_handler(stream, verbose: bool) -> logging.Handler:
     """The log handler of the command and its workers: jacobeam's format; without ``verbose``, only the
-    ``jacobeam`` loggers' records."""
-    handler = logging.StreamHandler(stream)
+    ``jacobeam`` loggers' records. ``stream=None``: the process's ``sys.stderr`` of the moment."""
+    handler = _CurrentStderr() if stream is None else logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter(FORMAT, datefmt=DATEFMT))
     if not verbose:
         handler.addFilter(is_jacobeam)

@@ -306,6 +306,22 @@ def test_unknown_beam_options_pass_after_double_dash_or_when_allowed(tmp_path, c
         assert "missing.yaml" in err and "--my_runner_option" not in err
 
 
+def test_cli_main_in_a_process_logs_to_the_stderr_of_the_moment(tmp_path, monkeypatch):
+    """``cli.main`` called in a process (a notebook, a test) sets the root logger up; a stream the caller
+    later closes must not stay in it, or every later log line is a ``--- Logging error ---`` traceback."""
+    import io
+    import logging
+
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    assert cli.main(["run", str(tmp_path / "missing.yaml")]) == cli.USAGE
+    first.close()
+    later = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", later)
+    logging.getLogger("jacobeam.test").info("after the caller closed its stream")
+    assert later.getvalue().endswith("after the caller closed its stream\n"), later.getvalue()
+
+
 def test_a_config_to_fix_exits_2_and_a_run_that_fails_exits_1(tmp_path, capsys):
     (tmp_path / "data").mkdir()
     samples = np.zeros((4, 784), np.float32)
