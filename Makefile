@@ -17,9 +17,10 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(BIN)/jacobeam demo
 
-# Two pytest-xdist processes, one group of tests each at a time (tests/conftest.py); WORKERS=0 runs in one.
+# Two pytest-xdist processes, one test file each at a time, longest first (tests/conftest.py); WORKERS=0
+# runs in one.
 WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(VENV)/.installed
 	$(PYTEST)

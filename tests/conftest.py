@@ -15,19 +15,20 @@ def rng():
 # runner.run passes it on to worker processes in --beam_plugins.
 import tests.remote_fs  # noqa: E402,F401
 
-# `make test` runs on two pytest-xdist processes with `--dist loadgroup`: each test file is one group
-# (so its module-scoped fixtures are built once), except where a test gives its own `xdist_group`
-# (one per architecture in test_real_architectures.py). The longest groups go first, so that the two
-# processes finish together instead of one starting the longest file last.
-LONGEST_FIRST = ("test_real_architectures", "test_differential", "test_faults", "test_s3", "test_readme")
+# `make test` runs on two pytest-xdist processes with `--dist loadfile --no-loadscope-reorder`: each
+# test file goes to one process (so its module-scoped fixtures are built once), in the order collected
+# here, the longest files first, so that the two processes finish together instead of one starting the
+# longest file last. (Not `--dist loadgroup`: with pytest 9.2 it no longer groups, pytest-xdist#1386.)
+LONGEST_FIRST = (
+    "test_real_architectures", "test_s3", "test_faults", "test_differential", "test_terminal", "test_readme", "test_dask",
+    "test_workers", "test_remote", "test_lease", "test_benchmarks",
+    # then the longest of `make test-fast`
+    "test_engine_modes", "test_inspect_plot", "test_layer_rules", "test_multi_input", "test_bad_data", "test_resume",
+    "test_more_inputs", "test_self_check", "test_store", "test_verify", "test_pipeline", "test_engine",
+)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
     def rank(item):
         name = item.module.__name__.rsplit(".", 1)[-1]
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)

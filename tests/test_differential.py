@@ -5,7 +5,7 @@ Profiles (environment variable ``JACOBEAM_HYPOTHESIS_PROFILE``):
 
 - ``ci`` (the default, ``make test``): derandomized, 60 engine examples and 6 runs, about two minutes on
   two cores;
-- ``fast`` (``make test-fast``): the same seed, 15 engine examples and 2 runs;
+- ``fast`` (``make test-fast``): the same seed, 10 engine examples and 2 runs;
 - ``deep``: thousands of random examples (about an hour), e.g.
   ``JACOBEAM_HYPOTHESIS_PROFILE=deep .venv/bin/python -m pytest -q tests/test_differential.py``;
   ``JACOBEAM_HYPOTHESIS_EXAMPLES=N`` sets the engine test's number of examples in either profile.
@@ -61,8 +61,8 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     print_blob=True,
 )
-# The edit loop's profile (``make test-fast``): the same fixed seed, a quarter of the examples.
-settings.register_profile("jacobeam-fast", settings.get_profile("jacobeam-ci"), max_examples=15)
+# The edit loop's profile (``make test-fast``): the same fixed seed, a sixth of the examples.
+settings.register_profile("jacobeam-fast", settings.get_profile("jacobeam-ci"), max_examples=10)
 PROFILE = os.environ.get("JACOBEAM_HYPOTHESIS_PROFILE", "ci")
 if PROFILE not in ("fast", "ci", "deep"):
     raise ValueError(f"JACOBEAM_HYPOTHESIS_PROFILE: expected fast, ci or deep, got {PROFILE!r}")

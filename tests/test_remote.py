@@ -3,8 +3,10 @@ uploads, rename as copy + delete, no folders, no local paths). Every result is c
 the same job, bit for bit, and with the per-sample tape reference. ``tests/test_s3.py`` runs the same kind of
 jobs on Beam's own S3 file system against a local S3 server; ``tests/remote_fs.py`` says why this fake stays."""
 
+import copy
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import google_crc32c
@@ -70,12 +72,26 @@ def test_the_test_file_system_refuses_what_gcs_refuses(store):
             h5["a"] = np.zeros(10)
 
 
+@pytest.fixture(scope="module")
+def _runs_once(tmp_path_factory):
+    """The job of ``_jobs`` run once per module, into a local folder and into its own backing store."""
+    root = tmp_path_factory.mktemp("remote")
+    (root / "store").mkdir()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv(remote_fs.ROOT_ENV, str(root / "store"))
+        samples, local_cfg, _ = _jobs(root)
+        local, remote = run(local_cfg), run(job_config("fakegcs://bucket/data/*.npy", OUT))
+    return root, samples, local, remote
+
+
 @pytest.fixture
-def remote_and_local(tmp_path, store):
-    samples, local_cfg, remote_cfg = _jobs(tmp_path)
-    local = run(local_cfg)
-    remote = run(remote_cfg)
-    return tmp_path, samples, local, remote, remote_cfg
+def remote_and_local(tmp_path, store, _runs_once):
+    """A copy of ``_runs_once``'s folders for one test to change: the store's objects and the local folder."""
+    root, samples, local, remote = _runs_once
+    shutil.copytree(root / "store", store, dirs_exist_ok=True)
+    shutil.copytree(root / "local", tmp_path / "local")
+    remote_cfg = job_config("fakegcs://bucket/data/*.npy", OUT)
+    return tmp_path, samples, copy.deepcopy(local), copy.deepcopy(remote), remote_cfg
 
 
 def test_remote_output_equals_a_local_run_bit_for_bit(remote_and_local):
@@ -205,7 +221,7 @@ def test_remote_output_through_the_standalone_job_service(tmp_path, store):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("point", ["shard_commit:2", "shard_renamed:1", "shard_renamed:3", "view", "manifest"])
-def test_a_run_killed_while_writing_a_remote_folder_resumes_to_the_same_output(tmp_path, store, point):
+def test_a_run_killed_while_writing_a_remote_folder_resumes_to_the_same_output(tmp_path, store, point, _runs_once):
     """SIGKILL of a run writing fakegcs:// (between copy and rename, between rename and sidecar, while
     finalizing), then the same command again: every shard byte for byte that of an uninterrupted run,
     and nothing temporary left."""
@@ -216,8 +232,9 @@ def test_a_run_killed_while_writing_a_remote_folder_resumes_to_the_same_output(t
 
     from jacobeam.transforms.testing import faults
 
-    _, clean_cfg, _ = _jobs(tmp_path)
-    clean = run(clean_cfg)
+    root, _, clean, _ = _runs_once  # the inputs and an uninterrupted run's local folder
+    shutil.copytree(root / "store" / "bucket" / "data", remote_fs.local_path("fakegcs://bucket/data"))
+    shutil.copytree(root / "local", tmp_path / "local")
     config = tmp_path / "remote.yaml"
     config.write_text(json.dumps({
         "model": {"factory": "tests.models:small_cnn"},
