@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 import yaml
 
@@ -60,7 +61,16 @@ def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
     with h5py.File(copy / "out" / "mnist_cnn" / "jacobians.h5") as f:
         assert f["jacobian"].shape == (1000, 10, 28, 28, 1) and f["output"].shape == (1000, 10)
     with h5py.File(copy / "out" / "saliency" / "jacobians.h5") as f:
-        assert f["saliency"].shape[0] == 1000
+        assert f["saliency"].shape == (1000, 1, 28, 28)
+        saliency = f["saliency"][:, 0]
+    # The trained stand-in's maps lie on the bars (an untrained one's spread over the whole image: about
+    # a tenth of the mass near the bar, the area's share).
+    images = np.load(copy / "data" / "mnist" / "digits.npy")[..., 0]
+    near = np.zeros(images.shape, bool)
+    for i, image in enumerate(images):
+        row, col = np.argwhere(image > 0).min(axis=0)
+        near[i, max(row - 2, 0) : row + 10, max(col - 2, 0) : col + 5] = True
+    assert np.median((saliency * near).sum(axis=(1, 2)) / saliency.sum(axis=(1, 2))) > 0.9
     assert (copy / "saliency.png").stat().st_size > 0
     with h5py.File(copy / "out" / "own" / "jacobians.h5") as f:
         assert f["jacobian"].shape == (1000, 10, 28, 28, 1)
