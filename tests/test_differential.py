@@ -1,5 +1,6 @@
 """Property-based differential tests: drawn configurations of the engine, and of ``jacobeam run``, against
-an independent float64 reference (``tests/differential.py`` says how the reference is made and judged).
+an independent float64 reference (``tests/differential_models.py`` says how the reference is made,
+``tests/differential_expected.py`` how it is judged).
 
 Profiles (environment variable ``JACOBEAM_HYPOTHESIS_PROFILE``):
 
@@ -38,6 +39,8 @@ from jacobeam.transforms.engine.models import wrap_model
 from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.spec import OutputSelection
 from tests import differential as diff
+from tests import differential_expected as expect
+from tests import differential_models as subjects
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -103,7 +106,7 @@ def _bucket(ratio: float) -> str:
 def check_engine_case(case: diff.Case, folder: Path) -> None:
     """Build the engine for ``case`` (injecting an out-of-memory error if drawn), make its calls, and
     compare every dataset with the reference."""
-    s = diff.subject(case.model)
+    s = subjects.subject(case.model)
     options = diff.engine_options(case, s, folder)
     must, may = diff.refusals(case)
     injector = diff.OOMInjector()
@@ -131,9 +134,9 @@ def check_engine_case(case: diff.Case, folder: Path) -> None:
             return
         index = datasets.get("output_index")
         if case.outputs.rule != "all":
-            problems = diff.check_selection(case, s, start, index)
+            problems = expect.check_selection(case, s, start, index)
             assert not problems, f"call ({start}, {n}): " + "; ".join(problems)
-        verdict = diff.compare(datasets, diff.expected(case, s, start, n, index), case, s, start)
+        verdict = expect.compare(datasets, expect.expected(case, s, start, n, index), case, s, start)
         assert not verdict.problems, f"call ({start}, {n}), engine {_described(engine)}:\n" + "\n".join(verdict.problems)
         worst = max(worst, verdict.worst)
         kink_samples |= verdict.kink_samples
@@ -204,7 +207,7 @@ def run_cases(draw) -> RunCase:
     case = dataclasses.replace(case, calls=((0, n),), **{key: DEFAULTS[key] for key in omitted})
     cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=2))) if n > 1 else []
     files = tuple(np.diff([0, *cuts, n]).tolist())
-    several = len(diff.MODELS[case.model].inputs) > 1
+    several = len(subjects.MODELS[case.model].inputs) > 1
     choices = [".npz", ".h5"] if several or case.outputs.rule == "label" else [".npy", ".npz", ".h5"]
     return RunCase(
         case=case,
@@ -219,7 +222,7 @@ def run_cases(draw) -> RunCase:
 def write_inputs(run: RunCase, folder: Path) -> dict:
     """Input files holding the pool's first samples in id order (and labels), and the ``input`` section:
     arrays are named after the model's inputs (``x`` for a one-input model), labels ``labels``."""
-    s = diff.subject(run.case.model)
+    s = subjects.subject(run.case.model)
     folder.mkdir(parents=True)
     start = 0
     for number, count in enumerate(run.files):
@@ -249,7 +252,7 @@ def _byte_size(size: int) -> int | str:
 
 def run_config(run: RunCase, root: Path) -> dict:
     """The YAML config of a run case: only the keys not left at their defaults."""
-    case, s = run.case, diff.subject(run.case.model)
+    case, s = run.case, subjects.subject(run.case.model)
     jacobian: dict = {}
     values = {
         "batch_size": case.batch_size, "mode": case.mode, "jit_compile": case.jit_compile,
@@ -276,7 +279,7 @@ def run_config(run: RunCase, root: Path) -> dict:
     if run.compression is not None:
         output["compression"] = run.compression
     config = {
-        "model": {"factory": f"tests.models:{diff.MODELS[case.model].build.__name__}"},
+        "model": {"factory": f"tests.models:{subjects.MODELS[case.model].build.__name__}"},
         "input": write_inputs(run, root / "inputs"),
         "output": output,
     }
@@ -287,7 +290,7 @@ def run_config(run: RunCase, root: Path) -> dict:
 
 def check_run_output(run: RunCase, out: Path) -> None:
     """Every dataset of ``jacobians.h5`` against the reference; ids in order, nothing non-finite."""
-    case, s = run.case, diff.subject(run.case.model)
+    case, s = run.case, subjects.subject(run.case.model)
     n = case.calls[0][1]
     with h5py.File(out / "jacobians.h5") as view:
         datasets = {}
@@ -296,9 +299,9 @@ def check_run_output(run: RunCase, out: Path) -> None:
     assert not datasets.pop("nonfinite").any()
     index = datasets.get("output_index")
     if case.outputs.rule != "all":
-        problems = diff.check_selection(case, s, 0, index)
+        problems = expect.check_selection(case, s, 0, index)
         assert not problems, "; ".join(problems)
-    verdict = diff.compare(datasets, diff.expected(case, s, 0, n, index), case, s, 0, from_hdf5=True)
+    verdict = expect.compare(datasets, expect.expected(case, s, 0, n, index), case, s, 0, from_hdf5=True)
     assert not verdict.problems, "\n".join(verdict.problems)
 
 
