@@ -1,10 +1,7 @@
-"""Engine modes, XLA, memory budget, multi-input models and guards, each against an independent reference."""
+"""Engine modes and multi-input models, and the checks that keep a path only where it agrees with the
+reference, each against an independent reference. XLA: ``test_engine_xla.py``; memory budget and
+out-of-memory retries: ``test_engine_memory.py``."""
 
-import dataclasses
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import keras
 import ml_dtypes
@@ -20,18 +17,9 @@ from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.output.layout import ENGINE_PLAN
 from jacobeam.transforms.spec import EngineOptions, ModelSource, OutputSelection
 from tests import models as test_models
+from tests.engines import engine as _engine
+from tests.engines import samples as _samples
 from tests.reference import assert_close, central_differences, tape_loop
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _engine(model, wrap_block=None, **options):
-    options.setdefault("batch_size", 8)
-    return JacobianEngine(wrap_model(model, model.name), model.input_shape[1:], EngineOptions(**options), wrap_block=wrap_block)
-
-
-def _samples(model, n, seed=0):
-    return np.random.default_rng(seed).normal(size=(n, *model.input_shape[1:])).astype(np.float32)
 
 
 @pytest.mark.parametrize("mode", ["reverse", "reverse_loop", "forward"])
@@ -209,206 +197,6 @@ def test_pfor_fallback_is_reported_and_forward_without_a_rule_fails_over():
         _engine(model, mode="forward")
 
 
-def test_xla_failure_falls_back_under_auto_and_is_an_error_when_required():
-    model = test_models.not_xla_compilable()
-    x = _samples(model, 6)
-    engine = _engine(model, jit_compile="auto")
-    described = engine.describe()
-    assert described["jit_compile"] is False
-    assert any("XLA failed" in reason for reason in described["reasons"])
-    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
-    with pytest.raises(ModelError, match=r"XLA compilation failed \(jit_compile: true\)"):
-        _engine(model, jit_compile=True)
-
-
-class _Slowed:
-    """A compiled block that takes ``seconds`` longer per call: to decide which path the timing picks."""
-
-    def __init__(self, fn, seconds):
-        self._fn, self._seconds = fn, seconds
-
-    def __call__(self, *args):
-        time.sleep(self._seconds)
-        return self._fn(*args)
-
-    def experimental_get_tracing_count(self):
-        return self._fn.experimental_get_tracing_count()
-
-
-@pytest.mark.parametrize("slow", [False, True], ids=["plain-slower", "xla-slower"])
-def test_auto_keeps_the_faster_of_xla_and_the_plain_graph(monkeypatch, slow):
-    model = test_models.small_mlp()
-    real = strategies.build_block
-
-    def slowed(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs):
-        fn = real(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs)
-        return _Slowed(fn, 0.05) if jit_compile == slow else fn
-
-    monkeypatch.setattr("jacobeam.transforms.engine.blocks.build_block", slowed)
-    # The plain graph and XLA of pfor's path only: reverse layer rules (never slowed) would win the timing.
-    monkeypatch.setattr("jacobeam.transforms.engine.reverse_layer_rules.reverse_unsupported", lambda model: "switched off")
-    engine = _engine(model, jit_compile="auto")
-    described = engine.describe()
-    assert described["jit_compile"] is not slow
-    timed = {c["path"]: c["seconds_per_sample"] for c in described["candidates"]}
-    assert set(timed) == {"reverse", "reverse + XLA"}
-    assert (timed["reverse + XLA"] > timed["reverse"]) is slow
-    assert any(reason.startswith("timed on a full batch: reverse ") for reason in described["reasons"])
-    x = _samples(model, 3)
-    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
-
-
-def test_xla_that_disagrees_is_rejected_under_auto_however_fast(monkeypatch):
-    model = test_models.small_mlp()
-    real = strategies.build_block
-
-    def wrong_under_xla(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs):
-        fn = real(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs)
-        if not jit_compile:
-            return _Slowed(fn, 0.05)
-        return tf.function(lambda *args: (lambda y, block: (y, block * 1.01))(*fn(*args)))
-
-    monkeypatch.setattr("jacobeam.transforms.engine.blocks.build_block", wrong_under_xla)
-    engine = _engine(model, jit_compile="auto")
-    assert engine.describe()["jit_compile"] is False
-    assert any("disagrees" in reason for reason in engine.describe()["reasons"])
-    x = _samples(model, 3)
-    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
-
-
-def test_required_xla_is_checked_against_the_plain_graph_and_refused_when_it_disagrees(monkeypatch):
-    """``jit_compile: true`` runs XLA only, but never unchecked: TensorFlow's forward mode through
-    max-pooling under XLA gives wrong Jacobians (W2: relative error 0.13)."""
-    model = test_models.small_mlp()
-    engine = _engine(model, jit_compile=True)
-    described = engine.describe()
-    assert described["jit_compile"] is True
-    assert {"path": "reverse", "reference_only": True} in described["candidates"]
-    assert next(c for c in described["candidates"] if c["path"] == "reverse + XLA")["relative_error"] < 1e-5
-
-    real = strategies.build_block
-
-    def wrong_under_xla(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs):
-        fn = real(mode, call, shapes, wrt, rows, total, dtype, jit_compile, **kwargs)
-        if not jit_compile:
-            return fn
-        return tf.function(lambda *args: (lambda y, block: (y, block * 1.01))(*fn(*args)))
-
-    monkeypatch.setattr("jacobeam.transforms.engine.blocks.build_block", wrong_under_xla)
-    with pytest.raises(ModelError, match=r"reverse \+ XLA disagrees with the reference .*use jit_compile auto or false"):
-        _engine(model, mode="reverse", jit_compile=True)
-
-
-@pytest.mark.parametrize("mode", ["reverse", "forward"])
-def test_small_budget_forces_blocks_and_smaller_batches(mode):
-    model = test_models.small_cnn()  # 64 inputs, 3 outputs
-    x = _samples(model, 10)
-    engine = _engine(model, mode=mode, memory_budget=6_000)
-    described = engine.describe()
-    extent = 64 if mode == "forward" else 3
-    assert described["batch_size"] < 8 and described["block_rows"]["x"] < extent
-    assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
-    assert engine.describe()["retraces_after_setup"] == 0
-
-
-class _OutOfMemory:
-    """A ``wrap_block`` that raises TensorFlow's out-of-memory error on chosen block calls (counted from
-    1 over every block of the engine, once ``armed``), and records each call's sample count and rows."""
-
-    def __init__(self, fail_calls=(), always=False):
-        self.fail_calls, self.always, self.armed = set(fail_calls), always, False
-        self.calls = []
-
-    def __call__(self, fn):
-        def run(xs, start, given):
-            if self.armed:
-                self.calls.append(int(xs[0].shape[0]))
-                if self.always or len(self.calls) in self.fail_calls:
-                    raise tf.errors.ResourceExhaustedError(None, None, "injected OOM")
-            return fn(xs, start, given)
-
-        return run
-
-
-def _plan_sizes(engine, batch, rows):
-    """Set an engine's plan to ``batch`` samples per sub-batch and ``rows`` rows per block, without the
-    first batch's check against the reference path (its block calls would count among the plan's)."""
-    from jacobeam.transforms.engine.budget import Sizes
-
-    plan = engine._plan
-    engine._plan = dataclasses.replace(plan, sizes=Sizes(batch, tuple((k, rows) for k, _ in plan.sizes.rows)))
-    engine._reference = None
-
-
-def test_out_of_memory_is_retried_with_smaller_blocks():
-    model = test_models.small_cnn()
-    x = _samples(model, 7)
-    oom = _OutOfMemory(fail_calls=[1])
-    engine = _engine(model, mode="reverse", wrap_block=oom)
-    oom.armed = True
-    result = engine(x)
-    described = engine.describe()
-    assert described["oom_retries"] == 1 and described["block_rows"]["x"] == 1
-    assert_close(result["jacobian"], tape_loop(model, x), rtol=1e-5)
-
-
-def test_out_of_memory_part_way_recomputes_every_incomplete_sample():
-    """The issue's reproduction: 16 samples, 8 per sub-batch, 1 row per block, an OOM on the first block
-    call. The retry halved the batch while the loop's step stayed 8, and samples 12-15 came back as
-    uninitialised memory with no error."""
-    model = test_models.small_mlp()
-    x = _samples(model, 16)
-    expected = tape_loop(model, x)
-    for fail_at in (1, 2, 5, 7):  # the first call; a later row of the first sub-batch; the second sub-batch
-        oom = _OutOfMemory(fail_calls=[fail_at])
-        engine = _engine(model, mode="reverse", batch_size=8, wrap_block=oom)
-        _plan_sizes(engine, batch=8, rows=1)
-        oom.armed = True
-        result = engine(x)
-        assert engine.describe()["oom_retries"] == 1
-        assert np.isfinite(result["jacobian"]).all()
-        assert_close(result["jacobian"], expected, rtol=1e-5)
-        assert_close(result["output"], model(x).numpy(), rtol=1e-6)
-
-
-def test_out_of_memory_retries_use_the_smaller_batch_for_every_remaining_sample():
-    model = test_models.small_mlp()
-    x = _samples(model, 16)
-    oom = _OutOfMemory(fail_calls=[1, 2])
-    engine = _engine(model, mode="reverse", batch_size=8, wrap_block=oom)
-    _plan_sizes(engine, batch=8, rows=1)
-    oom.armed = True
-    result = engine(x)
-    # Two failures at one row per block: the batch halves twice; every later call has 2 samples.
-    assert oom.calls[:2] == [8, 4] and set(oom.calls[2:]) == {2}
-    assert engine.batch_size == 2 and engine.describe()["oom_retries"] == 2
-    assert_close(result["jacobian"], tape_loop(model, x), rtol=1e-5)
-
-
-def test_persistent_out_of_memory_is_a_clear_error():
-    model = test_models.small_mlp()
-    oom = _OutOfMemory(always=True)
-    engine = _engine(model, mode="reverse", batch_size=4, wrap_block=oom, memory_budget=10**9)
-    oom.armed = True
-    with pytest.raises(ModelError, match=r"\w+: out of memory even for one sample and one row per block "
-                                         r"\(samples x rows per block tried: 4 x \{'x': 5\}, .*1 x \{'x': 1\}; "
-                                         r"memory_budget 1,000,000,000 bytes\)"):
-        engine(_samples(model, 6))
-
-
-def test_an_error_of_jacobeams_own_code_surfaces_instead_of_a_fallback(monkeypatch):
-    """Falling back to another path is for what TensorFlow cannot run; a TypeError raised by jacobeam's
-    own code is a bug. (The function is compiled under the engine's file name: raised by jacobeam.)"""
-    from jacobeam.transforms.engine import operands
-
-    namespace = {}
-    code = "def select(self, n, y, labels):\n    raise TypeError('a bug in jacobeam')\n"
-    exec(compile(code, operands.__file__, "exec"), namespace)
-    monkeypatch.setattr(operands.Operands, "select", namespace["select"])
-    with pytest.raises(TypeError, match="a bug in jacobeam"):
-        _engine(test_models.small_mlp(), outputs=OutputSelection(rule="argmax"))
-
-
 @pytest.mark.parametrize("batch_size", [1, 7, 8, 9, 16, 256])
 def test_label_rows_at_every_batch_size(batch_size):
     """``outputs: label`` failed at any batch_size above 8 (the probe had 8 samples but batch_size labels)."""
@@ -554,18 +342,6 @@ def test_autotune_times_every_path_and_keeps_a_correct_one():
     timed = [c for c in described["candidates"] if "seconds_per_sample" in c]
     assert len(timed) >= 3
     assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
-
-
-@pytest.mark.slow
-def test_thousand_outputs_on_224x224x3_within_a_2gib_budget():
-    """Peak memory is measured in a fresh process: one sample's Jacobian alone is 602 MB."""
-    script = REPO / "tests" / "budget_probe.py"
-    done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = dict(line.split("=", 1) for line in done.stdout.split() if "=" in line)
-    assert int(report["batch"]) == 1
-    assert float(report["max_rel_error"]) < 1e-5
-    assert int(report["growth"]) <= 2 * 2**30, report
 
 
 def test_input_side_products_fall_back_to_reverse_mode_and_stay_products():
