@@ -1,5 +1,6 @@
-"""Shard tiling and id placement (``pipeline.ids``), drawn by hypothesis: ranges cover every id once,
-within segments, with their rejected ids; an incremental run keeps every old id."""
+"""Shard tiling and id placement (``pipeline.ids``), planned without TensorFlow: drawn by hypothesis,
+ranges cover every id once, within segments, with their rejected ids, and an incremental run keeps
+every old id; and two cases written out."""
 
 from __future__ import annotations
 
@@ -108,3 +109,53 @@ def test_incremental_placement_keeps_every_old_id_and_appends_new_files_sorted(f
         assert new_segments == segments + ([(end, end + sum(f.num_samples for f in new))] if new else [])
         assert [f.first_id for f in again] == sorted(f.first_id for f in again)
         placed, segments = again, new_segments
+
+
+def test_ranges_tile_each_id_segment_from_its_start():
+    runs = [Rejected("f", "bad", 0, 14, 18), Rejected("f", "bad", 9, 41, 42)]
+    ranges = ids.shard_ranges([(0, 40), (40, 55)], 16, runs)
+    assert [(r.start, r.stop, r.rows) for r in ranges] == [(0, 16, 14), (16, 32, 14), (32, 40, 8), (40, 55, 14)]
+    assert ranges[0].rejected == (Rejected("f", "bad", 0, 14, 16),)
+    assert ranges[1].rejected == (Rejected("f", "bad", 2, 16, 18),)  # split at the boundary, rows follow
+    assert ranges[1].kept() == [(18, 32)]
+
+
+def test_old_files_keep_their_ids_and_new_files_go_after_them():
+    previous = {
+        "inputs": [
+            {
+                "path": "/d/b",
+                "key": None,
+                "first_id": 0,
+                "num_samples": 5,
+                "dtype": "float32",
+                "data_sha256": "sha /d/b 5",
+            },
+            {
+                "path": "/d/c",
+                "key": None,
+                "first_id": 5,
+                "num_samples": 4,
+                "dtype": "float32",
+                "data_sha256": "sha /d/c 4",
+            },
+        ],
+        "id_segments": [[0, 9]],
+        "input_shape": [3],
+    }
+    files = [_source("/d/a", 2), _source("/d/b", 5), _source("/d/c", 4), _source("/d/z", 3)]  # /d/a sorts first, yet is new
+    placed, segments, differences = ids.place_files(files, previous)
+    assert [(f.path, f.first_id, f.stop_id) for f in placed] == [
+        ("/d/b", 0, 5),
+        ("/d/c", 5, 9),
+        ("/d/a", 9, 11),
+        ("/d/z", 11, 14),
+    ]
+    assert segments == [(0, 9), (9, 14)] and differences == []
+
+    changed = [_source("/d/b", 6), _source("/d/a", 2)]
+    _, _, differences = ids.place_files(changed, previous)
+    assert differences == [
+        'input file /d/b changed: samples 5 there, 6 now, data sha256 "sha /d/b 5" there, "sha /d/b 6" now',
+        "input file /d/c (ids 5..9 there) is not among this run's inputs",
+    ]

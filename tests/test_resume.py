@@ -10,10 +10,8 @@ import h5py
 import numpy as np
 import pytest
 
-from jacobeam.pipeline import cli, config, ids, runner
-from jacobeam.transforms.inputs.types import SourceFile
+from jacobeam.pipeline import cli, config, runner
 from jacobeam.transforms.output.storage import sha256
-from jacobeam.transforms.spec import Rejected
 from jacobeam.transforms.testing import faults
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
@@ -71,64 +69,6 @@ def _own_run(tmp_path):
     arrays = _write(tmp_path / "data", SIZES, seed=0)
     _run(tmp_path / "data", tmp_path / "out")
     return tmp_path / "data", tmp_path / "out", arrays
-
-
-# --- planning, without TensorFlow -------------------------------------------------------------------
-
-
-def _file(path, n, first_id=0):
-    return SourceFile(path=path, key=None, num_samples=n, sample_shape=(3,), dtype="float32", first_id=first_id,
-                      data_sha256=f"sha-{path}-{n}")
-
-
-def test_ranges_tile_each_id_segment_from_its_start():
-    runs = [Rejected("f", "bad", 0, 14, 18), Rejected("f", "bad", 9, 41, 42)]
-    ranges = ids.shard_ranges([(0, 40), (40, 55)], 16, runs)
-    assert [(r.start, r.stop, r.rows) for r in ranges] == [(0, 16, 14), (16, 32, 14), (32, 40, 8), (40, 55, 14)]
-    assert ranges[0].rejected == (Rejected("f", "bad", 0, 14, 16),)
-    assert ranges[1].rejected == (Rejected("f", "bad", 2, 16, 18),)  # split at the boundary, rows follow
-    assert ranges[1].kept() == [(18, 32)]
-
-
-def test_old_files_keep_their_ids_and_new_files_go_after_them():
-    previous = {
-        "inputs": [
-            {
-                "path": "/d/b",
-                "key": None,
-                "first_id": 0,
-                "num_samples": 5,
-                "dtype": "float32",
-                "data_sha256": "sha-/d/b-5",
-            },
-            {
-                "path": "/d/c",
-                "key": None,
-                "first_id": 5,
-                "num_samples": 4,
-                "dtype": "float32",
-                "data_sha256": "sha-/d/c-4",
-            },
-        ],
-        "id_segments": [[0, 9]],
-        "input_shape": [3],
-    }
-    files = [_file("/d/a", 2), _file("/d/b", 5), _file("/d/c", 4), _file("/d/z", 3)]  # /d/a sorts first, yet is new
-    placed, segments, differences = ids.place_files(files, previous)
-    assert [(f.path, f.first_id, f.stop_id) for f in placed] == [
-        ("/d/b", 0, 5),
-        ("/d/c", 5, 9),
-        ("/d/a", 9, 11),
-        ("/d/z", 11, 14),
-    ]
-    assert segments == [(0, 9), (9, 14)] and differences == []
-
-    changed = [_file("/d/b", 6), _file("/d/a", 2)]
-    _, _, differences = ids.place_files(changed, previous)
-    assert differences == [
-        'input file /d/b changed: samples 5 there, 6 now, data sha256 "sha-/d/b-5" there, "sha-/d/b-6" now',
-        "input file /d/c (ids 5..9 there) is not among this run's inputs",
-    ]
 
 
 # --- incremental runs ---------------------------------------------------------------------------------
