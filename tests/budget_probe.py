@@ -1,4 +1,4 @@
-"""Run by test_engine_modes: Jacobians of a 1000-output model on 224x224x3 inputs within 2 GiB.
+"""Run by test_engine_memory: Jacobians of a 1000-output model on 224x224x3 inputs within 2 GiB.
 
 Prints ``batch=... growth=... max_rel_error=...``: the engine's batch size, the peak resident memory
 growth over the process's size before the engine was built, and the error of some rows against

@@ -24,6 +24,7 @@ LONGEST_FIRST = (
     "test_workers", "test_remote", "test_lease", "test_benchmarks",
     # then the longest of `make test-fast`
     "test_engine_modes", "test_inspect_plot", "test_layer_rules", "test_multi_input", "test_bad_data", "test_resume",
+    "test_engine_memory", "test_images",
     "test_more_inputs", "test_self_check", "test_store", "test_verify", "test_pipeline", "test_engine",
 )
 

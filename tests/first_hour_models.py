@@ -1,4 +1,4 @@
-"""Models and engine factories of tests/test_inspect_plot.py, usable as ``model.factory``
+"""Models and engine factories of tests/test_inspect_plot.py and tests/test_progress.py, usable as ``model.factory``
 (``tests.first_hour_models:rgb_cnn``) when the tests run from the repository root. Kept apart from the
 test module so that a worker or a ``jacobeam`` subprocess loading them imports no test machinery."""
 
