@@ -6,11 +6,13 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from jacobeam.transforms.output import lease
 from jacobeam.transforms.output.layout import LEASE
+from jacobeam.transforms.testing import faults
 
 
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
@@ -88,11 +90,9 @@ class _Runs:
         self.procs = []
 
     def start(self, args, log, env=None):
-        from jacobeam.transforms.testing import faults
-
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         environ = {**os.environ, "PYTHONPATH": repo, **(env or {})}
-        for name in (faults.KILL_AT, faults.DELAY_AT):
+        for name in (faults.KILL_AT, faults.DELAY_AT, faults.HOLD_AT):
             if name not in (env or {}):
                 environ.pop(name, None)
         proc = subprocess.Popen([sys.executable, "-m", "jacobeam", *args], cwd=repo, env=environ,
@@ -117,8 +117,6 @@ def runs():
 
 
 def _wait_for_lease(out, proc, timeout=120.0):
-    import time
-
     deadline = time.monotonic() + timeout
     while not (out / LEASE).exists():
         assert proc.poll() is None, f"the first run ended ({proc.returncode}) before taking the lease"
@@ -147,12 +145,14 @@ def test_a_second_run_at_a_folder_being_written_exits_75_naming_the_holder(clean
     root, clean_out = clean
     out = root / "twice"
     config = _config(root, out)
-    # The first run sleeps once planned (the lease held) long enough for the second to start and exit.
-    first = runs.start(["-q", "run", str(config)], root / "first", {"JACOBEAM_TEST_DELAY_AT": "plan:20"})
+    # The first run holds once planned (the lease taken) until the second has started and exited.
+    go = root / "go-twice"
+    first = runs.start(["-q", "run", str(config)], root / "first", {faults.HOLD_AT: f"plan:{go}"})
     holder = _wait_for_lease(out, first)
     second = runs.start(["-q", "run", str(config)], root / "second")
     assert second.wait(timeout=120) == 75
     assert first.poll() is None  # the second ended while the first was still writing
+    go.touch()
     lines = (root / "second.err").read_text().strip().splitlines()
     assert lines[-1].startswith(f"jacobeam: error: output folder {out} is being written by run {holder['holder']} "
                                 f"({socket.gethostname()}, pid {first.pid}, since ")
@@ -166,12 +166,17 @@ def test_with_wait_the_second_run_waits_then_computes_nothing(clean, runs):
     root, clean_out = clean
     out = root / "waited"
     config = _config(root, out)
-    first = runs.start(["-q", "run", str(config)], root / "first-w", {"JACOBEAM_TEST_DELAY_AT": "plan:8"})
+    go = root / "go-waited"  # the first run holds, the lease taken, until the second is waiting for it
+    first = runs.start(["-q", "run", str(config)], root / "first-w", {faults.HOLD_AT: f"plan:{go}"})
     _wait_for_lease(out, first)
     second = runs.start(["-q", "run", str(config), "--wait"], root / "second-w")
+    deadline = time.monotonic() + 120
+    while "waiting" not in (root / "second-w.err").read_text():
+        assert second.poll() is None and time.monotonic() < deadline, (root / "second-w.err").read_text()[-2000:]
+        time.sleep(0.1)
+    go.touch()
     assert first.wait(timeout=300) == 0, (root / "first-w.err").read_text()[-2000:]
     assert second.wait(timeout=300) == 0, (root / "second-w.err").read_text()[-2000:]
-    assert "waiting" in (root / "second-w.err").read_text()
     assert "(0 computed, 20 already complete)" in (root / "second-w.out").read_text()
     _assert_same_as_clean(out, clean_out)
 

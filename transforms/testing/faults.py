@@ -16,6 +16,9 @@ process die, or a shard fail, at named points:
     Sleep SECONDS each time this process reaches ``POINT``: slows a run down (at ``shard_commit``, say,
     with a shard complete in its temporary file) so that a test can kill a worker or the launcher while
     shards are under way.
+``JACOBEAM_TEST_HOLD_AT=POINT:PATH``
+    Wait at ``POINT`` until the file ``PATH`` exists (at most ``HOLD_LIMIT`` seconds): holds a run where
+    a test wants it (the lease taken, say) for exactly as long as the test needs, no sleep to guess.
 ``JACOBEAM_TEST_FAIL_SHARD_ONCE=ID``
     Raise ``TransientFailure`` after part of the shard whose first id is ``ID`` has been written, once:
     the first process to fail creates the marker file ``JACOBEAM_TEST_FAIL_MARKER`` (default: a name in
@@ -34,6 +37,8 @@ import time
 
 KILL_AT = "JACOBEAM_TEST_KILL_AT"
 DELAY_AT = "JACOBEAM_TEST_DELAY_AT"
+HOLD_AT = "JACOBEAM_TEST_HOLD_AT"
+HOLD_LIMIT = 300.0
 FAIL_SHARD_ONCE = "JACOBEAM_TEST_FAIL_SHARD_ONCE"
 FAIL_MARKER = "JACOBEAM_TEST_FAIL_MARKER"
 
@@ -46,13 +51,20 @@ class TransientFailure(RuntimeError):
 
 def reached(point: str, shard: int | None = None) -> None:
     """The one hook production code calls: die here (SIGKILL, no clean-up of any kind) if
-    ``JACOBEAM_TEST_KILL_AT`` names this point, sleep if ``JACOBEAM_TEST_DELAY_AT`` does; then, while
+    ``JACOBEAM_TEST_KILL_AT`` names this point, sleep if ``JACOBEAM_TEST_DELAY_AT`` does, wait for a file
+    if ``JACOBEAM_TEST_HOLD_AT`` does; then, while
     writing the shard whose first id is ``shard``, fail once if ``JACOBEAM_TEST_FAIL_SHARD_ONCE`` names it."""
     delay = os.environ.get(DELAY_AT)
     if delay:
         name, _, seconds = delay.partition(":")
         if name == point:
             time.sleep(float(seconds))
+    hold = os.environ.get(HOLD_AT)
+    if hold:
+        name, _, path = hold.partition(":")
+        deadline = time.monotonic() + HOLD_LIMIT
+        while name == point and not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
     wanted = os.environ.get(KILL_AT)
     if wanted:
         name, _, nth = wanted.partition(":")
