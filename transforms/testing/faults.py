@@ -52,8 +52,8 @@ class TransientFailure(RuntimeError):
 def reached(point: str, shard: int | None = None) -> None:
     """The one hook production code calls: die here (SIGKILL, no clean-up of any kind) if
     ``JACOBEAM_TEST_KILL_AT`` names this point, sleep if ``JACOBEAM_TEST_DELAY_AT`` does, wait for a file
-    if ``JACOBEAM_TEST_HOLD_AT`` does; then, while
-    writing the shard whose first id is ``shard``, fail once if ``JACOBEAM_TEST_FAIL_SHARD_ONCE`` names it."""
+    if ``JACOBEAM_TEST_HOLD_AT`` does; then, while writing the shard whose first id is ``shard``, fail
+    once if ``JACOBEAM_TEST_FAIL_SHARD_ONCE`` names it."""
     delay = os.environ.get(DELAY_AT)
     if delay:
         name, _, seconds = delay.partition(":")
