@@ -43,7 +43,6 @@ def run_config(data: Path, out: Path, samples_per_shard: int = 16):
     )
 
 
-
 def run_with_fake_engine(data: Path, out: Path, **kwargs) -> tuple[runner.RunResult, test_pipeline.TestPipeline]:
     pipeline = test_pipeline.TestPipeline(runner=FnApiRunner())
     result = runner.run(run_config(data, out, **kwargs), [], show_progress=False, pipeline=pipeline, engine_factory=FACTORY)

@@ -7,21 +7,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jacobeam.transforms.engine import JacobianEngine, layer_rules, reverse_layer_rules
-from jacobeam.transforms.engine.models import seeded_weights, wrap_model
-from jacobeam.transforms.spec import EngineOptions, OutputSelection, Reduction
+from jacobeam.transforms.engine import layer_rules, reverse_layer_rules
+from jacobeam.transforms.engine.models import seeded_weights
+from jacobeam.transforms.spec import OutputSelection, Reduction
+from tests.engines import engine as _engine
+from tests.engines import samples as _samples
 from tests.reference import assert_close, central_differences, tape_loop
 
 ACTIVATIONS = ["linear", "tanh", "relu", "sigmoid", "softplus", "exponential"]
-
-
-def _engine(model, **options):
-    options.setdefault("batch_size", 8)
-    return JacobianEngine(wrap_model(model, model.name), model.input_shape[1:], EngineOptions(**options))
-
-
-def _samples(model, n, seed=0):
-    return np.random.default_rng(seed).normal(size=(n, *model.input_shape[1:])).astype(np.float32)
 
 
 def dense_chain(widths=(3, 7, 5, 9), activations=("tanh", "relu", None), dtype="float32", seed=3) -> keras.Model:
