@@ -234,7 +234,6 @@ def test_a_run_killed_while_writing_a_remote_folder_resumes_to_the_same_output(t
 
     root, _, clean, _ = _runs_once  # the inputs and an uninterrupted run's local folder
     shutil.copytree(root / "store" / "bucket" / "data", remote_fs.local_path("fakegcs://bucket/data"))
-    shutil.copytree(root / "local", tmp_path / "local")
     config = tmp_path / "remote.yaml"
     config.write_text(json.dumps({
         "model": {"factory": "tests.models:small_cnn"},
@@ -266,7 +265,7 @@ def test_a_run_killed_while_writing_a_remote_folder_resumes_to_the_same_output(t
     assert set(unproven) <= computed  # a shard without its sidecar is never trusted
     assert [s["crc32c"] for s in resumed["shards"]] == [s["crc32c"] for s in clean["shards"]]
     for shard in resumed["shards"]:
-        assert _remote_bytes(f"{OUT}/{shard['file']}") == (tmp_path / "local" / shard["file"]).read_bytes()
+        assert _remote_bytes(f"{OUT}/{shard['file']}") == (root / "local" / shard["file"]).read_bytes()
         assert _remote_bytes(f"{OUT}/{shard['file']}{CRC32C_SUFFIX}").decode() == shard["crc32c"]
     names = storage.listdir(OUT) + storage.listdir(f"{OUT}/shards")
     assert not [n for n in names if n.startswith(".")], names
