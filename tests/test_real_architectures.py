@@ -139,8 +139,8 @@ def test_top_k_rows_and_a_projection_are_no_worse_than_tensorflow_float32(net):
     tape = np.concatenate([_rows(net.model, x[i : i + 1], rows[i], tf.float32) for i in range(len(x))])
     batched = np.stack([_batched_rows(net.model, x, rows[:, j]) for j in range(3)], axis=1).reshape(truth.shape)
     no_worse_than_tensorflow(stored["jacobian"].reshape(truth.shape), truth, tape, batched)
-    # reduce: project (forward mode: J P for 4 seeded columns) of output row 7, against that row of the
-    # float64 copy's Jacobian (reverse mode) times the engine's projection matrix.
+    # reduce: project (J P for 4 seeded columns) of output row 7 (one row: reverse mode, then the product),
+    # against that row of the float64 copy's Jacobian times the engine's projection matrix.
     projected = JacobianEngine(wrap_model(net.model, net.name), (224, 224, 3), EngineOptions(
         outputs=OutputSelection("indices", indices=(7,)), reduce=Reduction("project", project_dim=4)))
     result = projected(x)["projection"].reshape(len(x), 4)

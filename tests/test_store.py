@@ -120,6 +120,28 @@ def test_projection_is_reproducible_from_the_stored_seed(kind):
     assert_close(result["projection"], (full @ (matrix / np.sqrt(5))).reshape(7, 3, 5), rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("outputs", "dim", "mode", "expected_mode"),
+    [
+        (OutputSelection("indices", indices=(1,)), 5, "auto", "reverse"),  # 1 backward pass, not 5 JVPs
+        (OutputSelection("all"), 5, "auto", "reverse"),  # 3 output rows, 5 vectors
+        (OutputSelection("all"), 2, "auto", "forward"),  # 2 vectors, 3 output rows
+        (OutputSelection("indices", indices=(1,)), 5, "forward", "forward"),  # as configured
+    ],
+)
+def test_a_projection_runs_in_the_mode_with_fewer_passes(outputs, dim, mode, expected_mode):
+    """``mode: auto`` counts a product's vectors against the output rows: J P of one label's row on an
+    ImageNet net is one backward pass where forward mode traced 256 JVPs (minutes of set-up)."""
+    from jacobeam.transforms.engine.reductions import projection_matrix
+
+    model, x, full, _ = _case(test_models.small_cnn)  # m = 3, d = 64
+    engine = _engine(model, mode=mode, outputs=outputs, reduce=Reduction("project", project_dim=dim))
+    assert engine.describe()["mode"] == expected_mode
+    rows = full if outputs.rule == "all" else full[:, list(outputs.indices)]
+    expected = rows @ projection_matrix(64, dim, "rademacher", 0)
+    assert_close(engine(x)["projection"].reshape(expected.shape), expected, rtol=1e-5)
+
+
 @pytest.mark.parametrize("sides", ["output", "input", "both"])
 def test_basis_projection(tmp_path, sides):
     model, x, full, _ = _case(test_models.small_mlp)  # m = 5, d = 12

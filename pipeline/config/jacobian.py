@@ -33,7 +33,8 @@ class LabelsConfig(Section):
 
 class ProjectConfig(Section):
     """``jacobian.project``: the random projection of ``reduce: project``, which stores ``J P`` for a
-    seeded ``P`` of shape ``(d, dim)`` (``d`` input entries), in forward mode, without forming ``J``.
+    seeded ``P`` of shape ``(d, dim)`` (``d`` input entries): in forward mode without forming ``J``, or,
+    where the output rows are fewer than ``dim`` (one label's row, say), the rows in reverse mode times ``P``.
 
     ``P`` is ``rng = numpy.random.default_rng(seed)``; rademacher: ``rng.choice([-1.0, 1.0], size=(d,
     dim))``, gaussian: ``rng.standard_normal((d, dim))``; both divided by ``sqrt(dim)``. Other reductions
@@ -124,9 +125,10 @@ class JacobianConfig(Section):
         "pfor; `forward`, forward mode over a batch of basis tangents (cost grows with the input entries); "
         "`auto`, forward when the input entries are at most as many as the output rows, else reverse; "
         "`autotune`, times every mode on a full batch and keeps the fastest that agrees with the reference. "
-        "Under `auto` and `autotune` a mode that fails falls back to the reverse ones. `reduce` products "
-        "set the direction themselves: `jvp`, `project` and `basis` with `basis.input` run forward; `vjp` "
-        "and `basis` with only `basis.output` run reverse.",
+        "Under `auto` and `autotune` a mode that fails falls back to the reverse ones. `vjp` and `basis` "
+        "with only `basis.output` always run reverse; for `jvp`, `project` and `basis` with `basis.input`, "
+        "`auto` counts their input-side vectors instead of the input entries (forward runs one JVP per "
+        "vector; reverse computes the output rows, then their product with the vectors).",
     )
     jit_compile: bool | Literal["auto"] = Field(
         False,

@@ -119,8 +119,6 @@ class Planner:
 
     def _candidates(self) -> tuple[list[str], str]:
         mode, kind, operands = self._options.mode, self._options.reduce.kind, self._operands
-        if operands.right is not None:
-            return ["forward"], f"reduce {kind}: products with input-side vectors run in forward mode"
         if operands.left is not None:
             if mode == "autotune":
                 modes = ["reverse", "reverse_loop"]
@@ -129,10 +127,17 @@ class Planner:
             return modes, f"reduce {kind}: products with output-side vectors run in reverse mode"
         if mode in MODES:
             return [mode], f"mode {mode} (configured)"
-        inputs = sum(operands.sizes[k] for k in self._wrt)
+        # Forward mode runs one JVP per column of J R (an input entry, or a product's input-side vector:
+        # jvp, project, a basis over inputs), reverse mode one backward pass per output row, the product
+        # with R following in numpy: a projection of one label's row is one backward pass, not 256 JVPs.
+        if operands.right is not None:
+            columns, what = len(operands.right), f"reduce {kind}: {len(operands.right)} input-side vectors"
+        else:
+            columns = sum(operands.sizes[k] for k in self._wrt)
+            what = f"{columns} input entries"
         rows = operands.extent("reverse", 0)
-        by_size = "forward" if inputs <= rows else "reverse"
-        reason = f"{inputs} input entries vs {rows} output rows"
+        by_size = "forward" if columns <= rows else "reverse"
+        reason = f"{what} vs {rows} output rows"
         if mode == "auto":
             return [by_size], f"mode auto: {by_size} ({reason})"
         return [by_size] + [m for m in MODES if m != by_size], "mode autotune: fastest path agreeing with the others"
