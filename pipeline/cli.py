@@ -28,7 +28,7 @@ from pathlib import Path
 from jacobeam.pipeline import process_exit, quiet
 from jacobeam.pipeline.interrupt import CtrlC
 from jacobeam.pipeline.summary import run_summary
-from jacobeam.transforms.errors import JacobeamError
+from jacobeam.transforms.errors import JacobeamError, MissingExtra
 from jacobeam.transforms.output import storage
 
 log = logging.getLogger("jacobeam")
@@ -48,10 +48,6 @@ EXIT_STATUSES = """exit status:
 """
 
 _ctrl_c = CtrlC(INTERRUPTED)
-
-
-class MissingExtra(JacobeamError):
-    """An optional dependency the command needs is not installed (exit status 3)."""
 
 
 class UsageError(JacobeamError):
