@@ -75,11 +75,6 @@ def describe(record: dict) -> str:
             f"heartbeat {time.time() - float(record.get('heartbeat', 0)):.0f} s ago)")
 
 
-def supported(folder: str) -> bool:
-    """Whether a lease can be held on ``folder``: a local folder, or one on S3."""
-    return "://" not in folder or folder.startswith("s3://")
-
-
 class _LocalFile:
     """The lease file of a local folder. ``token``: the bytes last read or written (no versions locally)."""
 
@@ -153,33 +148,64 @@ class _LocalFile:
             os.unlink(self.path)
 
 
-class _S3Object:
-    """The lease object of an S3 folder; every change is conditional (``token``: the object's ETag)."""
+class _StoreObject:
+    """The lease object of a folder on an object store. Every change is conditional on ``token``, the
+    object's version as its writer last saw it, and the store checks the condition: a subclass says how
+    (``_put``, ``take_over``)."""
 
-    def __init__(self, folder: str, run_id: str):
+    def __init__(self, folder: str):
+        self.path = folder.rstrip("/") + "/" + LEASE
+        self._token: Any = None
+
+    def _put(self, data: bytes, token: Any) -> Any:
+        """Write ``data`` if the object is absent (``token`` None) or still at ``token``; the new token,
+        or None where the condition failed."""
+        raise NotImplementedError
+
+    def _write(self, data: bytes, token: Any) -> bool:
+        written = self._put(data, token)
+        if written is None:
+            return False
+        self._token = written
+        return True
+
+    def create(self, data: bytes) -> bool:
+        return self._write(data, None)
+
+    def modified(self) -> float | None:
+        return None  # every lease on an object store is one jacobeam wrote whole (one request)
+
+    def refresh(self, data: bytes) -> bool:
+        return self._token is not None and self._write(data, self._token)
+
+    def remove(self) -> None:
+        if self._token is not None:
+            self.take_over(self._token)
+
+
+class _S3Object(_StoreObject):
+    """The lease object of an S3 folder (``token``: the object's ETag)."""
+
+    def __init__(self, folder: str):
         from apache_beam.io.aws import s3io
 
-        self.path = folder.rstrip("/") + "/" + LEASE
+        super().__init__(folder)
         self._bucket, self._key = s3io.parse_s3_path(self.path)
         self._client = storage.s3_client(self.path)
-        self._etag: str | None = None
 
-    def _put(self, data: bytes, **condition: str) -> bool:
+    def _put(self, data: bytes, token: Any) -> Any:
         from botocore.exceptions import ClientError
 
+        condition = {"IfNoneMatch": "*"} if token is None else {"IfMatch": token}
         try:
             reply = self._client.put_object(Bucket=self._bucket, Key=self._key, Body=data,
                                             ContentType="application/json", **condition)
         except ClientError as err:
             # 412: the condition failed; 409: a concurrent conditional write to the key won.
             if err.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
-                return False
+                return None
             raise
-        self._etag = reply["ETag"]
-        return True
-
-    def create(self, data: bytes) -> bool:
-        return self._put(data, IfNoneMatch="*")
+        return reply["ETag"]
 
     def read(self) -> tuple[bytes, Any] | None:
         from botocore.exceptions import ClientError
@@ -192,9 +218,6 @@ class _S3Object:
             raise
         return reply["Body"].read(), reply["ETag"]
 
-    def modified(self) -> float | None:
-        return None  # every lease on S3 is one jacobeam wrote whole (one PutObject)
-
     def take_over(self, token: Any) -> None:
         from botocore.exceptions import ClientError
 
@@ -204,12 +227,17 @@ class _S3Object:
             if err.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "NoSuchKey", "404"):
                 raise
 
-    def refresh(self, data: bytes) -> bool:
-        return self._etag is not None and self._put(data, IfMatch=self._etag)
 
-    def remove(self) -> None:
-        if self._etag is not None:
-            self.take_over(self._etag)
+_STORES = {"s3": _S3Object}  # by scheme
+
+
+def _scheme(folder: str) -> str:
+    return folder.split("://", 1)[0]
+
+
+def supported(folder: str) -> bool:
+    """Whether a lease can be held on ``folder``: a local folder, or one on S3."""
+    return "://" not in folder or _scheme(folder) in _STORES
 
 
 class Lease:
@@ -219,7 +247,7 @@ class Lease:
     def __init__(self, folder: str, stale_seconds: float = STALE_SECONDS):
         self.folder = folder
         self.run_id = uuid.uuid4().hex[:12]
-        self._file = _LocalFile(folder, self.run_id) if "://" not in folder else _S3Object(folder, self.run_id)
+        self._file = _LocalFile(folder, self.run_id) if "://" not in folder else _STORES[_scheme(folder)](folder)
         self.path = self._file.path
         self._stale_seconds = stale_seconds
         self._stop = threading.Event()
