@@ -42,7 +42,8 @@ EXIT_STATUSES = """exit status:
        is incomplete, or verify (or run --verify): a mismatch, or a folder that cannot be read
   2    usage: a command line or config to fix (an unknown option or config key, a malformed --set,
        a config file that cannot be read)
-  3    an optional package is missing (inspect --plot needs matplotlib)
+  3    an optional package is missing (inspect --plot needs matplotlib, a gs:// output folder
+       google-cloud-storage)
   75   busy: another run holds the output folder (retry later, or --wait)
   130  interrupted (Ctrl-C): complete shards are kept, the same command finishes the run
 """

@@ -8,9 +8,10 @@ this host (a ``kill -9`` leaves the file), or its heartbeat, refreshed by the ho
 
 Each change of the lease file is conditional on what its writer last saw, so that two runs can never
 both hold it: locally the create is a hard link of the complete record (``os.link``, which fails where
-the name exists) and a take-over moves the stale file aside first; on S3 each request is conditional
-(``If-None-Match: *`` to create, ``If-Match: <ETag>`` to refresh, take over or remove). Other remote
-file systems (GCS's ``ifGenerationMatch=0`` is not used yet) take no lease: ``supported`` says which.
+the name exists) and a take-over moves the stale file aside first; on an object store each request is
+conditional, checked by the store: on S3 ``If-None-Match: *`` to create, ``If-Match: <ETag>`` to refresh,
+take over or remove; on GCS ``ifGenerationMatch=0`` to create, ``ifGenerationMatch=<generation>`` for the
+rest. Other remote file systems (HDFS, ...) take no lease: ``supported`` says which.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 import uuid
 from typing import Any
 
-from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.errors import MissingExtra, OutputError, first_line
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import LEASE
 
@@ -228,7 +229,57 @@ class _S3Object(_StoreObject):
                 raise
 
 
-_STORES = {"s3": _S3Object}  # by scheme
+class _GCSObject(_StoreObject):
+    """The lease object of a GCS folder (``token``: the object's generation, a new one for each write;
+    0 in a condition stands for no object)."""
+
+    def __init__(self, folder: str):
+        try:
+            from google.auth.exceptions import DefaultCredentialsError
+            from google.cloud import storage as gcs
+        except ImportError:
+            raise MissingExtra(f"the lease of output folder {folder} needs google-cloud-storage: "
+                               "pip install 'apache-beam[gcp]'") from None
+        super().__init__(folder)
+        bucket, _, self._key = self.path.removeprefix("gs://").partition("/")
+        # Application default credentials and project, as Beam's gs:// file system takes them unless its
+        # options say otherwise (they do not reach this client); STORAGE_EMULATOR_HOST: an emulator's.
+        try:
+            self._bucket = gcs.Client().bucket(bucket)
+        except DefaultCredentialsError as err:
+            raise OutputError(f"output folder {folder}: no Google Cloud credentials to take its lease: "
+                              f"{first_line(err)}") from err
+
+    def _put(self, data: bytes, token: Any) -> Any:
+        from google.api_core.exceptions import PreconditionFailed
+
+        blob = self._bucket.blob(self._key)
+        try:
+            blob.upload_from_string(data, content_type="application/json", if_generation_match=0 if token is None else token)
+        except PreconditionFailed:
+            return None
+        return blob.generation
+
+    def read(self) -> tuple[bytes, Any] | None:
+        from google.api_core.exceptions import NotFound
+
+        blob = self._bucket.blob(self._key)
+        try:
+            data = blob.download_as_bytes()  # sets the generation of the bytes read, from the reply's headers
+        except NotFound:
+            return None
+        return data, blob.generation
+
+    def take_over(self, token: Any) -> None:
+        from google.api_core.exceptions import NotFound, PreconditionFailed
+
+        try:
+            self._bucket.blob(self._key).delete(if_generation_match=token)
+        except (PreconditionFailed, NotFound):
+            pass
+
+
+_STORES = {"s3": _S3Object, "gs": _GCSObject}  # by scheme
 
 
 def _scheme(folder: str) -> str:
@@ -236,13 +287,13 @@ def _scheme(folder: str) -> str:
 
 
 def supported(folder: str) -> bool:
-    """Whether a lease can be held on ``folder``: a local folder, or one on S3."""
+    """Whether a lease can be held on ``folder``: a local folder, or one on S3 or GCS."""
     return "://" not in folder or _scheme(folder) in _STORES
 
 
 class Lease:
-    """The lease of ``folder`` (local, or on S3: ``supported``), held from ``acquire`` until ``release``
-    (or the ``with`` block's end)."""
+    """The lease of ``folder`` (local, or on S3 or GCS: ``supported``), held from ``acquire`` until
+    ``release`` (or the ``with`` block's end)."""
 
     def __init__(self, folder: str, stale_seconds: float = STALE_SECONDS):
         self.folder = folder
