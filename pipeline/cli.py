@@ -28,7 +28,7 @@ from pathlib import Path
 from jacobeam.pipeline import process_exit, quiet
 from jacobeam.pipeline.interrupt import CtrlC
 from jacobeam.pipeline.summary import run_summary
-from jacobeam.transforms.errors import JacobeamError
+from jacobeam.transforms.errors import JacobeamError, MissingExtra
 from jacobeam.transforms.output import storage
 
 log = logging.getLogger("jacobeam")
@@ -42,16 +42,13 @@ EXIT_STATUSES = """exit status:
        is incomplete, or verify (or run --verify): a mismatch, or a folder that cannot be read
   2    usage: a command line or config to fix (an unknown option or config key, a malformed --set,
        a config file that cannot be read)
-  3    an optional package is missing (inspect --plot needs matplotlib)
+  3    an optional package is missing (inspect --plot needs matplotlib, a gs:// output folder
+       google-cloud-storage)
   75   busy: another run holds the output folder (retry later, or --wait)
   130  interrupted (Ctrl-C): complete shards are kept, the same command finishes the run
 """
 
 _ctrl_c = CtrlC(INTERRUPTED)
-
-
-class MissingExtra(JacobeamError):
-    """An optional dependency the command needs is not installed (exit status 3)."""
 
 
 class UsageError(JacobeamError):

@@ -28,10 +28,10 @@ def _missing_folders(folder: str) -> list[str]:
 
 def take_lease(folder: str, wait: bool) -> tuple[Lease | None, list[str]]:
     """The output folder's lease (``transforms.output.lease``), and the local folders created to hold it
-    (deepest first). None on a remote file system that has no lease yet (all but S3): said once."""
+    (deepest first). None on a remote file system that has no lease yet (all but S3 and GCS): said once."""
     if not storage.is_local(folder):
         if not lease_supported(folder):
-            log.warning("output.path %s: no lease on this file system yet (S3 and local folders have one): "
+            log.warning("output.path %s: no lease on this file system yet (local, S3 and GCS folders have one): "
                         "nothing stops another run from writing this folder at the same time", folder)
             return None, []
         return Lease(storage.normalize(folder)).acquire(wait=wait), []

