@@ -112,3 +112,26 @@ def test_a_nan_under_skip_is_listed_by_its_shard_and_verify_checks_the_samples_d
         "shards/shard-000000000000-000000000008.h5: its samples, read again from the input files, differ from "
         "those its worker read (samples_sha256): the inputs changed since"
     ]
+
+
+def test_a_folder_whose_shards_list_no_rejected_samples_or_stamps_resumes_from_its_manifest(tmp_path):
+    """Shards written before planning read headers only: no rejected_samples, input_stamps or
+    samples_sha256; their rejected samples come from rejected.jsonl, their files' stamps from the manifest."""
+    import h5py
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    x = np.random.default_rng(3).normal(size=(12, 12)).astype(np.float32)
+    x[2, 0] = np.inf
+    np.save(data / "x.npy", x)
+    cfg = config.validate(_config(data, out, "skip"))
+    first = runner.run(cfg, [], show_progress=False).manifest
+    listed = (out / "rejected.jsonl").read_text()
+    for shard in (out / "shards").glob("shard-*.h5"):
+        with h5py.File(shard, "a") as h5:
+            h5.pop("rejected_samples", None)
+            for name in ("input_stamps", "samples_sha256"):
+                del h5.attrs[name]
+    again = runner.run(cfg, [], show_progress=False).manifest
+    assert again["run"]["samples_computed"] == 0 and (out / "rejected.jsonl").read_text() == listed
+    assert again["rejected"] == first["rejected"] and verify(out, samples=1).ok

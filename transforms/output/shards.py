@@ -27,6 +27,7 @@ from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import (
     CHECKSUM_SUFFIX,
     CRC32C_SUFFIX,
+    REJECTED_FILE,
     REJECTED_GROUP,
     SELF_CHECK,
     SHARDS_DIR,
@@ -104,6 +105,15 @@ def read_rejected(h5) -> tuple[Rejected, ...]:
     return tuple(Rejected(*run) for run in json.loads(text.decode() if isinstance(text, bytes) else text))
 
 
+def _listed_rejected(output_dir: str, start: int, stop: int) -> tuple[Rejected, ...]:
+    """The rejected samples of ids ``[start, stop)`` as the folder's ``rejected.jsonl`` lists them (the
+    last complete run's; the plan rejected them then), one per sample."""
+    path = storage.join(output_dir, REJECTED_FILE)
+    lines = [json.loads(line) for line in storage.read_text(path).splitlines()] if storage.exists(path) else []
+    return tuple(Rejected(line["file"], line["reason"], line["row"], line["id"], line["id"] + 1)
+                 for line in lines if line["id"] is not None and start <= line["id"] < stop)
+
+
 def read_attrs(path: str | os.PathLike) -> dict[str, Any]:
     with storage.open_h5(path) as h5:
         return dict(h5.attrs)
@@ -121,6 +131,8 @@ def existing_record(
     path = shard_path(output_dir, start, stop)
     with storage.open_h5(path) as h5:
         attrs, rejected = dict(h5.attrs), read_rejected(h5)
+    if not rejected and int(attrs.get("num_rows", stop - start)) < stop - start:
+        rejected = _listed_rejected(output_dir, start, stop)  # a shard written before shards listed them
     checked = attrs.get(SELF_CHECK)
     checksums = checksums or {"crc32c": storage.crc32c(path)}
     return ShardRecord(
