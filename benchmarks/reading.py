@@ -31,7 +31,7 @@ def measure(samples: int, repeats: int) -> dict[str, float]:
         found: dict[str, list[float]] = {"wall": [], "thread": [], "process": []}
         for repeat in range(repeats + 1):
             began, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
-            read = sum(len(batch) for shard in spec.stored_ranges() for batch in shard_batches(spec, shard))
+            read = sum(len(batch) for shard in spec.ranges() for batch in shard_batches(spec, shard))
             if read != samples:
                 raise RuntimeError(f"read {read} samples of {samples}")
             if repeat:  # the first is a warm-up

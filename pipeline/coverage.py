@@ -1,4 +1,5 @@
-"""Checks of an output folder's structure: checksums, id coverage, the view, the input files.
+"""Checks of an output folder's structure: checksums, id coverage, the view, the input files (their
+samples against the digest each shard's worker computed as it read them).
 
 Each check appends what it finds to a ``pipeline.verify.Report``.
 """
@@ -12,7 +13,7 @@ import numpy as np
 
 from jacobeam.transforms.finalize import missing_sources
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import MANIFEST, NONFINITE, REJECTED_FILE, SAMPLE_ID, VIEW
+from jacobeam.transforms.output.layout import MANIFEST, NONFINITE, REJECTED_FILE, SAMPLE_ID, SAMPLES_SHA256, VIEW
 
 if TYPE_CHECKING:
     from jacobeam.pipeline.verify import Report
@@ -39,8 +40,8 @@ def check_structure(root: str, manifest: dict[str, Any], report: Report) -> list
         elif getattr(storage, algorithm)(path) != shard[algorithm]:
             report.problems.append(f"{shard['file']}: {algorithm} differs from the manifest's (the file was changed)")
         report.shards_checked += 1
-        with storage.open_h5(path) as h5:
-            ids = h5[SAMPLE_ID][:]
+        with storage.open_h5(path) as h5:  # a shard of no rows (every sample rejected) has no datasets
+            ids = h5[SAMPLE_ID][:] if SAMPLE_ID in h5 else np.zeros(0, np.int64)
             mask = h5[NONFINITE][:] if NONFINITE in h5 else np.zeros(len(ids), bool)
         column.append(ids)
         if len(ids) != shard["num_samples"]:
@@ -118,3 +119,37 @@ def check_inputs(manifest: dict[str, Any], report: Report) -> bool:
             )
             fine = False
     return fine
+
+
+def _intervals(ids: np.ndarray) -> list[tuple[int, int]]:
+    """Increasing ids as ``[start, stop)`` runs of consecutive ones."""
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    return [(int(run[0]), int(run[-1]) + 1) for run in np.split(ids, breaks) if len(run)]
+
+
+def check_digests(root: str, manifest: dict[str, Any], where: list[tuple[str, np.ndarray]], report: Report) -> None:
+    """Each shard's samples read again from the input files and hashed (``checks.RowDigest``, as its
+    worker did while reading them): the digest its ``samples_sha256`` attribute holds, or a problem
+    (the inputs changed since, or the shard holds other samples). Shards written before they stored a
+    digest are not checked; input files that cannot be read any more leave a note."""
+    from jacobeam.transforms.errors import JacobeamError
+    from jacobeam.transforms.inputs.checks import RowDigest
+    from jacobeam.transforms.inputs.readers import iter_slices, manifest_sources
+
+    sources = manifest_sources(manifest)
+    for file, ids in where:
+        with storage.open_h5(storage.join(root, file)) as h5:
+            stored = h5.attrs.get(SAMPLES_SHA256)
+        if stored is None:
+            continue
+        digest = RowDigest()
+        try:
+            for lo, hi in _intervals(ids):
+                for _, samples, _ in iter_slices(sources, lo, hi, 4096):
+                    digest.update(samples)
+        except (JacobeamError, OSError) as err:
+            report.notes.append(f"input samples not compared with the shards' digests: {err}")
+            return
+        if digest.hexdigest() != (stored.decode() if isinstance(stored, bytes) else str(stored)):
+            report.problems.append(f"{file}: its samples, read again from the input files, differ from those its worker "
+                                   f"read ({SAMPLES_SHA256}): the inputs changed since")

@@ -14,6 +14,7 @@ from jacobeam.transforms.output.layout import (
     AGGREGATES,
     CHECKSUM_SUFFIXES,
     ENGINE_PLAN,
+    INPUT_STAMPS,
     MANIFEST,
     REJECTED_FILE,
     SHARDS_DIR,
@@ -22,10 +23,10 @@ from jacobeam.transforms.output.layout import (
     is_folder_temp,
     is_shard_file,
     is_shard_temp,
-    shard_name,
+    shard_ids,
 )
 from jacobeam.transforms.output.shards import read_attrs
-from jacobeam.transforms.spec import JobSpec, shard_inputs
+from jacobeam.transforms.spec import JobSpec, ShardRange, shard_inputs
 
 log = logging.getLogger(__name__)
 
@@ -200,11 +201,11 @@ def folder_differences(
             by_place.setdefault(difference, []).append(MANIFEST)
         for difference in version_differences(manifest.get("versions")):
             by_place.setdefault(difference, []).append(MANIFEST)
-    expected = {shard_name(r.start, r.stop): r for r in spec.ranges() if r.rows}
+    expected = set(spec.ranges()) if folder.shards else set()  # planning costs in the folder's shards, not all ids
     for name, attrs in folder.shards.items():
         where = f"{SHARDS_DIR}/{name}"
-        shard = expected.get(name)
-        if shard is None:
+        shard = ShardRange(*shard_ids(name))
+        if shard not in expected:
             by_place.setdefault("not one of this run's shards (ids grouped differently: another input set or "
                                 "samples_per_shard)", []).append(where)
             continue
@@ -217,14 +218,12 @@ def folder_differences(
         found += model_differences(model_identity.from_attrs(attrs), _attr_str(attrs.get("model_fingerprint", "")))
         if folder.manifest is None:
             found += version_differences(model_identity.versions_from_attrs(attrs))
-        if "inputs" in attrs and _absolute_paths(json.loads(_attr_str(attrs["inputs"]))) != shard_inputs(
-            spec.files, shard.start, shard.stop
-        ):
+        # Path, key, first id and samples of each file (not the data sha256 that shards written before
+        # planning read headers only list: a changed file is told by its stamp, stale_shards).
+        if "inputs" in attrs and [entry[:4] for entry in _absolute_paths(json.loads(_attr_str(attrs["inputs"])))] != [
+            entry[:4] for entry in shard_inputs(spec.files, shard.start, shard.stop)
+        ]:
             found.append("computed from other input data (its ids now mean other samples)")
-        elif int(attrs.get("num_rows", shard.stop - shard.start)) != shard.rows:
-            found.append(
-                f"holds {int(attrs.get('num_rows', 0))} samples, this run rejects others ({shard.rows} expected)"
-            )
         for difference in found:
             by_place.setdefault(difference, []).append(where)
     for difference, places in by_place.items():
@@ -233,3 +232,23 @@ def folder_differences(
         others = f" (so do {shards}{more} shards)" if shards else ""
         differences.append(f"{places[0]}: {difference}{others}")
     return differences
+
+
+def stale_shards(folder: Folder, spec: JobSpec) -> list[str]:
+    """The folder's shards (names) fed by an input file whose stamp changed since they were computed
+    (``SourceFile.stamp``: size and time of the last change): a resumed run trusts a stamp, as make and
+    rsync do, and computes such a shard again. A shard lists its files' stamps (``input_stamps``); one
+    written before shards did is judged by the stamps the folder's manifest lists, and is computed again
+    when there is none to compare."""
+    now = {f.path: f.stamp for f in spec.files}
+    listed = {storage.absolute(entry["path"]): entry.get("stamp") for entry in (folder.manifest or {}).get("inputs", [])}
+    stale = []
+    for name, attrs in folder.shards.items():
+        if INPUT_STAMPS in attrs:
+            stamps = {storage.absolute(path): stamp for path, stamp in json.loads(_attr_str(attrs[INPUT_STAMPS])).items()}
+        else:
+            paths = [storage.absolute(entry[0]) for entry in json.loads(_attr_str(attrs.get("inputs", "[]")))]
+            stamps = {path: listed.get(path) for path in paths}
+        if any(stamp is None or now.get(path) != stamp for path, stamp in stamps.items()):
+            stale.append(name)
+    return sorted(stale)

@@ -14,14 +14,9 @@ import json
 from typing import Any
 
 from jacobeam.transforms.inputs.readers import assign_ids, shape_record
-from jacobeam.transforms.inputs.scan import FileScan
 from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.output.storage import absolute
-from jacobeam.transforms.spec import Rejected, ShardRange
-
-
-def with_hashes(files: list[SourceFile], scans: dict[str, FileScan]) -> list[SourceFile]:
-    return [dataclasses.replace(f, data_sha256=scans[f.path].data_sha256) if f.path in scans else f for f in files]
+from jacobeam.transforms.spec import ShardRange
 
 
 def place_files(
@@ -30,7 +25,9 @@ def place_files(
     """Give each file its ids: kept from the previous manifest, new files after the old ones.
 
     Returns the placed files (in id order), the id segments, and how the inputs differ from the
-    previous run's (a file gone, or holding other data), which makes the folder another run's result.
+    previous run's (a file gone, or holding another number or kind of samples), which makes the folder
+    another run's result. A file whose stamp changed keeps its ids: the shards it feeds are computed
+    again (``pipeline.folder.stale_shards``).
     """
     if previous is None:
         placed = assign_ids(files)
@@ -51,9 +48,8 @@ def place_files(
                 ("samples", entry["num_samples"], now.num_samples),
                 ("key", entry.get("key"), now.key),
                 ("dtype", entry.get("dtype"), now.dtype),
-                ("data sha256", entry.get("data_sha256"), now.data_sha256),
             )
-            if before != after and not (what == "data sha256" and before is None)
+            if before != after
         ]
         if changed:
             differences.append(f"input file {path} changed: {', '.join(changed)}")
@@ -73,29 +69,6 @@ def place_files(
     return placed, segments, differences
 
 
-def rejected_runs(files: list[SourceFile], scans: dict[str, FileScan]) -> tuple[list[Rejected], list[Rejected]]:
-    """The scan's bad rows as rejected id runs, and the unreadable files (which have no ids)."""
-    runs, unreadable = [], []
-    for f in files:
-        if f.unreadable is not None:
-            unreadable.append(Rejected(file=f.path, reason=f.unreadable))
-            continue
-        for bad in scans[f.path].bad if f.path in scans else ():
-            runs.append(Rejected(f.path, bad.reason, bad.row, f.first_id + bad.row, f.first_id + bad.stop_row))
-    return sorted(runs, key=lambda r: r.start), unreadable
-
-
-def shard_ranges(segments: list[tuple[int, int]], step: int, runs: list[Rejected]) -> list[ShardRange]:
-    """Tile each id segment from its start in steps of ``step``; attach each range's rejected samples."""
-    ranges, first_run = [], 0  # runs are sorted and disjoint, ranges come in id order: one pass
-    for first, last in segments:
-        for lo in range(first, last, step):
-            hi = min(lo + step, last)
-            while first_run < len(runs) and runs[first_run].stop <= lo:
-                first_run += 1
-            clipped, index = [], first_run
-            while index < len(runs) and runs[index].start < hi:
-                clipped.append(runs[index].clip(lo, hi))
-                index += 1
-            ranges.append(ShardRange(lo, hi, tuple(c for c in clipped if c)))
-    return ranges
+def shard_ranges(segments: list[tuple[int, int]], step: int) -> list[ShardRange]:
+    """Tile each id segment from its start in steps of ``step``."""
+    return [ShardRange(lo, min(lo + step, last)) for first, last in segments for lo in range(first, last, step)]

@@ -1,10 +1,15 @@
-"""Turn a validated config into a job: resolve the input globs, check and scan the files, place them on
-the id line (``pipeline.ids``), fix the shard ranges, and decide what the output folder already holds.
+"""Turn a validated config into a job: resolve the input globs, describe the files from their headers,
+place them on the id line (``pipeline.ids``), fix the shard ranges, and decide what the output folder
+already holds.
 
-Everything in ``make_job`` runs in the launching process before any output is touched: a bad input, a
-bad sample (``input.on_bad_sample: error``), a model that does not fit the inputs or a folder holding
-another run's result fails here, with nothing written. ``prepare_output`` then makes the first writes
-(create the folder, apply ``--overwrite``, remove a killed run's temporary files).
+Everything in ``make_job`` runs in the launching process before any output is touched, and reads
+metadata only (listings, headers, the output folder's shard attributes): an unusable input file, labels
+of the wrong key or dtype, a model that does not fit the inputs or a folder holding another run's
+result fails here, with nothing written. The samples are read, checked and hashed by the workers
+(``transforms.inputs.checks``): a bad sample under ``input.on_bad_sample: error`` stops the job there,
+and the shards already complete are kept for the rerun. ``prepare_output`` then makes the first writes
+(create the folder, apply ``--overwrite``, remove a killed run's temporary files and the shards of
+input files that changed since).
 
 This module imports no TensorFlow; the model check (``pipeline.checks``) imports it when called. Its
 parts: ``pipeline.discover`` (input files), ``pipeline.identity`` (what makes two runs the same),
@@ -14,26 +19,23 @@ parts: ``pipeline.discover`` (input files), ``pipeline.identity`` (what makes tw
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
 import os
 import time
 import uuid
 
 from jacobeam.pipeline.config import Config, to_dict
-from jacobeam.pipeline.discover import known_scans, resolve_inputs, scan_inputs
-from jacobeam.pipeline.folder import folder_differences, read_folder, stored_fingerprint
+from jacobeam.pipeline.discover import resolve_inputs
+from jacobeam.pipeline.folder import folder_differences, read_folder, stale_shards, stored_fingerprint
 from jacobeam.pipeline.identity import run_identity
-from jacobeam.pipeline.ids import place_files, rejected_runs, shard_ranges, with_hashes
-from jacobeam.transforms.errors import InputError, ModelError, OutputError
+from jacobeam.pipeline.ids import place_files, shard_ranges
+from jacobeam.transforms.errors import ModelError, OutputError
 from jacobeam.transforms.finalize import remove_temp_files
 from jacobeam.transforms.inputs.readers import check_labels
-from jacobeam.transforms.inputs.scan import Labels
 from jacobeam.transforms.model_identity import model_identity
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import REJECTED_FILE, SHARDS_DIR, shard_name
-from jacobeam.transforms.spec import JobSpec, ModelSource, run_key
+from jacobeam.transforms.output.layout import CHECKSUM_SUFFIXES, SHARDS_DIR, shard_ids
+from jacobeam.transforms.spec import JobSpec, ModelSource, Rejected, run_key
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +45,10 @@ _MAX_LISTED = 8  # differences shown in one error message
 @dataclasses.dataclass
 class Job:
     spec: JobSpec
-    already_done: int  # samples in complete shards that this run keeps
-    remove: list[str]  # jacobeam's files to remove first: --overwrite's, unproven remote shards
+    already_done: int  # sample ids (stored or rejected) in complete shards that this run keeps
+    remove: list[str]  # jacobeam's files to remove first: --overwrite's, unproven remote shards, stale shards
     model_output_shape: tuple[int, ...] | None = None
+    complete: bool = False  # every range's shard is complete already: nothing to compute
 
 
 def _check_files_named(config: Config) -> None:
@@ -63,14 +66,6 @@ def _check_files_named(config: Config) -> None:
     for key, path in named.items():
         if path is not None and not FileSystems.exists(path):
             raise ModelError(f"{key} {path}: no such file or directory")
-
-
-def _rejected_lines(folder) -> list[dict]:
-    """The rejected samples the folder's last complete run listed."""
-    if folder.manifest is None or not (folder.manifest.get("rejected") or {}).get("count"):
-        return []
-    path = storage.join(folder.root, REJECTED_FILE)
-    return [json.loads(line) for line in storage.read_text(path).splitlines()] if storage.exists(path) else []
 
 
 def _recorded_config(config: Config) -> dict:
@@ -98,11 +93,7 @@ def _label_key(config: Config) -> str | None:
     return config.jacobian.labels.key if config.jacobian.outputs == "label" else None
 
 
-def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fingerprint, model) -> JobSpec:
-    runs, unreadable = rejected_runs(files, scans)
-    ranges = shard_ranges(segments, config.output.samples_per_shard, runs)
-    if not any(r.rows for r in ranges):
-        raise InputError(f"input.paths: all {max(f.stop_id for f in files)} samples are rejected; nothing to compute")
+def _build_spec(config: Config, files, segments, identity, tf_threads, fingerprint, model) -> JobSpec:
     return JobSpec(
         model=ModelSource(**to_dict(config)["model"]),
         files=tuple(files),
@@ -115,13 +106,15 @@ def _build_spec(config: Config, files, segments, scans, identity, tf_threads, fi
         label_key=_label_key(config),
         config=_recorded_config(config),
         started_at=time.time(),
-        shard_ranges=tuple(ranges),
-        file_rejects=tuple(unreadable),
+        shard_ranges=tuple(shard_ranges(segments, config.output.samples_per_shard)),
+        # Files that cannot be opened (under skip): no ids; what is wrong with a sample, the workers find.
+        file_rejects=tuple(Rejected(file=f.path, reason=f.unreadable) for f in files if f.unreadable is not None),
         id_segments=tuple(tuple(s) for s in segments),
         identity=identity,
         model_fingerprint=fingerprint,
         model_identity=model,
         self_check=config.jacobian.self_check.spec(),
+        on_bad_sample=config.input.on_bad_sample,
     )
 
 
@@ -131,8 +124,8 @@ def make_job(
 ) -> Job:
     """Plan the job for ``config`` and check everything that can be checked before the pipeline starts.
 
-    Raises a ``JacobeamError`` naming the file, row or key for: unusable inputs, bad samples under
-    ``on_bad_sample: error``, a model that does not take the inputs' samples, and an output folder that
+    Raises a ``JacobeamError`` naming the file or key for: unusable inputs (by their headers), a model
+    that does not take the inputs' samples, and an output folder that
     holds another run's result (unless ``overwrite``): another model (its identity, read from its files:
     ``transforms.model_identity``), or other library versions (unless ``accept_library_versions``).
     Touches no output. ``check_model``: load the model to check it takes the inputs' samples (and to
@@ -155,17 +148,7 @@ def make_job(
         log.warning("jacobian.labels.key %r: floating-point labels in %d file(s) (%s%s); each must be a whole "
                     "output index", label_key, len(floats), floats[0], ", ..." if len(floats) > 1 else "")
     folder = read_folder(config.output.path)
-    # With labels the model is checked first: its output size bounds the labels that the scan checks.
-    # Otherwise after the scan, so that a file the scan rejects is named before the model is blamed.
-    fingerprint, output_shape = _checked_model(config, files) if check_model and label_key else (None, None)
-    labels = None
-    if label_key:  # the model's output size, loaded or as its shards record it
-        outputs = output_shape or next((tuple(a["output_shape"]) for a in folder.shards.values() if "output_shape" in a), None)
-        labels = Labels(label_key, None if outputs is None else math.prod(outputs))
-    scans = scan_inputs(files, policy, labels, known_scans(files, folder.manifest, _rejected_lines(folder), labels))
-    files = with_hashes(files, scans)
-    if check_model and not label_key:
-        fingerprint, output_shape = _checked_model(config, files)
+    fingerprint, output_shape = _checked_model(config, files) if check_model else (None, None)
     identity = run_identity(to_dict(config))
     model = model_identity(ModelSource(**to_dict(config)["model"])) if identify_model else {}
     if folder.alien:
@@ -177,7 +160,7 @@ def make_job(
     # Without loading the model, the weights the kept shards were computed with: a worker that loads
     # others (a factory that draws them) refuses to write a shard beside them.
     kept_weights = fingerprint or stored_fingerprint(folder)
-    spec = _build_spec(config, placed, segments, scans, identity, tf_threads, kept_weights, model)
+    spec = _build_spec(config, placed, segments, identity, tf_threads, kept_weights, model)
     differences += folder_differences(folder, spec, fingerprint, accept_library_versions)
     remove: list[str] = list(folder.unproven)
     if differences:
@@ -191,14 +174,20 @@ def make_job(
         log.warning("--overwrite: replacing the different run in %s", folder.root)
         remove = list(folder.owned)
         placed, segments, _ = place_files(files, None)
-        spec = _build_spec(config, placed, segments, scans, identity, tf_threads, fingerprint, model)
-        already_done = 0
+        spec = _build_spec(config, placed, segments, identity, tf_threads, fingerprint, model)
+        already_done, complete = 0, False
     else:
-        rows = {shard_name(r.start, r.stop): r.rows for r in spec.ranges()}
-        already_done = sum(rows[name] for name in folder.shards)
+        stale = stale_shards(folder, spec)
+        if stale:
+            log.info("%d shard(s) computed from input files changed since (another stamp): computing them again",
+                     len(stale))
+        shards = storage.join(folder.root, SHARDS_DIR)
+        remove += [storage.join(shards, name + suffix) for name in stale for suffix in ("", *CHECKSUM_SUFFIXES)]
+        kept = [shard_ids(name) for name in folder.shards if name not in stale]  # of this run: folder_differences
+        already_done, complete = sum(stop - start for start, stop in kept), len(kept) == len(spec.ranges())
     # The run's id (its lease's, when it holds one): its temporary files carry it.
     spec = dataclasses.replace(spec, run_id=run_id or uuid.uuid4().hex[:12])
-    return Job(spec, already_done, remove, output_shape)
+    return Job(spec, already_done, remove, output_shape, complete)
 
 
 def prepare_output(job: Job) -> None:

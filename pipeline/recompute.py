@@ -154,7 +154,8 @@ def check_aggregates(root: str, manifest: dict[str, Any], report: Report) -> Non
     summary = manifest.get("aggregates") or {}
     if not summary:
         return
-    files = sorted(entry["file"] for entry in manifest["shards"])  # id order: names hold the zero-padded first id
+    # Id order (names hold the zero-padded first id); a shard whose samples were all rejected adds nothing.
+    files = sorted(entry["file"] for entry in manifest["shards"] if entry["num_samples"])
     fn = AggregateFn(len(files))
     nodes = fn.create_accumulator()
     try:

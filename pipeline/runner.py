@@ -127,7 +127,7 @@ def work_items(spec: JobSpec, worker_processes: int | None = None) -> list:
     3, not 3 and 2). Without (a runner that spreads elements over workers it knows: Dask, Dataflow,
     Flink, ...): one range per element, so that the ranges spread, a lost worker's ranges are run again
     alone, and a cancelled run stops after the ranges under way."""
-    ranges = spec.stored_ranges()
+    ranges = spec.ranges()
     if not worker_processes or not ranges:
         return ranges
     runs = min(worker_processes, len(ranges))
@@ -339,7 +339,7 @@ def _warn_idle_workers(spec: JobSpec, options: PipelineOptions) -> None:
     if workers < 2:
         return
     complete = set(storage.listdir(storage.join(spec.output_dir, SHARDS_DIR)))
-    todo = sum(1 for r in spec.stored_ranges() if shard_name(r.start, r.stop) not in complete)
+    todo = sum(1 for r in spec.ranges() if shard_name(r.start, r.stop) not in complete)
     if 0 < todo < workers:
         log.warning("%d shard(s) to compute for %d worker processes: %d will idle (a smaller "
                     "output.samples_per_shard gives each work)", todo, workers, workers - todo)
@@ -365,19 +365,17 @@ def _run_leased(
         planned(spec)
     faults.reached("plan")
     ranges = spec.ranges()
-    rejected = sum(r.num_samples for r in spec.rejected())
     log.info(
-        "%d samples of shape %s in %d file(s) -> %d shard(s) in %s (%d samples already complete, %d rejected)",
-        spec.num_samples, spec.sample_shape, len(spec.files), sum(1 for r in ranges if r.rows), spec.output_dir,
-        already_done, rejected,
+        "%d samples of shape %s in %d file(s) -> %d shard(s) in %s (%d samples already complete, %d unreadable "
+        "file(s))", spec.num_samples, spec.sample_shape, len(spec.files), len(ranges), spec.output_dir,
+        already_done, len(spec.file_rejects),
     )
     _warn_idle_workers(spec, options)
     progress = ShardProgress(spec, already_done) if show_progress and is_local(options) else contextlib.nullcontext()
     with progress:
         if pipeline is None:
             pipeline = beam.Pipeline(runner=_runner(options), options=options)
-        complete = already_done == sum(r.rows for r in ranges)
-        build(pipeline, spec, engine_factory, local_worker_processes(options) if is_local(options) else None, complete)
+        build(pipeline, spec, engine_factory, local_worker_processes(options) if is_local(options) else None, job.complete)
         result = pipeline.run()
         try:
             result.wait_until_finish()

@@ -5,7 +5,8 @@
 2. The ids cover the input exactly once: the shards' ``sample_id`` rows and the rejected ids together
    are ``0 .. num_samples``, each once; each shard's ids lie in its range, in order; ``jacobians.h5``
    reads every shard and shows the same ``sample_id`` column; the input files still hold the number
-   of samples the manifest lists.
+   of samples the manifest lists, and each shard's samples, read again from them, have the sha256 its
+   worker computed as it read them (``samples_sha256``).
 3. ``K`` randomly chosen stored samples (seeded: ``--seed``) are recomputed from their input rows by the
    run's self-check (``transforms.self_check``, through ``pipeline.recompute``), independently of the
    engine's batched computation: a per-sample ``tf.GradientTape`` (forward-mode JVPs where the run ran
@@ -36,7 +37,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jacobeam.pipeline.coverage import check_inputs, check_structure
+from jacobeam.pipeline.coverage import check_digests, check_inputs, check_structure
 from jacobeam.pipeline.recompute import check_aggregates, recompute
 from jacobeam.transforms.finalize import write_manifest
 from jacobeam.transforms.output import storage
@@ -94,6 +95,10 @@ def verify(folder: str | Path, samples: int = 0, seed: int = 0) -> Report:
     manifest = json.loads(storage.read_text(storage.join(root, MANIFEST)))
     where = check_structure(root, manifest, report)
     report.shard_ids = where
+    from jacobeam.transforms.inputs.readers import from_a_pipeline
+
+    if not from_a_pipeline(manifest):
+        check_digests(root, manifest, where, report)
     listed = {storage.name_of(shard["file"]) for shard in manifest["shards"]}
     on_disk = storage.listdir(storage.join(root, SHARDS_DIR))
     extra = [name for name in on_disk if is_shard_file(name) and name not in listed]
@@ -101,7 +106,6 @@ def verify(folder: str | Path, samples: int = 0, seed: int = 0) -> Report:
         report.notes.append(f"{len(extra)} shard file(s) not in the manifest (an unfinished later run?): {extra[:3]}")
     if ENGINE_PLAN in top:
         _check_engine_plan(storage.join(root, ENGINE_PLAN), manifest, report)
-    from jacobeam.transforms.inputs.readers import from_a_pipeline
 
     if samples > 0 and from_a_pipeline(manifest):
         report.notes.append(

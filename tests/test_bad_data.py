@@ -1,5 +1,7 @@
 """Bad data under both policies (input.on_bad_sample), non-finite Jacobians, and the checks made before
-the pipeline starts: each case either stops the run with nothing written, or is skipped and listed."""
+the pipeline starts: each case either stops the run with one line naming file and row (before any
+output where the headers tell, else in the worker that reads the sample, keeping the complete shards),
+or is skipped and listed."""
 
 import errno
 import json
@@ -45,7 +47,7 @@ def make_case(folder, case, rng):
         np.save(folder / "b.npy", b)
         return arrays, [
             (12, "b.npy", 5, r"holds Inf$"), (13, "b.npy", 6, r"holds NaN and Inf"),
-        ], r"b.npy: row 5: non-finite input: holds Inf; 2 bad sample\(s\) in all"
+        ], r"b.npy: row 5: non-finite input: holds Inf \(input.on_bad_sample is error"
     if case == "truncated npy":
         np.save(folder / "b.npy", b)
         size = (folder / "b.npy").stat().st_size
@@ -59,6 +61,7 @@ def make_case(folder, case, rng):
         raw = bytearray((folder / "b.npz").read_bytes())
         raw[len(raw) // 2] ^= 0xFF  # inside the compressed member: its CRC no longer matches
         (folder / "b.npz").write_bytes(bytes(raw))
+        # A member this small is decompressed whole to read its header: the plan finds it unreadable.
         return arrays, [(None, "b.npz", None, r"corrupt: (Bad CRC-32|Error -3)")], r"b.npz\[x\]: cannot be read"
     if case == "truncated h5":
         with h5py.File(folder / "b.h5", "w") as h5:
@@ -72,6 +75,7 @@ def make_case(folder, case, rng):
 
 
 CASES = ["nan", "inf", "truncated npy", "corrupt npy", "corrupt npz", "truncated h5", "unreadable"]
+AT_PLAN = {"corrupt npy", "corrupt npz", "truncated h5", "unreadable"}  # told by the headers, before any output
 
 
 def _config(data, out, policy, **output):
@@ -101,7 +105,9 @@ def unreadable_b(monkeypatch):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_data_under_error_stops_before_any_output_is_touched(case, tmp_path, rng, capsys, request):
+def test_bad_data_under_error_stops_the_run_naming_file_and_row(case, tmp_path, rng, capsys, request):
+    """A file whose headers are bad stops the plan, before any output; a bad sample stops the worker that
+    reads it: the shards complete by then stay (a.npy's ids 0..7 here), nothing else is written."""
     if case == "unreadable":
         request.getfixturevalue("unreadable_b")
     make_case(tmp_path / "data", case, rng)
@@ -120,7 +126,15 @@ def test_bad_data_under_error_stops_before_any_output_is_touched(case, tmp_path,
     line = err.strip().splitlines()[-1] if "Traceback" not in err else err
     assert re.search(r"^jacobeam: error: .*" + message, err, re.M), err
     assert str(tmp_path / "data") in line  # the full path of the file
-    assert folder_state(out) == before  # nothing written, nothing removed
+    after = folder_state(out)
+    if case in AT_PLAN:
+        assert after == before  # nothing written, nothing removed
+        return
+    assert after["notes.txt"] == before["notes.txt"] and "manifest.json" not in after  # the user's file kept
+    # The ranges of 8 before the first bad sample's.
+    first_bad = {"nan": 10, "inf": 12, "truncated npy": 16}[case]
+    complete = [f"shards/shard-{lo:012d}-{lo + 8:012d}.h5" for lo in range(0, first_bad - first_bad % 8, 8)]
+    assert sorted(name for name in after if name.startswith("shards/shard-")) == complete
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -158,7 +172,8 @@ def test_bad_data_under_skip_is_left_out_listed_and_ids_stay(case, tmp_path, rng
 
 
 def test_rejected_samples_are_absent_from_shards_and_resume_keeps_the_gaps(tmp_path, rng):
-    """A whole shard's range rejected: no shard for it; a rerun computes nothing and agrees."""
+    """A whole shard's range rejected: a shard of no rows for it, its mark of completion (and its list of
+    rejected samples); a rerun computes nothing and agrees."""
     data = tmp_path / "data"
     data.mkdir()
     x = rng.normal(size=(24, 12)).astype(np.float32)
@@ -168,7 +183,7 @@ def test_rejected_samples_are_absent_from_shards_and_resume_keeps_the_gaps(tmp_p
     out = tmp_path / "out"
     first = runner.run(_config(data, out, "skip"), [], show_progress=False).manifest
     assert [(s["start"], s["stop"], s["num_samples"], s["rejected"]) for s in first["shards"]] == [
-        (0, 8, 8, 0), (16, 24, 7, 1)
+        (0, 8, 8, 0), (8, 16, 0, 8), (16, 24, 7, 1)
     ]
     assert first["rejected"]["ids"] == [[8, 16], [20, 21]]
     again = runner.run(_config(data, out, "skip"), [], show_progress=False).manifest
@@ -178,13 +193,14 @@ def test_rejected_samples_are_absent_from_shards_and_resume_keeps_the_gaps(tmp_p
         np.testing.assert_array_equal(view["sample_id"][:], [*range(8), 16, 17, 18, 19, 21, 22, 23])
 
 
-def test_all_samples_bad_is_an_error_before_output(tmp_path):
+def test_all_samples_bad_is_an_error_without_a_manifest(tmp_path):
+    """Which samples are bad, the workers find: the run fails at its end, and writes no result."""
     data = tmp_path / "data"
     data.mkdir()
     np.save(data / "x.npy", np.full((5, 12), np.nan, np.float32))
-    with pytest.raises(Exception, match=r"all 5 samples are rejected; nothing to compute"):
+    with pytest.raises(Exception, match=r"all 5 samples are rejected; nothing to compute \(.*x.npy: row 0: non-finite"):
         runner.run(_config(data, tmp_path / "out", "skip"), [], show_progress=False)
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out" / "manifest.json").exists() and not (tmp_path / "out" / "jacobians.h5").exists()
 
 
 def _nan_jacobian_model():
@@ -319,9 +335,10 @@ def test_skip_with_aggregates_and_a_fully_rejected_range(tmp_path, rng):
 
 @pytest.mark.parametrize("bad", [5.0, 2.5, -1.0])
 def test_a_bad_label_follows_on_bad_sample_naming_file_and_row(bad, tmp_path, rng, capsys):
-    """small_mlp has 5 outputs: a label 5, 2.5 or -1 is not an output index. Under error the run stops
-    before any output naming the file and row; under skip the sample is rejected, listed, and the others
-    are computed with their own labels."""
+    """small_mlp has 5 outputs: a label 5, 2.5 or -1 is not an output index (float labels such as 3.0
+    are). Under error the worker that reads it stops the run naming the file and row; under skip the
+    sample is rejected, listed, and the others are computed with their own labels (the shard the
+    stopped run completed is kept)."""
     data = tmp_path / "data"
     data.mkdir()
     x = rng.normal(size=(20, 12)).astype(np.float32)
@@ -342,7 +359,9 @@ def test_a_bad_label_follows_on_bad_sample_naming_file_and_row(bad, tmp_path, rn
     err = capsys.readouterr().err
     assert status == cli.FAILED, err
     assert re.search(rf"^jacobeam: error: .*b.npz: row 4: label {bad:g} is not an output index 0..4", err, re.M), err
-    assert not (tmp_path / "out").exists()
+    # Found by the worker reading ids 8..15: the range before it is complete, no result is written.
+    assert sorted(p.name for p in (tmp_path / "out" / "shards").iterdir()) == ["shard-000000000000-000000000008.h5"]
+    assert not (tmp_path / "out" / "manifest.json").exists()
 
     manifest = runner.run(config.validate(cfg("skip")), [], show_progress=False).manifest
     lines = [json.loads(line) for line in (tmp_path / "out" / "rejected.jsonl").read_text().splitlines()]

@@ -8,6 +8,7 @@ resume runs the same command line in-process (``cli.main``), which keeps each ca
 """
 
 import json
+import os
 import random
 import shutil
 import signal
@@ -158,7 +159,9 @@ def test_killed_incremental_run_then_resumed_equals_an_uninterrupted_one(tmp_pat
 def test_killed_multi_process_run_then_resumed_equals_a_clean_run(job):
     root, clean = job
     out = root / "out-multi"
-    config = _config(root, root / "data", out)
+    # The clean run's TensorFlow threads (all cores, one process), which every shard records: the killed run's
+    # workers complete shards before the kill (planning reads headers only) and these are kept.
+    config = _config(root, root / "data", out, {"jacobian": {"batch_size": 4, "threads": os.cpu_count() or 1}})
     args = ["--direct_num_workers", "2", "--direct_running_mode", "multi_processing"]
     _killed_run(config, after=random.Random(11).uniform(4.0, 9.0), args=args)
     _resume(config)

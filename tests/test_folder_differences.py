@@ -3,6 +3,7 @@ and what ``pipeline.folder`` reports of a folder written by another run, with th
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from jacobeam.pipeline import config, plan
-from jacobeam.pipeline.folder import folder_differences, read_folder
+from jacobeam.pipeline.folder import folder_differences, read_folder, stale_shards
 from jacobeam.pipeline.identity import run_identity
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.spec import run_key
@@ -108,17 +109,18 @@ def test_a_folder_written_with_other_model_weights_is_reported(fake_run):
     ]
 
 
-def test_a_folder_computed_from_other_input_data_is_reported(tmp_path):
+def test_a_file_changed_in_place_makes_the_shards_it_feeds_stale_not_the_folder_different(tmp_path):
+    """Its stamp (size, time of the last change) tells: the ids stay, the shards they feed are computed again."""
     data, out = tmp_path / "data", tmp_path / "out"
     write_inputs(data)
     run_with_fake_engine(data, out)  # shards name their input files by path: a run of its own, whose inputs may change
     c = np.load(data / "c.npy")
     np.save(data / "c.npy", c[::-1].copy())  # ids 20..40: the same shape, other samples
-    differences = folder_differences(read_folder(str(out)), _spec(data, out), None)
-    assert differences == [
-        "shards/shard-000000000016-000000000032.h5: computed from other input data (its ids now mean other samples) "
-        "(so do 1 more shards)"
-    ]
+    stat = (data / "c.npy").stat()
+    os.utime(data / "c.npy", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a coarse clock still tells
+    folder, spec = read_folder(str(out)), _spec(data, out)
+    assert folder_differences(folder, spec, None) == []
+    assert stale_shards(folder, spec) == ["shard-000000000016-000000000032.h5", "shard-000000000032-000000000040.h5"]
 
 
 @pytest.mark.parametrize("name, content", [

@@ -1,5 +1,5 @@
 """Shard tiling and id placement (``pipeline.ids``), planned without TensorFlow: drawn by hypothesis,
-ranges cover every id once, within segments, with their rejected ids, and an incremental run keeps
+ranges cover every id once, within segments, and an incremental run keeps
 every old id; and two cases written out."""
 
 from __future__ import annotations
@@ -10,57 +10,32 @@ from hypothesis import strategies as st
 
 from jacobeam.pipeline import ids
 from jacobeam.transforms.inputs.readers import SourceFile
-from jacobeam.transforms.spec import Rejected
 
 
 @st.composite
 def tilings(draw):
-    """Id segments, a shard step, and sorted disjoint rejected runs anywhere on the id line."""
+    """Id segments and a shard step."""
     lengths = draw(st.lists(st.integers(1, 40), min_size=1, max_size=4))
     bounds = np.cumsum([0, *lengths]).tolist()
-    segments = list(zip(bounds[:-1], bounds[1:]))
-    step = draw(st.integers(1, 17))
-    total = bounds[-1]
-    rejected = draw(st.lists(st.booleans(), min_size=total, max_size=total))
-    breaks = draw(st.lists(st.booleans(), min_size=total, max_size=total))  # a run may also end mid-stretch
-    runs, start = [], None
-    for i in range(total + 1):
-        inside = i < total and rejected[i]
-        if start is not None and (not inside or breaks[i]):
-            runs.append(Rejected(f"f{start}", f"bad {start}", 1000 + start, start, i))
-            start = None
-        if inside and start is None:
-            start = i
-    return segments, step, runs
+    return list(zip(bounds[:-1], bounds[1:])), draw(st.integers(1, 17))
 
 
 @settings(max_examples=300, deadline=None)
 @given(tilings())
-def test_shard_ranges_cover_every_id_once_within_segments_with_their_rejected_ids(case):
-    segments, step, runs = case
-    ranges = ids.shard_ranges(segments, step, runs)
+def test_shard_ranges_cover_every_id_once_within_segments(case):
+    segments, step = case
+    ranges = ids.shard_ranges(segments, step)
     total = segments[-1][1]
     covered = np.zeros(total, int)
     for r in ranges:
         covered[r.start : r.stop] += 1
     assert covered.tolist() == [1] * total  # every id of every segment in exactly one range
     assert [r.start for r in ranges] == sorted(r.start for r in ranges)
-    rejected_ids = {i for run in runs for i in range(run.start, run.stop)}
     for r in ranges:
         (lo, hi), = [s for s in segments if s[0] <= r.start < s[1]]
         assert r.stop <= hi  # never across a segment boundary
         assert (r.start - lo) % step == 0 and (r.stop - r.start == step or r.stop == hi)
-        inside = sorted(i for i in rejected_ids if r.start <= i < r.stop)
-        clipped = sorted(i for c in r.rejected for i in range(c.start, c.stop))
-        assert clipped == inside
-        for c in r.rejected:
-            origin = next(run for run in runs if run.start <= c.start < run.stop)
-            assert (c.file, c.reason) == (origin.file, origin.reason) and c.stop <= origin.stop
-            assert c.row == origin.row + (c.start - origin.start)  # the file row follows the id
-        assert r.rows == r.stop - r.start - len(inside)
-        assert [i for lo_, hi_ in r.kept() for i in range(lo_, hi_)] == [
-            i for i in range(r.start, r.stop) if i not in rejected_ids
-        ]
+        assert r.rows == r.stop - r.start
 
 
 def _source(path: str, n: int) -> SourceFile:
@@ -112,12 +87,8 @@ def test_incremental_placement_keeps_every_old_id_and_appends_new_files_sorted(f
 
 
 def test_ranges_tile_each_id_segment_from_its_start():
-    runs = [Rejected("f", "bad", 0, 14, 18), Rejected("f", "bad", 9, 41, 42)]
-    ranges = ids.shard_ranges([(0, 40), (40, 55)], 16, runs)
-    assert [(r.start, r.stop, r.rows) for r in ranges] == [(0, 16, 14), (16, 32, 14), (32, 40, 8), (40, 55, 14)]
-    assert ranges[0].rejected == (Rejected("f", "bad", 0, 14, 16),)
-    assert ranges[1].rejected == (Rejected("f", "bad", 2, 16, 18),)  # split at the boundary, rows follow
-    assert ranges[1].kept() == [(18, 32)]
+    ranges = ids.shard_ranges([(0, 40), (40, 55)], 16)
+    assert [(r.start, r.stop) for r in ranges] == [(0, 16), (16, 32), (32, 40), (40, 55)]
 
 
 def test_old_files_keep_their_ids_and_new_files_go_after_them():
@@ -156,6 +127,6 @@ def test_old_files_keep_their_ids_and_new_files_go_after_them():
     changed = [_source("/d/b", 6), _source("/d/a", 2)]
     _, _, differences = ids.place_files(changed, previous)
     assert differences == [
-        'input file /d/b changed: samples 5 there, 6 now, data sha256 "sha /d/b 5" there, "sha /d/b 6" now',
+        "input file /d/b changed: samples 5 there, 6 now",
         "input file /d/c (ids 5..9 there) is not among this run's inputs",
     ]

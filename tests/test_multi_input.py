@@ -15,8 +15,8 @@ from jacobeam.pipeline import cli, config, runner
 from jacobeam.pipeline.summary import run_summary
 from jacobeam.pipeline.verify import verify
 from jacobeam.transforms.errors import InputError
+from jacobeam.transforms.inputs.checks import RangeFindings, checked_slices
 from jacobeam.transforms.inputs.readers import assign_ids, describe, iter_slices, manifest_sources, open_samples
-from jacobeam.transforms.inputs.scan import scan_file
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop_inputs
 from tests.test_pipeline import folder_state
@@ -97,22 +97,28 @@ def test_slices_are_dicts_of_each_inputs_rows(tmp_path, suffix):
         np.testing.assert_array_equal(np.concatenate([x[name] for _, x, _ in slices]), samples[name][2:9])
 
 
-def test_scan_of_several_inputs_names_the_input_and_does_not_depend_on_slicing(tmp_path):
+def test_checked_reading_of_several_inputs_names_the_input_and_hashes_independently_of_slicing(tmp_path):
     image = np.zeros((6, 4, 4, 1), np.float32)
     meta = np.ones((6, 3))
     meta[2, 1], image[2, 0, 0, 0], image[4, 1, 1, 0] = np.nan, np.inf, np.nan
     _save(tmp_path / "a.npz", {"pixels": image, "side_info": meta})
-    source = describe(str(tmp_path / "a.npz"), _key(".npz"))
+    files = assign_ids([describe(str(tmp_path / "a.npz"), _key(".npz"))])
 
-    scans = [scan_file(source, slice_bytes=size) for size in (1, 100, 1 << 20)]
+    def read(source_files, max_rows):
+        findings = RangeFindings(source_files)
+        kept = [ids for ids, _, _ in checked_slices(source_files, 0, 6, max_rows, findings)]
+        return np.concatenate(kept).tolist(), findings
 
-    assert len({scan.data_sha256 for scan in scans}) == 1
-    assert [(b.row, b.stop_row, b.reason) for b in scans[0].bad] == [
+    found = [read(files, rows) for rows in (1, 2, 100)]
+
+    assert len({findings.digest.hexdigest() for _, findings in found}) == 1
+    assert {tuple(ids) for ids, _ in found} == {(0, 1, 3, 5)}
+    assert [(r.row, r.stop, r.reason) for r in found[0][1].rejected] == [
         (2, 3, "non-finite input image: holds Inf; non-finite input meta: holds NaN"),
         (4, 5, "non-finite input image: holds NaN"),
     ]
-    single = scan_file(describe(str(tmp_path / "a.npz"), "pixels"))
-    assert single.data_sha256 != scans[0].data_sha256  # one input's bytes are not both inputs' bytes
+    single = read(assign_ids([describe(str(tmp_path / "a.npz"), "pixels")]), 100)[1]
+    assert single.digest.hexdigest() != found[0][1].digest.hexdigest()  # one input's bytes are not both inputs'
 
 
 @pytest.mark.parametrize(

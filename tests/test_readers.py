@@ -5,7 +5,6 @@ import io
 import h5py
 import numpy as np
 import pytest
-from apache_beam.pvalue import TaggedOutput
 
 from jacobeam.transforms.errors import InputError
 from jacobeam.transforms.inputs.readers import assign_ids, check_consistent, describe, iter_slices, open_rows
@@ -60,7 +59,7 @@ def test_npy_is_read_in_slices_not_whole(tmp_path, rng, monkeypatch):
             reads.append(size)
             return super().read(size)
 
-    monkeypatch.setattr(storage, "open_input", lambda p: Recording(io.FileIO(p)))
+    monkeypatch.setattr(storage, "open_input", lambda p, headers=False: Recording(io.FileIO(p)))
     with open_rows(path, None) as rows:
         np.testing.assert_array_equal(rows.read(10, 20), array[10:20])
     assert -1 not in reads and max(reads) <= 10 * 50 * 4
@@ -118,7 +117,7 @@ def test_truncated_npy_is_an_error_naming_the_rows(tmp_path, rng):
 def _read_all(spec, shard):
     from jacobeam.transforms.read import ReadShardFn
 
-    batches = [b for b in ReadShardFn(spec).process(shard) if not isinstance(b, TaggedOutput)]  # not rejected runs
+    batches = list(ReadShardFn(spec).process(shard))
     return [(b.ids, b.inputs, b.labels) for b in batches]
 
 
@@ -138,8 +137,9 @@ def _npy_job(tmp_path, batch_size: int, input_: dict | None = None, output: dict
 
 
 def test_native_npy_batches_equal_the_python_slices_across_files_and_rejected_rows(tmp_path, rng, monkeypatch):
-    """Shards that start mid-file, span three files (one float64), skip rejected rows and end on a short
-    batch: both readers give the same batches of the same ids and values."""
+    """Shards that start mid-file, span three files (one float64), reject bad rows and end on a short
+    batch: both readers give the same ids and values, reject the same rows and hash the same bytes (the
+    native reader's batches are filtered after reading, the Python slices before batching)."""
     from jacobeam.transforms import read
 
     data = tmp_path / "data"
@@ -150,23 +150,30 @@ def test_native_npy_batches_equal_the_python_slices_across_files_and_rejected_ro
     for i, array in enumerate(arrays):
         np.save(data / f"part-{i}.npy", array.astype(np.float64 if i == 1 else np.float32))
     spec = _npy_job(tmp_path, 5, {"on_bad_sample": "skip"}, {"samples_per_shard": 16})
-    shards = [shard for shard in spec.ranges() if shard.rows]
-    assert any(shard.rejected for shard in shards) and len(shards) == 3
-    native = {shard.start: _read_all(spec, shard) for shard in shards}
+    shards = spec.ranges()
+    assert len(shards) == 3
+
+    def read_all(shard):
+        findings = read.range_findings(spec)
+        batches = [(b.ids, b.inputs) for b in read.shard_batches(spec, shard, findings)]
+        assert all(len(ids) <= 5 for ids, _ in batches)
+        ids, inputs = (np.concatenate(part) for part in zip(*batches))
+        return ids, inputs, findings.rejected, findings.digest.hexdigest()
+
+    native = {shard.start: read_all(shard) for shard in shards}
     assert all(read._npy_segments(spec, shard) for shard in shards)
     monkeypatch.setattr(read, "_npy_segments", lambda spec, shard: None)
     expected = np.concatenate([a.astype(np.float32) for a in arrays]).astype(np.float32)
     for shard in shards:
-        python = _read_all(spec, shard)
-        assert [len(ids) for ids, _, _ in native[shard.start]] == [len(ids) for ids, _, _ in python]
-        assert len(native[shard.start][-1][0]) <= 5
-        for (ids, inputs, labels), (ids_py, inputs_py, labels_py) in zip(native[shard.start], python):
-            np.testing.assert_array_equal(ids, ids_py)
-            np.testing.assert_array_equal(inputs, inputs_py)
-            np.testing.assert_array_equal(inputs, expected[ids])
-            assert inputs.dtype == np.float32 and (labels == labels_py).all()
-        kept = np.concatenate([ids for ids, _, _ in native[shard.start]])
-        np.testing.assert_array_equal(kept, [i for lo, hi in shard.kept() for i in range(lo, hi)])
+        ids, inputs, rejected, digest = native[shard.start]
+        python = read_all(shard)
+        np.testing.assert_array_equal(ids, python[0])
+        np.testing.assert_array_equal(inputs, python[1])
+        np.testing.assert_array_equal(inputs, expected[ids])
+        assert inputs.dtype == np.float32 and rejected == python[2] and digest == python[3]
+        bad = {5, 26, 27, 28}
+        np.testing.assert_array_equal(ids, [i for i in range(shard.start, shard.stop) if i not in bad])
+        assert [i for r in rejected for i in range(r.start, r.stop)] == sorted(bad & set(range(shard.start, shard.stop)))
 
 
 def test_native_npy_batches_are_whole_across_files_shorter_than_a_batch(tmp_path, rng):
@@ -190,7 +197,9 @@ def test_native_npy_batches_are_whole_across_files_shorter_than_a_batch(tmp_path
     assert all(inputs.dtype == np.float32 and not labels.any() for _, inputs, labels in batches)
 
 
-def test_native_npy_reader_names_a_file_truncated_since_the_plan(tmp_path, rng):
+def test_a_file_truncated_since_the_plan_has_its_missing_rows_rejected(tmp_path, rng):
+    """The native reader leaves a file shorter than planned to the Python slices, which name each row
+    past the end (here under on_bad_sample: error, the first)."""
 
     data = tmp_path / "data"
     data.mkdir()
@@ -198,7 +207,7 @@ def test_native_npy_reader_names_a_file_truncated_since_the_plan(tmp_path, rng):
     spec = _npy_job(tmp_path, 5)
     with open(data / "x.npy", "r+b") as stream:
         stream.truncate(stream.seek(0, 2) - 48)  # the last row, gone
-    with pytest.raises(InputError, match=r"x\.npy: truncated: rows 0\.\.12 .* changed during the run"):
+    with pytest.raises(InputError, match=r"x\.npy: row 11: truncated: the row is past the end of the data \(input"):
         _read_all(spec, spec.ranges()[0])
 
 

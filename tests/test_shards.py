@@ -175,7 +175,7 @@ def test_a_later_commit_returns_at_once_and_its_future_gives_the_checksum(tmp_pa
     batches, jacobian, _ = _batches(rng)
     release = threading.Event()
     finish = ShardWriter._finish
-    monkeypatch.setattr(ShardWriter, "_finish", lambda self: (release.wait(), finish(self)))
+    monkeypatch.setattr(ShardWriter, "_finish", lambda self, rows: (release.wait(), finish(self, rows)))
     with ShardWriter(str(tmp_path), 0, 40, {}) as writer:
         for first, arrays in batches:
             writer.write(first, arrays)
@@ -283,7 +283,7 @@ def test_chunks_written_while_other_threads_use_hdf5_are_complete(tmp_path):
                     rows = shard_writer._Rows(dataset, np.dtype("f4"))
                     for i in range(64):
                         rows.write(i * 32, np.full((32, 256), i, "f4"))
-                    rows.close()
+                    rows.close(64 * 32)
         except BaseException as err:  # noqa: B036 - reported by the assertion below
             errors.append(err)
 

@@ -82,7 +82,7 @@ def test_tensorflow_threads_are_the_cores_split_between_worker_processes(tmp_pat
 def test_each_worker_process_gets_one_run_of_consecutive_shards_of_about_equal_samples(sizes, processes, runs):
     starts = np.cumsum([0, *sizes])
     ranges = [ShardRange(int(start), int(stop)) for start, stop in zip(starts, starts[1:])]
-    items = runner.work_items(SimpleNamespace(stored_ranges=lambda: ranges), processes)
+    items = runner.work_items(SimpleNamespace(ranges=lambda: ranges), processes)
     if processes is None:
         assert items == ranges
         return

@@ -20,7 +20,7 @@ import numpy as np
 from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import AGGREGATES
-from jacobeam.transforms.output.shards import read_attrs, shard_path
+from jacobeam.transforms.output.shards import ShardRecord, read_attrs, shard_path
 from jacobeam.transforms.spec import JobSpec
 
 PARTIALS = "partial_aggregates"  # the group in each shard that keeps its partial sums
@@ -108,20 +108,21 @@ class AggregateFn(beam.CombineFn):
         return value(max(0, (self._leaves - 1).bit_length()), 0)
 
 
-def combine_shards(spec: JobSpec) -> Partial | None:
-    """Every stored shard's partial sums, read from its file in id order and combined along
-    ``AggregateFn``'s tree (O(log n) of them in memory); None for a job without aggregates."""
+def combine_shards(spec: JobSpec, records: Sequence[ShardRecord]) -> Partial | None:
+    """The partial sums of every shard that holds rows (``records`` in id order), read from its file and
+    combined along ``AggregateFn``'s tree (O(log n) of them in memory); None for a job without
+    aggregates. A shard whose samples were all rejected adds nothing."""
     if not spec.engine.aggregate:
         return None
-    ranges = spec.stored_ranges()
-    fn = AggregateFn(len(ranges))
+    stored = [record for record in records if record.num_samples]
+    fn = AggregateFn(len(stored))
     nodes = fn.create_accumulator()
-    for position, shard in enumerate(ranges):
-        fn.add_input(nodes, (position, read_partial(shard_path(spec.output_dir, shard.start, shard.stop))))
+    for position, record in enumerate(stored):
+        fn.add_input(nodes, (position, read_partial(shard_path(spec.output_dir, record.start, record.stop))))
     return fn.extract_output(nodes)
 
 
-def write_aggregates(sums: Partial | None, spec: JobSpec) -> dict[str, Any]:
+def write_aggregates(sums: Partial | None, spec: JobSpec, records: Sequence[ShardRecord] = ()) -> dict[str, Any]:
     """Write ``aggregates.h5`` (``mean``, ``mean_abs`` ``(*rows, *input_shape)`` where rows are the
     output shape or the ``k`` selected rows, ``jtj`` ``(d, d)``, ``count``) atomically; returns what
     the manifest records about it."""
@@ -129,7 +130,7 @@ def write_aggregates(sums: Partial | None, spec: JobSpec) -> dict[str, Any]:
 
     if sums is None:
         return {}
-    first = spec.stored_ranges()[0]
+    first = next(record for record in records if record.num_samples)
     output_shape = tuple(int(d) for d in read_attrs(shard_path(spec.output_dir, first.start, first.stop))["output_shape"])
     rows_shape = output_shape if spec.engine.outputs.count is None else (spec.engine.outputs.count,)
     output_dir, input_shape = spec.output_dir, spec.sample_shape

@@ -199,6 +199,7 @@ class ComputeJacobiansFn(beam.DoFn):
                         "model_identity": getattr(engine, "model_identity", None)},
                 worker={"pid": os.getpid(), "engine_builds": _engine_builds[self._run]},
                 checks=self._check(part, datasets),
+                read=part.read,
             )
 
     def _check(self, part: SampleBatch, datasets: dict) -> list[dict] | None:

@@ -13,9 +13,19 @@ from typing import Any
 
 import numpy as np
 
-from jacobeam.transforms.spec import ShardRange
+from jacobeam.transforms.spec import Rejected, ShardRange
 
 Inputs = np.ndarray | dict[str, np.ndarray]  # (n, *input_shape), or per input name for several inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class RangeRead:
+    """What reading a planned range found (``transforms.inputs.checks.RangeFindings`` as plain data): its
+    rejected samples and the sha256 of the samples kept. ``ReadSamples`` sets it on a range's last batch,
+    ``ComputeJacobians`` hands it on, ``WriteShards`` stores it in the range's shard."""
+
+    rejected: tuple[Rejected, ...]
+    samples_sha256: str
 
 
 @dataclasses.dataclass
@@ -31,6 +41,7 @@ class SampleBatch:
     inputs: Inputs
     labels: np.ndarray | None = None
     shard: ShardRange | None = None
+    read: RangeRead | None = None  # on a planned range's last batch: what reading the range found
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -57,6 +68,7 @@ class JacobianBatch:
     engine: dict[str, Any] | None = None
     worker: dict[str, int] | None = None
     checks: list[dict[str, Any]] | None = None
+    read: RangeRead | None = None  # on a planned range's last batch (``SampleBatch.read``)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -95,4 +107,5 @@ def take(batch: SampleBatch, lo: int, hi: int) -> SampleBatch:
     """Samples ``lo..hi`` of a batch."""
     inputs = {k: v[lo:hi] for k, v in batch.inputs.items()} if isinstance(batch.inputs, dict) else batch.inputs[lo:hi]
     labels = None if batch.labels is None else batch.labels[lo:hi]
-    return SampleBatch(ids=batch.ids[lo:hi], inputs=inputs, labels=labels, shard=batch.shard)
+    read = batch.read if hi >= len(batch) else None  # with the range's last samples
+    return SampleBatch(ids=batch.ids[lo:hi], inputs=inputs, labels=labels, shard=batch.shard, read=read)

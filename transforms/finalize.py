@@ -1,5 +1,6 @@
-"""The last step of a job: check that the shards and the rejected samples cover every id exactly once,
-then write ``jacobians.h5``, ``rejected.jsonl`` and ``manifest.json``.
+"""The last step of a job: check that the shards and the rejected samples (which each shard lists for
+its range) cover every id exactly once, then write ``jacobians.h5``, ``rejected.jsonl`` and
+``manifest.json``.
 
 Each file is written under a temporary name and renamed into place, so a reader (or the next run) sees
 the old file or the new one, never half of one (in a remote folder: written locally, copied to the
@@ -27,7 +28,7 @@ from apache_beam.typehints.decorators import no_annotations
 
 from jacobeam.transforms import model_identity, self_check
 from jacobeam.transforms.aggregates import PARTIALS, combine_shards, write_aggregates
-from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.errors import InputError, OutputError
 from jacobeam.transforms.inputs.readers import shape_record
 from jacobeam.transforms.output import claim, storage
 from jacobeam.transforms.output.layout import (
@@ -35,6 +36,7 @@ from jacobeam.transforms.output.layout import (
     MANIFEST,
     NONFINITE,
     REJECTED_FILE,
+    REJECTED_GROUP,
     SHARDS_DIR,
     VIEW,
     is_folder_temp,
@@ -98,7 +100,7 @@ def write_virtual_view(output_dir: str, records: Sequence[ShardRecord]) -> dict[
     fields: dict[str, tuple] = {}
 
     def per_sample(name: str, item) -> None:
-        if isinstance(item, h5py.Dataset) and not name.startswith(f"{PARTIALS}/"):
+        if isinstance(item, h5py.Dataset) and name.split("/")[0] not in (PARTIALS, REJECTED_GROUP):
             fields[name] = (item.shape[1:], item.dtype)
 
     with storage.open_h5(storage.join(output_dir, records[0].file)) as first:
@@ -178,7 +180,8 @@ def build_manifest(
     rejected: Sequence[Rejected] = (),
     rejected_sha256: str | None = None,
 ) -> dict[str, Any]:
-    attrs = read_attrs(storage.join(spec.output_dir, records[0].file))
+    first = next((record for record in records if record.num_samples), records[0])
+    attrs = read_attrs(storage.join(spec.output_dir, first.file))
     wall = time.time() - spec.started_at
     computed = sum(record.num_samples for record in records if record.computed)
     stored = sum(record.num_samples for record in records)
@@ -196,7 +199,7 @@ def build_manifest(
         "input_shape": shape_record(spec.sample_shape),  # a list, or {input name: list} for several inputs
         "output_shape": [int(d) for d in attrs["output_shape"]],
         "dtype": str(attrs["dtype"]),
-        "model_fingerprint": records[0].model_fingerprint,
+        "model_fingerprint": first.model_fingerprint,
         # What the engine ran and why, as the first worker that computed a shard reported it (None when
         # every shard was kept from an earlier attempt).
         "engine": next((record.engine for record in records if record.engine), None),
@@ -331,27 +334,32 @@ def write_manifest(output_dir: str, manifest: dict[str, Any]) -> None:
 
 
 def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
-    """Check that ``records`` and the plan's rejected samples cover every id once, then write
+    """Check that ``records`` and their rejected samples (and the plan's unreadable files) cover every id
+    once, then write
     ``aggregates.h5`` (from the partial sums stored in the shards, if the job asks for aggregates),
     ``jacobians.h5``, ``rejected.jsonl`` and, last, ``manifest.json``; returns the manifest."""
     if spec.open_ended:  # a user's pipeline: ids 0..n-1, n known now
         count = max((record.stop for record in records), default=0)
         spec = dataclasses.replace(spec, files=(dataclasses.replace(spec.files[0], num_samples=count),))
-    rejected = spec.rejected()
+    rejected = [*spec.file_rejects, *(run for record in records for run in record.rejected)]
     ordered = check_coverage(records, spec.num_samples, rejected)
+    stored = [record for record in ordered if record.num_samples]
+    if not stored:
+        raise InputError(f"input.paths: all {spec.num_samples} samples are rejected; nothing to compute "
+                         f"({rejected[0].file}: row {rejected[0].row}: {rejected[0].reason}, ...)")
     versions = check_shards(ordered, spec)
     if versions:  # a worker image other than the launcher's: the numbers may differ in the last bits
         log.warning("%d shard(s) computed with other library versions than this process's (the manifest's "
                     "versions): %s%s", len(versions), versions[0], ", ..." if len(versions) > 1 else "")
-    weights = sorted({record.model_fingerprint for record in ordered})
+    weights = sorted({record.model_fingerprint for record in stored})
     if len(weights) > 1:  # worker processes that each loaded the model (runner.launcher_loads_model)
         raise OutputError(
             f"the shards were computed with {len(weights)} different model weights (fingerprints "
             + ", ".join(f"{w[:16]}…" for w in weights) + "): the model must load the same weights in every "
             "process (a factory: seed its initializers)"
         )
-    summary = write_aggregates(combine_shards(spec), spec)
-    fields = write_virtual_view(spec.output_dir, ordered)
+    summary = write_aggregates(combine_shards(spec, ordered), spec, ordered)
+    fields = write_virtual_view(spec.output_dir, stored)
     rejected_sha256 = write_rejected(spec.output_dir, rejected)
     # Its own only: at its end a run answers for its own files (the next run's start removes a killed run's).
     remove_temp_files(spec.output_dir, spec.run_id)
@@ -374,7 +382,8 @@ class Finalize(beam.PTransform):
 
     The records, each under one and the same key, meet in a ``GroupByKey`` (every runner groups; no side
     input, no combiner lifting needed), and ``finalize`` runs once on all of them. Rejected samples come
-    from the plan (``spec``), the aggregates from the partial sums stored in the shards.
+    from the records (each shard lists those of its range) and the plan (files that cannot be opened),
+    the aggregates from the partial sums stored in the shards.
     """
 
     def __init__(self, spec: JobSpec):

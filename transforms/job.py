@@ -6,12 +6,16 @@ engine of ``ComputeJacobiansFn``, built once per worker process) and streams the
 records travel, so however a runner hands elements from step to step (Dask's DaskRunner collects a
 step's outputs for a whole partition in a list), no more than a few batches of a shard are in memory,
 and every record comes out of ``process`` (never out of ``finish_bundle``, whose outputs not every
-runner keeps). A range whose shard is already complete on disk is not read: its shard is kept, after
-checking that this run wrote it.
+runner keeps). Reading checks each sample (``transforms.inputs.checks``): the bad ones are left out
+and listed in the shard (``input.on_bad_sample: skip``), or the first one stops the job with one line
+naming file and row (``error``; the shards already complete stay, and a rerun keeps them). A range
+whose shard is already complete on disk is not read: its shard is kept, after checking that this run
+wrote it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -19,11 +23,12 @@ import apache_beam as beam
 from apache_beam.typehints.decorators import no_annotations
 
 from jacobeam.transforms.compute import ComputeJacobiansFn, EngineFactory
+from jacobeam.transforms.errors import InputError
 from jacobeam.transforms.metrics import ShardMetrics
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import ENGINE_PLAN
 from jacobeam.transforms.output.shards import ShardRecord, proven_checksum, shard_path
-from jacobeam.transforms.read import shard_batches
+from jacobeam.transforms.read import range_findings, shard_batches
 from jacobeam.transforms.spec import JobSpec, ShardRange
 from jacobeam.transforms.write import ShardOutput, kept_record
 
@@ -63,17 +68,17 @@ class ComputeShardFn(ComputeJacobiansFn):
         committing: ShardOutput | None = None  # the shard whose commit is in flight
         try:
             for shard in [work] if isinstance(work, ShardRange) else work:
-                if shard.rows == 0:  # every sample of the range was rejected: no shard
-                    continue
                 checksums = proven_checksum(shard_path(spec.output_dir, shard.start, shard.stop))
                 if checksums is not None:
                     self._shard_metrics.kept.inc()
-                    yield kept_record(spec, shard, checksums)
+                    yield _no_bad_samples(spec, kept_record(spec, shard, checksums))
                     continue
                 if self._engine is None:
                     super().setup()
+                outputs = getattr(self._engine, "output_shape", None)
+                findings = range_findings(spec, None if outputs is None else math.prod(outputs))
                 output = ShardOutput(spec, shard, self._shard_metrics)
-                for samples in shard_batches(spec, shard):
+                for samples in shard_batches(spec, shard, findings):
                     for jacobians in super().process(samples):
                         output.add(jacobians)
                     if committing is not None and committing.committed():
@@ -81,7 +86,7 @@ class ComputeShardFn(ComputeJacobiansFn):
                         committing = None
                 if committing is not None:
                     yield committing.record()
-                output.commit_later()
+                output.commit_later(findings)
                 committing, output = output, None
             if committing is not None:
                 yield committing.record()
@@ -90,6 +95,18 @@ class ComputeShardFn(ComputeJacobiansFn):
             for left in (output, committing):
                 if left is not None:
                     left.__exit__(None, None, None)
+
+
+def _no_bad_samples(spec: JobSpec, record: ShardRecord) -> ShardRecord:
+    """A kept shard's record; under ``on_bad_sample: error``, one that lists rejected samples (a ``skip``
+    run wrote it) stops the job as its first bad sample would have."""
+    if spec.on_bad_sample == "error" and record.rejected:
+        first = record.rejected[0]
+        raise InputError(
+            f"{first.file}: row {first.row}: {first.reason} (input.on_bad_sample is error; set it to skip to "
+            f"leave bad samples out; {record.file} lists it, written by a run under skip)"
+        )
+    return record
 
 
 class ComputeShards(beam.PTransform):

@@ -5,8 +5,11 @@ slices, rebatched across file boundaries, prefetched so that reading overlaps th
 downstream). Local ``.npy`` files are read by TensorFlow's own ``FixedLengthRecordDataset``, one record
 per batch, whose bytes numpy takes as they are: no Python per batch beyond that, and no ``tf.data``
 function to trace per range (faster end to end: benchmarks/README.md); other files are read in slices
-in Python (``readers.iter_slices``) and handed over through ``Dataset.from_generator``. Samples that
-the plan rejected (``input.on_bad_sample: skip``) are never read.
+in Python (``checks.checked_slices``) and handed over through ``Dataset.from_generator``. Every sample
+is checked as it is read (``transforms.inputs.checks``): a bad one (NaN/Inf, unreadable, a label that is
+not an output index) is left out and recorded in the range's ``RangeFindings``, which also hashes the
+samples kept; under ``input.on_bad_sample: error`` the first one stops the range with one line naming
+file and row.
 
 ``jacobeam run`` reads inside ``ComputeShards`` (``transforms.job``: read, compute and write one range
 per element); ``ReadSamples`` is the same reading as a transform of its own, for a pipeline of your own.
@@ -22,24 +25,36 @@ import apache_beam as beam
 import numpy as np
 from apache_beam.typehints.decorators import no_annotations
 
-from jacobeam.transforms.elements import SampleBatch
-from jacobeam.transforms.errors import InputError
+from jacobeam.transforms.elements import RangeRead, SampleBatch
 from jacobeam.transforms.inputs import arrays
-from jacobeam.transforms.inputs.readers import as_dtype, iter_slices, nonfinite_rows, row_bytes, tensor_spec
+from jacobeam.transforms.inputs.checks import Labels, RangeFindings, checked_slices
+from jacobeam.transforms.inputs.readers import as_dtype, row_bytes, tensor_spec
 from jacobeam.transforms.inputs.registry import file_format
 from jacobeam.transforms.inputs.types import Samples, SourceFile
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.spec import JobSpec, ShardRange
 
 
-def shard_batches(spec: JobSpec, shard: ShardRange) -> Iterator[SampleBatch]:
-    """The range's kept samples as ``SampleBatch``es of at most ``spec.engine.batch_size`` (only the last
-    one shorter), in id order, read by ``tf.data``."""
+def range_findings(spec: JobSpec, outputs: int | None = None) -> RangeFindings:
+    """A range's ``RangeFindings`` under the job's ``on_bad_sample``; labels (``outputs: label``) are checked
+    against ``outputs``, the model's output size (None: integral and non-negative only)."""
+    labels = Labels(spec.label_key, outputs) if spec.engine.outputs.rule == "label" and spec.label_key else None
+    return RangeFindings(spec.files, spec.on_bad_sample, labels)
+
+
+def shard_batches(spec: JobSpec, shard: ShardRange, findings: RangeFindings | None = None) -> Iterator[SampleBatch]:
+    """The range's good samples as ``SampleBatch``es of at most ``spec.engine.batch_size``, in id order,
+    read by ``tf.data``; the bad ones and the digest of the good ones go to ``findings`` (a new one if
+    None). Raises the ``InputError`` of the first bad sample under ``on_bad_sample: error``."""
+    findings = range_findings(spec) if findings is None else findings
     segments = _npy_segments(spec, shard)
-    batches = _native(spec, segments) if segments is not None else _tensors(_dataset(spec, shard))
+    batches = _native(spec, segments, findings) if segments is not None else _tensors(_dataset(spec, shard, findings))
     for ids, inputs, labels in batches:
-        _check_finite(spec, ids, inputs)
+        if findings.error is not None:
+            break
         yield SampleBatch(ids=ids, inputs=inputs, labels=labels, shard=shard)
+    if findings.error is not None:
+        raise findings.error
 
 
 def _tensors(dataset) -> Iterator[tuple[np.ndarray, Samples, np.ndarray]]:
@@ -49,9 +64,9 @@ def _tensors(dataset) -> Iterator[tuple[np.ndarray, Samples, np.ndarray]]:
         yield np.asarray(ids), inputs, np.asarray(labels)
 
 
-def _dataset(spec: JobSpec, shard: ShardRange):
-    """tf.data over the range's kept samples (any format); only the range's last batch can be short."""
-    return _light(_from_generator(spec, shard).rebatch(spec.engine.batch_size))
+def _dataset(spec: JobSpec, shard: ShardRange, findings: RangeFindings):
+    """tf.data over the range's good samples (any format); only the range's last batch can be short."""
+    return _light(_from_generator(spec, shard, findings).rebatch(spec.engine.batch_size))
 
 
 def _light(dataset):
@@ -72,28 +87,38 @@ def _light(dataset):
 @beam.typehints.with_input_types(ShardRange)
 @beam.typehints.with_output_types(SampleBatch)
 class ReadShardFn(beam.DoFn):
-    """``ShardRange -> SampleBatch...``: the range's kept samples (``shard_batches``)."""
+    """``ShardRange -> SampleBatch...``: the range's good samples (``shard_batches``)."""
 
     def __init__(self, spec: JobSpec):
         self._spec = spec
 
     @no_annotations
     def process(self, shard: ShardRange) -> Iterator[SampleBatch]:
-        yield from shard_batches(self._spec, shard)
+        findings, last = range_findings(self._spec), None
+        for batch in shard_batches(self._spec, shard, findings):
+            if last is not None:
+                yield last
+            last = batch
+        if last is not None:  # the range's last batch carries what reading it found
+            yield dataclasses.replace(last, read=RangeRead(tuple(findings.rejected), findings.samples_sha256))
 
 
-def _from_generator(spec: JobSpec, shard: ShardRange):
-    """Any input format: slices read in Python (``iter_slices``), handed to ``tf.data``."""
+def _from_generator(spec: JobSpec, shard: ShardRange, findings: RangeFindings):
+    """Any input format: slices read and checked in Python (``checked_slices``), handed to ``tf.data``.
+    An error of the reading is kept in ``findings`` (``error``) and ends the slices: raised in the
+    generator, tf.data would hand it on as one of its own."""
     import tensorflow as tf
 
     dtype, batch_size = spec.engine.compute_dtype, spec.engine.batch_size
     label_key = spec.label_key if spec.engine.outputs.rule == "label" else None
 
     def slices():
-        for lo, hi in shard.kept():
-            for ids, samples, labels in iter_slices(spec.files, lo, hi, batch_size, label_key):
+        try:
+            for ids, samples, labels in checked_slices(spec.files, shard.start, shard.stop, batch_size, findings, label_key):
                 labels = np.zeros(len(ids)) if labels is None else labels.astype(np.float64)
                 yield ids, as_dtype(samples, dtype), labels
+        except Exception as err:  # noqa: BLE001 - raised again by shard_batches, in the caller's thread
+            findings.error = err
 
     # Samples are one tensor, or a dict of tensors by input name (a model with several inputs).
     signature = (
@@ -115,30 +140,33 @@ class _Segment:
 
 
 def _npy_segments(spec: JobSpec, shard: ShardRange) -> list[_Segment] | None:
-    """The range's kept samples as segments of local ``.npy`` files whose rows can be read as raw records,
-    or None where some are not (other formats, remote files, labels, dtypes other than plain numbers)."""
+    """The range's samples as segments of local ``.npy`` files whose rows can be read as raw records,
+    or None where some are not (other formats, remote files, labels, dtypes other than plain numbers, a
+    file that ends before the range's rows: the Python reader finds which rows are missing)."""
     if spec.engine.outputs.rule == "label":
         return None
     segments: list[_Segment] = []
-    for lo, hi in shard.kept():
-        for source in spec.files:
-            start, stop = max(lo, source.first_id), min(hi, source.stop_id)
-            if start >= stop:
-                continue
-            if source.key is not None or file_format(source.path) != "npy" or not storage.is_local(source.path):
-                return None
-            offset = arrays.npy_data_offset(source.path)
-            if offset is None:
-                return None
-            segments.append(_Segment(source, offset, start, stop))
+    for source in spec.files:
+        start, stop = max(shard.start, source.first_id), min(shard.stop, source.stop_id)
+        if start >= stop:
+            continue
+        if source.key is not None or file_format(source.path) != "npy" or not storage.is_local(source.path):
+            return None
+        offset = arrays.npy_data_offset(source.path)
+        if offset is None or os.path.getsize(source.path) < offset + (stop - source.first_id) * row_bytes(source):
+            return None
+        segments.append(_Segment(source, offset, start, stop))
     return segments
 
 
-def _native(spec: JobSpec, segments: list[_Segment]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _native(
+    spec: JobSpec, segments: list[_Segment], findings: RangeFindings
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """The segments' rows read by TensorFlow's own reader: each segment a ``FixedLengthRecordDataset``
     whose records end where the range's batches do, so that a record is a batch (or, where a batch spans
     files, a part of one, joined here). A record's bytes are its rows (``np.frombuffer``, no copy); a
-    ``map`` decoding them in the dataset was a function traced for every range (~20 ms each)."""
+    ``map`` decoding them in the dataset was a function traced for every range (~20 ms each). Each
+    batch's rows are checked and hashed as read (``findings.keep``): a batch may come out shorter."""
     dtype, batch_size, shape = np.dtype(spec.engine.compute_dtype), spec.engine.batch_size, tuple(spec.sample_shape)
     pieces: list[tuple[int, int, np.dtype]] = []  # each record's first id, rows and file dtype, in order
     datasets, filled = [], 0  # filled: rows of the batch under way when a segment begins
@@ -157,12 +185,16 @@ def _native(spec: JobSpec, segments: list[_Segment]) -> Iterator[tuple[np.ndarra
     parts: list[tuple[np.ndarray, np.ndarray]] = []  # the batch under way, when it spans records
     held, last = 0, len(pieces) - 1
     for k, (record, (first, rows, file_dtype)) in enumerate(zip(_light(dataset), pieces, strict=True)):
-        values = np.frombuffer(record.numpy(), file_dtype).reshape((rows, *shape)).astype(dtype, copy=False)
-        parts.append((np.arange(first, first + rows, dtype=np.int64), values))
+        values = np.frombuffer(record.numpy(), file_dtype).reshape((rows, *shape))
+        ids, values, _ = findings.keep(np.arange(first, first + rows, dtype=np.int64), values)
+        parts.append((ids, values.astype(dtype, copy=False)))
         held += rows
+        if findings.error is not None:
+            return
         if held == batch_size or k == last:
             ids, values = parts[0] if len(parts) == 1 else (np.concatenate(part) for part in zip(*parts))
-            yield ids, values, np.zeros(len(ids))
+            if len(ids):
+                yield ids, values, np.zeros(len(ids))
             parts, held = [], 0
 
 
@@ -175,11 +207,6 @@ def _records(segment: _Segment, batch_size: int, head: int):
     row = row_bytes(source)
     first, last = segment.start - source.first_id, segment.stop - source.first_id
     size = os.path.getsize(source.path)
-    if size < segment.offset + last * row:
-        raise InputError(
-            f"{source.path}: truncated: rows {first}..{last} are past the end of the data, which they were "
-            "not when the run was planned; the input file changed during the run"
-        )
     head = min(head, last - first)
     full, tail = divmod(last - first - head, batch_size)
     records, sizes, begin = None, [], first
@@ -197,18 +224,6 @@ def _records(segment: _Segment, batch_size: int, head: int):
     return records, sizes
 
 
-def _check_finite(spec: JobSpec, ids: np.ndarray, samples: Samples) -> None:
-    """The plan scanned every input; a non-finite sample it did not reject means the file changed since."""
-    bad = nonfinite_rows(samples)
-    if bad.any():
-        sample_id = int(ids[int(np.argmax(bad))])
-        source = next(f for f in spec.files if f.first_id <= sample_id < f.stop_id)
-        raise InputError(
-            f"{source.path}: row {sample_id - source.first_id} (sample id {sample_id}) holds NaN or Inf but "
-            "did not when the run was planned; the input file changed during the run"
-        )
-
-
 class ReadSamples(beam.PTransform):
     """``PBegin -> PCollection[SampleBatch]``: the samples of a planned job, read from its files.
 
@@ -222,12 +237,13 @@ class ReadSamples(beam.PTransform):
     Returns:
         ``SampleBatch`` elements of at most ``spec.engine.batch_size`` samples, each within one shard
         (``SampleBatch.shard``): ``ids`` ``(n,)`` int64, ``inputs`` ``(n, *sample_shape)`` in the compute
-        dtype (``{input name: array}`` for several inputs), ``labels`` ``(n,)``. Samples the plan
-        rejected are left out (``spec.rejected()`` lists them).
+        dtype (``{input name: array}`` for several inputs), ``labels`` ``(n,)``. Bad samples
+        (``transforms.inputs.checks``) are left out under ``input.on_bad_sample: skip``: a range's last
+        batch carries them and the digest of the samples kept (``SampleBatch.read``), which
+        ``ComputeJacobians`` hands on and ``WriteShards`` stores in the range's shard.
 
     Raises:
-        InputError, CorruptInputError: (in the workers) an input file that changed since the plan, or
-            a bad sample under ``input.on_bad_sample: error``.
+        InputError: (in the workers) a bad sample under ``input.on_bad_sample: error``.
     """
 
     def __init__(self, spec: JobSpec):
@@ -237,7 +253,7 @@ class ReadSamples(beam.PTransform):
     def expand(self, pbegin):
         return (
             pbegin
-            | "ShardRanges" >> beam.Create(self._spec.stored_ranges())
+            | "ShardRanges" >> beam.Create(self._spec.ranges())
             | "Spread" >> beam.Reshuffle()
             | "Read" >> beam.ParDo(ReadShardFn(self._spec)).with_output_types(SampleBatch)
         )

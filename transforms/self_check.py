@@ -69,13 +69,12 @@ REFERENCE_BUDGET = 2**30
 
 
 def chosen_ids(shard: ShardRange, samples: int) -> np.ndarray:
-    """The ids a shard checks: ``samples`` of its stored ids (all of them if it has fewer), increasing."""
+    """The ids a shard checks: ``samples`` of its range's ids (all of them if it has fewer), increasing;
+    one whose sample the reading rejects is not checked (which ids are bad is known only once read)."""
     if samples <= 0 or shard.rows <= 0:
         return np.zeros(0, np.int64)
     rng = np.random.default_rng((SEED, shard.start))
-    positions = np.sort(rng.choice(shard.rows, size=min(samples, shard.rows), replace=False))
-    ids = np.concatenate([np.arange(lo, hi, dtype=np.int64) for lo, hi in shard.kept()])
-    return ids[positions]
+    return shard.start + np.sort(rng.choice(shard.rows, size=min(samples, shard.rows), replace=False)).astype(np.int64)
 
 
 def rounded(value: float) -> float | str:

@@ -60,15 +60,6 @@ class Rejected:
     def num_samples(self) -> int:
         return 0 if self.start is None else self.stop - self.start
 
-    def clip(self, lo: int, hi: int) -> Rejected | None:
-        """The part of this run of samples with ids in ``[lo, hi)``, or None."""
-        if self.start is None:
-            return None
-        start, stop = max(lo, self.start), min(hi, self.stop)
-        if start >= stop:
-            return None
-        return dataclasses.replace(self, row=self.row + start - self.start, start=start, stop=stop)
-
     def lines(self) -> Iterator[dict[str, Any]]:
         """One ``rejected.jsonl`` record per sample (one for a file without ids)."""
         if self.start is None:
@@ -165,29 +156,18 @@ class SelfCheck:
 class ShardRange:
     """Sample ids ``[start, stop)``: one Beam element, one shard.
 
-    ``rejected`` lists the samples of the range that the plan rejected: they are not read, the shard
-    holds only the others (``rows`` of them), and the compute step sends them to its dead-letter output.
-    A range whose samples are all rejected has no shard.
+    Which of its samples are bad is found by the worker that reads the range
+    (``transforms.inputs.checks``): the shard holds the others, and lists the bad ones (its
+    ``ShardRecord.rejected``). A range whose samples are all rejected has a shard of no rows.
     """
 
     start: int
     stop: int
-    rejected: tuple[Rejected, ...] = ()
 
     @property
     def rows(self) -> int:
-        return self.stop - self.start - sum(r.num_samples for r in self.rejected)
-
-    def kept(self) -> list[tuple[int, int]]:
-        """The id intervals of the range that are not rejected, in order."""
-        intervals, lo = [], self.start
-        for rejected in sorted(self.rejected, key=lambda r: r.start):
-            if rejected.start > lo:
-                intervals.append((lo, rejected.start))
-            lo = max(lo, rejected.stop)
-        if lo < self.stop:
-            intervals.append((lo, self.stop))
-        return intervals
+        """The range's ids: the most rows its shard can hold."""
+        return self.stop - self.start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +183,7 @@ class JobSpec:
     label_key: str | None = None  # the array of per-sample labels in each input file (outputs: label)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the resolved config, for the manifest
     started_at: float = 0.0
-    # Set by the planner (pipeline.plan); the defaults describe a fresh run without bad samples.
+    # Set by the planner (pipeline.plan); the defaults describe a fresh run.
     shard_ranges: tuple[ShardRange, ...] = ()  # empty: consecutive ranges of samples_per_shard from id 0
     file_rejects: tuple[Rejected, ...] = ()  # files that could not be opened at all (they have no ids)
     id_segments: tuple[tuple[int, int], ...] = ()  # id ranges added by successive (incremental) runs
@@ -221,6 +201,8 @@ class JobSpec:
     # This run's id (hex; its lease's), carried by its temporary files' names: at its end a run removes
     # only its own.
     run_id: str = ""
+    # input.on_bad_sample: "skip" leaves bad samples out and lists them; "error" stops the job at the first.
+    on_bad_sample: Literal["error", "skip"] = "error"
 
     @property
     def sample_shape(self) -> Shape:
@@ -237,27 +219,22 @@ class JobSpec:
         step = self.samples_per_shard
         return [ShardRange(lo, min(lo + step, self.num_samples)) for lo in range(0, self.num_samples, step)]
 
-    def stored_ranges(self) -> list[ShardRange]:
-        """The ranges that have a shard: all but those whose samples were all rejected."""
-        return [r for r in self.ranges() if r.rows]
 
-    def shard_positions(self) -> dict[int, int]:
-        """Each stored shard's place among the stored shards, by its first id: its leaf in the
-        aggregates tree."""
-        return {shard.start: i for i, shard in enumerate(self.stored_ranges())}
-
-    def rejected(self) -> list[Rejected]:
-        """Every rejected sample run (and unreadable file) of the plan."""
-        return [*self.file_rejects, *(r for shard in self.ranges() for r in shard.rejected)]
+def _overlapping(files: tuple[SourceFile, ...] | list[SourceFile], start: int, stop: int) -> list[SourceFile]:
+    return [f for f in files if f.num_samples and f.first_id < stop and start < f.stop_id]
 
 
 def shard_inputs(files: tuple[SourceFile, ...] | list[SourceFile], start: int, stop: int) -> list[list[Any]]:
-    """The input files whose ids overlap ``[start, stop)``: ``[path, key, first_id, num_samples, data_sha256]``.
+    """The input files whose ids overlap ``[start, stop)``: ``[path, key, first_id, num_samples, data_sha256]``
+    (``data_sha256`` None since the plan reads headers only; a shard written before lists its file's).
 
     A shard stores this, so that a later run can tell whether the shard's ids still mean the same samples.
     """
-    return [
-        [f.path, f.key, f.first_id, f.num_samples, f.data_sha256]
-        for f in files
-        if f.num_samples and f.first_id < stop and start < f.stop_id
-    ]
+    return [[f.path, f.key, f.first_id, f.num_samples, f.data_sha256] for f in _overlapping(files, start, stop)]
+
+
+def input_stamps(files: tuple[SourceFile, ...] | list[SourceFile], start: int, stop: int) -> dict[str, str | None]:
+    """The stamps (``SourceFile.stamp``: size and time of the last change) of the input files whose ids
+    overlap ``[start, stop)``, by path: a shard stores them, and a later run that finds another stamp
+    computes the shard again."""
+    return {f.path: f.stamp for f in _overlapping(files, start, stop)}

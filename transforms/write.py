@@ -27,10 +27,10 @@ from jacobeam.transforms.elements import JacobianBatch
 from jacobeam.transforms.errors import OutputError, SelfCheckError
 from jacobeam.transforms.inputs.readers import shape_record
 from jacobeam.transforms.metrics import ShardMetrics, shard_rows
-from jacobeam.transforms.output.layout import SAMPLE_ID, SELF_CHECK, shard_file
+from jacobeam.transforms.output.layout import INPUT_STAMPS, REJECTED_GROUP, SAMPLE_ID, SAMPLES_SHA256, SELF_CHECK, shard_file
 from jacobeam.transforms.output.shard_writer import ShardWriter
-from jacobeam.transforms.output.shards import ShardRecord, existing_record, read_attrs, shard_path
-from jacobeam.transforms.spec import JobSpec, ShardRange, shard_inputs, version
+from jacobeam.transforms.output.shards import ShardRecord, existing_record, read_attrs, rejected_record, shard_path
+from jacobeam.transforms.spec import JobSpec, Rejected, ShardRange, input_stamps, shard_inputs, version
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,10 @@ class ShardOutput:
     temporary file.
 
     The shard's file is opened at the first batch (its attributes come from the spec and from what the
-    engine reports). Each batch's partial sums (``jacobian.aggregate``) are added up and stored in the
-    shard; each self-check record is kept and stored in its ``self_check`` attribute.
+    engine reports; at the commit, for a range whose samples were all rejected). Each batch's partial
+    sums (``jacobian.aggregate``) are added up and stored in the shard; each self-check record is kept
+    and stored in its ``self_check`` attribute. What the reading found (``checks.RangeFindings``, given
+    to the commit) is stored too: the rejected samples and the digest of the stored ones.
     """
 
     def __init__(self, spec: JobSpec, shard: ShardRange, metrics: ShardMetrics):
@@ -57,6 +59,7 @@ class ShardOutput:
         self._sums: aggregates.Partial | None = None
         self._checks: list[dict[str, Any]] = []  # the self-check's records
         self._committing: concurrent.futures.Future[str] | None = None  # the commit's CRC32C
+        self._rejected: tuple[Rejected, ...] = ()
 
     def __enter__(self) -> ShardOutput:
         return self
@@ -78,18 +81,29 @@ class ShardOutput:
         shard_rows(self._writer.name, self._writer.rows_written)
         self._sums = aggregates.add(self._sums, batch.partial)
 
-    def commit_later(self) -> None:
-        """Store the sums and the self-check and queue the commit (the checksum, the flush and the
-        rename, behind the queued writes, on the writer's thread); returns at once. Raises
-        ``OutputError`` when rows are missing."""
-        shard, writer = self._shard, self._writer
-        if writer is None:
-            raise OutputError(f"{shard_file(shard.start, shard.stop)}: no rows arrived, {shard.rows} planned")
+    def commit_later(self, findings=None) -> None:
+        """Store the sums, the self-check and what the reading found (``findings``, a
+        ``checks.RangeFindings`` or an ``elements.RangeRead``: the rejected samples, the sha256 of the
+        others) and queue the commit
+        (the checksum, the flush and the rename, behind the queued writes, on the writer's thread);
+        returns at once. Raises ``OutputError`` when rows are missing."""
+        shard = self._shard
+        self._rejected = tuple(findings.rejected) if findings is not None else ()
+        rows = shard.rows - sum(r.num_samples for r in self._rejected)
+        if self._writer is None:
+            if rows:
+                raise OutputError(f"{shard_file(shard.start, shard.stop)}: no rows arrived, {rows} planned")
+            self._open(self._attrs(None), 0)  # every sample rejected: a shard of no rows marks the range done
+        writer = self._writer
         if self._sums is not None:
             writer.attach(aggregates.PARTIALS, self._sums)
+        if self._rejected:
+            writer.attach(REJECTED_GROUP, {"runs": rejected_record(self._rejected)})
+        if findings is not None:
+            writer.set_attrs({SAMPLES_SHA256: findings.samples_sha256})
         if self._checks:
             writer.set_attrs({SELF_CHECK: json.dumps(self._check_record(timing=False))})
-        self._committing = writer.commit_later()
+        self._committing = writer.commit_later(rows)
 
     def committed(self) -> bool:
         """Whether the queued commit is done (``record`` then returns at once)."""
@@ -102,7 +116,8 @@ class ShardOutput:
         self.__exit__(None, None, None)
         self._metrics.written.inc()
         seconds = time.perf_counter() - self._began
-        log.info("shard %s: %d samples in %.2fs", writer.name, shard.rows, seconds)
+        rows = shard.rows - sum(r.num_samples for r in self._rejected)
+        log.info("shard %s: %d samples in %.2fs", writer.name, rows, seconds)
         return ShardRecord(
             file=shard_file(shard.start, shard.stop),
             start=shard.start,
@@ -115,14 +130,15 @@ class ShardOutput:
             worker_pid=self._worker.get("pid", os.getpid()),
             engine_builds=self._worker.get("engine_builds", 0),
             engine=self._engine or None,
-            rows=shard.rows,
+            rows=rows,
             nonfinite=writer.nonfinite,
             self_check=self._check_record(timing=True) if self._checks else None,
+            rejected=self._rejected,
         )
 
-    def commit(self) -> ShardRecord:
+    def commit(self, findings=None) -> ShardRecord:
         """``commit_later``, then wait for the ``record``."""
-        self.commit_later()
+        self.commit_later(findings)
         return self.record()
 
     def _begin(self, batch: JacobianBatch) -> None:
@@ -140,24 +156,37 @@ class ShardOutput:
                 f"the model changed since the run was planned (identity {planned[:16]}… then, {loaded[:16]}… "
                 f"in worker {os.getpid()}): run again to compare it with the output folder"
             )
+        self._open(self._attrs(batch), shard.rows)
+        self._began = time.perf_counter() - batch.seconds
+        self._engine, self._worker = engine, batch.worker or {}
+
+    def _attrs(self, batch: JacobianBatch | None) -> dict[str, Any]:
+        """The shard's attributes, from the spec and what the engine reported with its first ``batch``
+        (None: a shard of no rows, whose output shape no batch told)."""
+        spec, shard = self._spec, self._shard
+        engine = (batch.engine if batch is not None else None) or {}
         input_shape = shape_record(spec.sample_shape)
-        attrs = {
+        return {
             # HDF5 attributes hold arrays, not mappings: several inputs' shapes are stored as JSON.
             "input_shape": json.dumps(input_shape) if isinstance(input_shape, dict) else input_shape,
-            "output_shape": batch.datasets["output"].shape[1:],
+            **({"output_shape": batch.datasets["output"].shape[1:]} if batch is not None else {}),
             "dtype": spec.engine.store_dtype,
-            "model_fingerprint": fingerprint or "",
+            "model_fingerprint": engine.get("model_fingerprint") or (spec.model_fingerprint if batch is None else "") or "",
             "run_key": spec.run_key,
             "jacobeam_version": version(),
             "run_identity": json.dumps(spec.identity, sort_keys=True),
             "inputs": json.dumps(shard_inputs(spec.files, shard.start, shard.stop)),
+            INPUT_STAMPS: json.dumps(input_stamps(spec.files, shard.start, shard.stop)),
             **model_identity.shard_attrs(spec.model_identity, spec.tf_threads),
         }
-        writer = ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression, rows=shard.rows,
+
+    def _open(self, attrs: dict[str, Any], rows: int) -> None:
+        spec, shard = self._spec, self._shard
+        writer = ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression, rows=rows,
                              run_id=spec.run_id)
         self._writer = writer.__enter__()
-        self._began = time.perf_counter() - batch.seconds
-        self._engine, self._worker = engine, batch.worker or {}
+        if not self._began:
+            self._began = time.perf_counter()
 
     def _take_checks(self, checks: list[dict[str, Any]]) -> None:
         """Keep the self-check's records of a batch for its shard; a mismatch stops the run (``on_mismatch:

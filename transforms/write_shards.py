@@ -55,7 +55,7 @@ class WriteShardFn(beam.DoFn):
             raise OutputError("WriteShards: a batch without its shard; ids must be grouped into shards first")
         with ShardOutput(self._spec, batch.shard, self._metrics) as output:
             output.add(batch)
-            yield output.commit()
+            yield output.commit(batch.read)
 
 
 @no_annotations
@@ -95,6 +95,7 @@ def _concatenate(parts: Iterable[JacobianBatch]) -> JacobianBatch:
         partial=functools.reduce(aggregates.add, (part.partial for part in parts), None),
         seconds=sum(part.seconds for part in parts),
         checks=checks or None,
+        read=next((part.read for part in parts if part.read is not None), None),
     )
 
 

@@ -144,9 +144,9 @@ class InputConfig(Section):
 
     A sample's id is its position in the concatenation of the matched files in sorted path order. The
     format follows from each file's name: ``.npy``, ``.npz``, ``.h5``/``.hdf5``, TFRecord
-    (``.tfrecord``, ``.tfrecords``, either with ``.gz``) and PNG/JPEG images. Every sample is read once
-    before the pipeline starts, so that a file of another sample shape or dtype, or a bad sample, stops
-    the run before any output is touched.
+    (``.tfrecord``, ``.tfrecords``, either with ``.gz``) and PNG/JPEG images. The files' headers are read
+    before the pipeline starts, so that a file of another sample shape or dtype stops the run before any
+    output is touched; each sample is read once, by the worker that reads its range, which checks it.
     """
 
     paths: list[str] = Field(
@@ -180,8 +180,9 @@ class InputConfig(Section):
     on_bad_sample: Literal["error", "skip"] = Field(
         "error",
         description="What a bad sample does (one holding NaN or Inf, a row of a truncated or corrupt file, "
-        "a file that cannot be read at all): `error` stops the run before any output is touched, naming the "
-        "file and row; `skip` leaves those samples out of the shards (they keep their ids; a file that "
+        "a file that cannot be read at all): `error` stops the run naming the file and row (before any output "
+        "where the file's headers are bad; else in the worker that reads the sample, the shards already "
+        "complete kept for the rerun); `skip` leaves those samples out of the shards (they keep their ids; a file that "
         "cannot be opened gets none) and lists them in `rejected.jsonl`. Not part of the run identity.",
     )
 

@@ -111,6 +111,14 @@ class _NpyRows:
             )
         return np.frombuffer(data, dtype=self.dtype).reshape((count, *self.shape[1:]))
 
+    def read_to_end(self) -> None:
+        """Read on to the end of the stream (an ``.npz`` member: its CRC is checked there)."""
+        try:
+            while self._stream.read(8 << 20):
+                pass
+        except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+            raise CorruptInputError(f"{self._name}: cannot be read: {err}", reason=f"corrupt: {err}") from err
+
 
 class _H5Rows:
     def __init__(self, dataset, name: str):
@@ -132,8 +140,19 @@ class _Inputs:
     def __init__(self, rows: Mapping[str, Rows]):
         self._rows = rows
 
+    def read_to_end(self) -> None:
+        for rows in self._rows.values():
+            read_to_end(rows)
+
     def read(self, start: int, stop: int) -> dict[str, np.ndarray]:
         return {name: rows.read(start, stop) for name, rows in self._rows.items()}
+
+
+def read_to_end(rows) -> None:
+    """Read an opened array's stream on to its end, where an ``.npz`` member's CRC is checked
+    (``CorruptInputError`` if it fails); nothing for arrays of other files."""
+    if hasattr(rows, "read_to_end"):
+        rows.read_to_end()
 
 
 def _pick_member(names: Sequence[str], key: str | None, path: str, what: str, setting: str) -> str:
@@ -159,12 +178,14 @@ def _h5_datasets(h5, limit: int = 20) -> str:
 
 
 @contextlib.contextmanager
-def _open_arrays(path: str, fmt: str, keys: Mapping[str, str | None]) -> Iterator[dict[str, Rows]]:
+def _open_arrays(
+    path: str, fmt: str, keys: Mapping[str, str | None], headers: bool = False
+) -> Iterator[dict[str, Rows]]:
     """Open arrays of one file (of format ``fmt``) for reading rows in slices. ``keys`` maps the config
     setting that names an array (``input.key``, ``input.key.<input>``: for messages) to its key; so
-    does the result."""
+    does the result. ``headers``: only headers will be read (a remote file is read in small ranges)."""
     with contextlib.ExitStack() as stack:
-        stream = stack.enter_context(storage.open_input(path))
+        stream = stack.enter_context(storage.open_input(path, headers=headers))
         if fmt == "npy":
             if len(keys) > 1:
                 raise InputError(
@@ -212,9 +233,10 @@ def _settings(key: Mapping[str, str]) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def open_rows(path: str, key: str | None, setting: str = "input.key") -> Iterator[Rows]:
-    """Open one array of a file (``key``, named by the config's ``setting``), for reading rows in slices."""
-    with _open_arrays(path, _format(path, setting), {setting: key}) as opened:
+def open_rows(path: str, key: str | None, setting: str = "input.key", headers: bool = False) -> Iterator[Rows]:
+    """Open one array of a file (``key``, named by the config's ``setting``), for reading rows in slices
+    (``headers``: its header only, see ``_open_arrays``)."""
+    with _open_arrays(path, _format(path, setting), {setting: key}, headers) as opened:
         yield opened[setting]
 
 
@@ -249,10 +271,10 @@ def describe(path: str, key: Key, sample_shape: Shape | None = None, image: Imag
     ``image`` are not used: an array's header gives the shape (``readers.check_consistent`` compares it
     with ``input.sample_shape``)."""
     if not isinstance(key, Mapping):
-        with open_rows(path, key) as rows:
+        with open_rows(path, key, headers=True) as rows:
             shape, dtype = _header(path, rows)
         return SourceFile(path=path, key=key, num_samples=shape[0], sample_shape=shape[1:], dtype=dtype)
-    with _open_arrays(path, _format(path), _settings(key)) as opened:
+    with _open_arrays(path, _format(path), _settings(key), headers=True) as opened:
         found = {
             name: _header(f"{path}: array {array!r} (input.key.{name})", opened[f"input.key.{name}"])
             for name, array in key.items()

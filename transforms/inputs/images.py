@@ -1,18 +1,22 @@
 """Images: PNG and JPEG files, one sample each.
 
-A file is read whole through Beam's ``FileSystems`` (remote paths work the same as local ones) and
-decoded by TensorFlow to 8-bit values ``(H, W, C)``, which become float32 as ``input.image``
-(``ImageOptions``) says: resized, converted to a number of channels, scaled and normalized. Many
-images are decoded at once, in threads. TensorFlow is imported only when an image is decoded.
+Describing an image reads its header only (``image_header``: PNG chunks up to the pixel data, JPEG
+segments up to the frame header), or nothing where ``input.image`` gives both ``size`` and ``channels``.
+Reading it reads the file whole through Beam's ``FileSystems`` (remote paths work the same as local
+ones) and decodes it with TensorFlow to 8-bit values ``(H, W, C)``, which become float32 as
+``input.image`` (``ImageOptions``) says: resized, converted to a number of channels, scaled and
+normalized. Many images are decoded at once, in threads. TensorFlow is imported only when an image is
+decoded.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import hashlib
 import os
+import struct
 from collections.abc import Sequence
+from typing import IO
 
 import numpy as np
 
@@ -70,24 +74,103 @@ def open_samples(source: SourceFile) -> contextlib.AbstractContextManager[Image]
     return contextlib.nullcontext(Image(source.path, source.image or ImageOptions()))
 
 
+_PNG = b"\x89PNG\r\n\x1a\n"
+# PNG colour type -> channels as TensorFlow decodes it (a palette expands to RGB); with a tRNS chunk
+# an alpha channel is added (grey + alpha, RGBA).
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}
+_JPEG_FRAMES = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def _exactly(stream: IO[bytes], count: int) -> bytes:
+    data = stream.read(count)
+    if len(data) != count:
+        raise ValueError("the file ends inside its header")
+    return data
+
+
+def _png_header(stream: IO[bytes]) -> tuple[int, int, int]:
+    height = width = channels = None
+    while True:
+        length, kind = struct.unpack(">I4s", _exactly(stream, 8))
+        if kind == b"IHDR":
+            data = _exactly(stream, length)
+            width, height = struct.unpack(">II", data[:8])
+            if data[9] not in _PNG_CHANNELS:
+                raise ValueError(f"PNG colour type {data[9]}")
+            channels = _PNG_CHANNELS[data[9]]
+            stream.seek(4, os.SEEK_CUR)
+            continue
+        if channels is None:
+            raise ValueError("no IHDR chunk first")
+        if kind == b"tRNS" and channels in (1, 3):
+            channels += 1
+        if kind in (b"IDAT", b"IEND"):
+            return height, width, channels
+        stream.seek(length + 4, os.SEEK_CUR)
+
+
+def _jpeg_header(stream: IO[bytes]) -> tuple[int, int, int]:
+    while True:
+        marker = _exactly(stream, 2)
+        if marker[0] != 0xFF:
+            raise ValueError("not a JPEG marker")
+        while marker[1] == 0xFF:  # fill bytes
+            marker = marker[1:] + _exactly(stream, 1)
+        if marker[1] in (0x01, *range(0xD0, 0xD8)):  # markers without a length
+            continue
+        (length,) = struct.unpack(">H", _exactly(stream, 2))
+        if marker[1] in _JPEG_FRAMES:
+            _, height, width, components = struct.unpack(">BHHB", _exactly(stream, 6))
+            return height, width, components
+        if marker[1] == 0xDA:
+            raise ValueError("no frame header before the scan")
+        stream.seek(length - 2, os.SEEK_CUR)
+
+
+def image_header(path: str) -> tuple[int, int, int]:
+    """An image's ``(height, width, channels)`` as TensorFlow decodes it, from its header alone
+    (``CorruptInputError`` where it is not a PNG or JPEG header)."""
+    with storage.open_input(path, headers=True) as stream:
+        try:
+            magic = stream.read(8)
+            if magic == _PNG:
+                return _png_header(stream)
+            if magic[:2] == b"\xff\xd8":
+                stream.seek(2)
+                return _jpeg_header(stream)
+            raise ValueError("neither a PNG nor a JPEG header")
+        except (ValueError, struct.error, OSError) as err:
+            raise CorruptInputError(f"{path}: cannot be decoded as an image: {err}",
+                                    reason=f"corrupt: cannot be decoded as an image: {err}") from err
+
+
 def describe(path: str, key: Key, sample_shape: Shape | None = None, image: ImageOptions | None = None) -> SourceFile:
-    """An image is decoded (it is its only sample): its shape, and the sha256 of the file's bytes.
-    ``sample_shape`` is not used (``readers.check_consistent`` compares it with the decoded shape)."""
+    """An image is one sample: its shape from ``input.image`` (``size`` and ``channels``) where it gives
+    both, else from the file's header (``image_header``), not decoded. ``sample_shape`` is not used
+    (``readers.check_consistent`` compares it with this shape)."""
     if key is not None:
         raise InputError(f"{path}: an image is one sample; input.key ({key}) is for .npz, .h5 and TFRecord files")
     options = image or ImageOptions()
-    data = _image_bytes(path)
-    sample = _decode_image(path, data, options)
-    return SourceFile(
-        path=path, key=None, num_samples=1, sample_shape=sample.shape, dtype="float32",
-        data_sha256=hashlib.sha256(data).hexdigest(), image=options,
-    )
+    if options.size is not None and options.channels is not None:
+        shape = (*options.size, options.channels)
+    else:
+        height, width, channels = image_header(path)
+        shape = (*(options.size or (height, width)), options.channels or channels)
+    return SourceFile(path=path, key=None, num_samples=1, sample_shape=tuple(int(d) for d in shape),
+                      dtype="float32", image=options)
 
 
-def read_images(sources: Sequence[SourceFile]) -> np.ndarray:
-    """Many image files at once, decoded in threads (decoding releases the GIL): ``(len(sources), H, W, C)``."""
+def read_images(sources: Sequence[SourceFile], errors: bool = False) -> np.ndarray | list:
+    """Many image files at once, decoded in threads (decoding releases the GIL): ``(len(sources), H, W, C)``.
+    ``errors``: a list instead, in which an image that cannot be read or decoded is its ``CorruptInputError``."""
     def one(source: SourceFile) -> np.ndarray:
-        return _decode_image(source.path, _image_bytes(source.path), source.image or ImageOptions())
+        try:
+            return _decode_image(source.path, _image_bytes(source.path), source.image or ImageOptions())
+        except CorruptInputError as err:
+            if errors:
+                return err
+            raise
 
     with concurrent.futures.ThreadPoolExecutor(min(len(sources), os.cpu_count() or 1, 8)) as pool:
-        return np.stack(list(pool.map(one, sources)))
+        found = list(pool.map(one, sources))
+    return found if errors else np.stack(found)

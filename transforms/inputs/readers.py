@@ -45,10 +45,9 @@ def open_samples(source: SourceFile) -> contextlib.AbstractContextManager[Sample
 
 
 def describe(path: str, key: Key, sample_shape: Shape | None = None, image: ImageOptions | None = None) -> SourceFile:
-    """Read what a file holds: how many samples, their shape(s) and dtype(s); headers only where the
-    format has them. A TFRecord file is read through to count its records (it has no header); its
-    ``sample_shape`` comes from the config. An image is decoded (it is its only sample): its shape, and
-    the sha256 of its bytes."""
+    """Read what a file holds from its headers: how many samples, their shape(s) and dtype(s). A TFRecord
+    file's records are counted from their boundaries (a ``.gz`` one is read through); its
+    ``sample_shape`` comes from the config. An image's shape comes from its header or ``input.image``."""
     return format_of(path).describe(path, key, sample_shape, image)
 
 
@@ -59,7 +58,7 @@ def unreadable_file(path: str, key: Key, reason: str) -> SourceFile:
 
 def check_labels(source: SourceFile, label_key: str) -> np.dtype:
     """The file holds one label per sample under ``label_key``, numbers; returns their dtype (their values
-    are checked by the input scan)."""
+    are checked by the worker that reads them, ``transforms.inputs.checks``)."""
     fmt = file_format(source.path)
     if fmt not in ("npz", "h5"):
         # Whatever the key, a .npy file would give its samples for labels.
@@ -162,12 +161,6 @@ def iter_slices(
 def parts(samples: Samples) -> list[tuple[str | None, np.ndarray]]:
     """The arrays of ``samples`` by input name, sorted; ``[(None, samples)]`` for one input."""
     return sorted(samples.items()) if isinstance(samples, Mapping) else [(None, samples)]
-
-
-def nonfinite_rows(samples: Samples) -> np.ndarray:
-    """``(rows,)`` bool: True where a sample holds NaN or Inf in any of its arrays."""
-    bad = [~np.isfinite(values.reshape(len(values), -1)).all(axis=1) for _, values in parts(samples)]
-    return np.logical_or.reduce(bad)
 
 
 def as_dtype(samples: Samples, dtype: str) -> Samples:

@@ -1,21 +1,26 @@
 """TFRecord files of ``tf.train.Example`` records: one record per sample, each input a float feature.
 
 ``input.key`` names the feature (``{input name: feature}`` for several inputs), and
-``input.sample_shape`` gives a sample's shape: a feature is a flat list of floats. Files are read
-through TensorFlow's own file systems (a ``.gz`` one GZIP-compressed), records streamed in batches: a
-TFRecord file has no header and cannot be seeked, so counting its samples reads it through, and a
-slice is read by streaming past the records before it. TensorFlow is imported only when a file is read.
+``input.sample_shape`` gives a sample's shape: a feature is a flat list of floats. Counting a file's
+samples reads the record boundaries only (each record's 12-byte length header, then a seek past its
+data: ``count_records``), through Beam's ``FileSystems``; a ``.gz`` file (GZIP-compressed) cannot be
+seeked and is read through. Samples are read through TensorFlow's own file systems, records streamed in
+batches: a slice is read by streaming past the records before it. TensorFlow is imported only when
+samples are read (or a ``.gz`` file counted).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import struct
 from collections.abc import Iterator, Mapping
 
 import numpy as np
 
 from jacobeam.transforms.errors import CorruptInputError, InputError, first_line
 from jacobeam.transforms.inputs.types import ImageOptions, Key, Samples, Shape, SourceFile
+from jacobeam.transforms.output import storage
 
 SUFFIXES = {".tfrecord": "tfrecord", ".tfrecords": "tfrecord", ".tfrecord.gz": "tfrecord", ".tfrecords.gz": "tfrecord"}
 
@@ -129,14 +134,40 @@ def open_samples(source: SourceFile) -> contextlib.AbstractContextManager[TFReco
     return contextlib.nullcontext(TFRecords(source.path, source.key, source.sample_shape))
 
 
-def describe(path: str, key: Key, sample_shape: Shape | None, image: ImageOptions | None = None) -> SourceFile:
-    """How many samples, their shape(s) (from ``input.sample_shape``) and dtype(s) (float32). Count the
-    records, streaming through the file. A damaged record ends what can be read (the records after it
-    cannot be located): it counts as the file's last sample, a bad one that the scan finds; a file
-    damaged from its first record is unreadable."""
+def _masked_crc(data: bytes) -> int:
+    import google_crc32c
+
+    crc = google_crc32c.value(data)
+    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def count_records(path: str) -> int:
+    """The records of an uncompressed TFRecord file, from their boundaries: each record's length and its
+    checksum are read, its data seeked past. A record whose length fails its checksum, or which the file
+    ends inside, ends what can be located: it counts as the file's last record, a bad one that the worker
+    that reads it rejects; a file damaged from its first record is unreadable."""
+    with storage.open_input(path, headers=True) as stream:
+        size = stream.seek(0, os.SEEK_END)
+        stream.seek(0)
+        count, offset = 0, 0
+        while offset < size:
+            header = stream.read(12)
+            length, crc = struct.unpack("<QI", header) if len(header) == 12 else (None, None)
+            if length is None or crc != _masked_crc(header[:8]) or offset + 16 + length > size:
+                if count == 0:
+                    raise CorruptInputError(f"{path}: not a valid TFRecord file: corrupted record at {offset}",
+                                            reason=f"corrupt: not a valid TFRecord file: corrupted record at {offset}")
+                return count + 1
+            offset += 16 + length
+            stream.seek(offset)
+            count += 1
+        return count
+
+
+def _stream_count(path: str) -> int:
+    """The records of a GZIP-compressed TFRecord file, streamed through (see ``count_records``)."""
     import tensorflow as tf
 
-    features = _features(key, sample_shape, path)
     count = 0
     try:
         for _ in _record_stream(path):
@@ -152,6 +183,14 @@ def describe(path: str, key: Key, sample_shape: Shape | None, image: ImageOption
         raise CorruptInputError(
             f"{path}: cannot open: {first_line(err)}", reason=f"unreadable: {first_line(err)}"
         ) from err
+    return count
+
+
+def describe(path: str, key: Key, sample_shape: Shape | None, image: ImageOptions | None = None) -> SourceFile:
+    """How many samples (``count_records``), their shape(s) (from ``input.sample_shape``) and dtype(s)
+    (float32)."""
+    features = _features(key, sample_shape, path)
+    count = _stream_count(path) if path.lower().endswith(".gz") else count_records(path)
     shapes = {name: shape for name, (_, shape) in features.items()}
     return SourceFile(
         path=path,

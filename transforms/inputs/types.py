@@ -66,9 +66,12 @@ class SourceFile:
     sample_shape: Shape
     dtype: str | Mapping[str, str]
     first_id: int = 0
-    data_sha256: str | None = None  # sha256 of the readable rows' bytes, set by the input scan (an image's file bytes)
-    # What the file system tells of the file without reading it ("size:modified"): a later run that finds
-    # the same trusts the earlier scan of the file, as make and rsync do, and does not read it again.
+    # The sha256 of the file's samples, as the launcher's scan computed it before planning read headers
+    # only: in an older folder's manifest and shards; None now (each shard stores its samples' digest).
+    data_sha256: str | None = None
+    # What the file system tells of the file without reading it ("size:modified"): the file's identity. A
+    # later run that finds the same trusts the shards computed from it, as make and rsync do; another
+    # stamp makes it compute them again.
     stamp: str | None = None
     unreadable: str | None = None  # why a file that cannot be opened holds no samples (on_bad_sample: skip)
     image: ImageOptions | None = None  # for an image file: how it is decoded

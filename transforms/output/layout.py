@@ -4,7 +4,8 @@ Imports nothing else of jacobeam. ::
 
     OUT/
       shards/shard-<first id>-<stop id>.h5   one per id range; datasets: jacobian (or jacobian/<input>),
-                                             output, output_index, reductions, sample_id, nonfinite
+                                             output, output_index, reductions, sample_id, nonfinite;
+                                             rejected_samples/runs (the range's rejected samples)
       shards/shard-....h5.crc32c             a remote shard's checksum sidecar (shards written before
                                              CRC32C: shard-....h5.sha256)
       jacobians.h5                           the virtual view over every shard
@@ -39,6 +40,11 @@ JACOBIAN = "jacobian"
 SAMPLE_ID = "sample_id"
 NONFINITE = "nonfinite"
 SELF_CHECK = "self_check"  # the shard's self-check, as JSON
+# The samples of the shard's range that its worker rejected (input.on_bad_sample: skip): a group holding
+# one dataset, ``runs``, a JSON list of [file, reason, row, first id, stop id].
+REJECTED_GROUP = "rejected_samples"
+SAMPLES_SHA256 = "samples_sha256"  # attribute: sha256 of the stored samples' bytes as read, in id order
+INPUT_STAMPS = "input_stamps"  # attribute: {input path: stamp} of the files the shard's ids come from
 OUTPUT = "output"
 OUTPUT_INDEX = "output_index"
 # Per-sample datasets that go with every result: the outputs, which rows were kept, ids, nonfinite flags.
@@ -76,6 +82,12 @@ def result_datasets(names) -> list[str]:
 
 def shard_name(start: int, stop: int) -> str:
     return f"shard-{start:012d}-{stop:012d}.h5"
+
+
+def shard_ids(name: str) -> tuple[int, int]:
+    """The ids ``(start, stop)`` of a shard's file name (``shard_name``'s)."""
+    found = _SHARD_NAME.match(name)
+    return int(found.group(1)), int(found.group(2))
 
 
 def shard_file(start: int, stop: int) -> str:

@@ -67,9 +67,10 @@ def _lower_priority() -> None:
 class ShardWriter:
     """Write one shard of the samples with ids in ``[start, stop)``, batch by batch, then commit it atomically.
 
-    The shard holds ``rows`` samples (default ``stop - start``; fewer when some ids were rejected), in id
-    order. Datasets are created at the first ``write`` from the arrays' shapes: ``(rows, *rest)``, chunked
-    along samples. Leaving the ``with`` block without ``commit()`` deletes the temporary file, so a failed
+    The shard holds at most ``rows`` samples (default ``stop - start``), in id order: the commit says how
+    many (fewer when the reading rejected some; none when it rejected all). Datasets are created at the
+    first ``write`` from the arrays' shapes: ``(rows, *rest)``, chunked along samples, and cut to the
+    rows written at the commit. Leaving the ``with`` block without ``commit()`` deletes the temporary file, so a failed
     attempt leaves nothing behind that a retry or rerun could see (a killed one leaves a temporary name,
     which never counts and which the next run removes).
 
@@ -204,6 +205,7 @@ class ShardWriter:
             dataset = self._h5.create_dataset(
                 name,
                 shape=(rows, *like.shape[1:]),
+                maxshape=(rows, *like.shape[1:]),
                 dtype=self._h5_dtype(like.dtype),
                 chunks=(chunk_rows, *like.shape[1:]),
                 compression=self._compression,
@@ -282,30 +284,32 @@ class ShardWriter:
 
         self._submit(store)
 
-    def commit(self) -> str:
-        """Wait for the queued writes; close, checksum and rename into place; returns the CRC32C of the
-        complete shard (``storage.crc32c``)."""
-        return self.commit_later().result()
+    def commit(self, rows: int | None = None) -> str:
+        """Wait for the queued writes; close, checksum, rename into place; the shard's CRC32C (``storage.crc32c``)."""
+        return self.commit_later(rows).result()
 
-    def commit_later(self) -> concurrent.futures.Future[str]:
+    def commit_later(self, rows: int | None = None) -> concurrent.futures.Future[str]:
         """Queue the commit (close, checksum, flush, rename) behind the queued writes and return at once:
         the future gives the CRC32C of the complete shard, or raises an ``OutputError`` naming it. Once
-        the writer's thread has done it, the shard is complete on disk; nothing more may be written."""
+        the writer's thread has done it, the shard is complete on disk; nothing more may be written.
+        ``rows``: the shard's rows, all written (at most, and by default, those it was opened for)."""
         self._raise_failure()
         if self._committed is not None:
             raise OutputError(f"{self.name}: already committed")
-        if self._queued != self.rows:
-            raise OutputError(f"{self.name}: {self._queued} rows written, {self.rows} planned")
+        if self._queued != (rows := self.rows if rows is None else rows):
+            raise OutputError(f"{self.name}: {self._queued} rows written, {rows} planned")
         self._committed = concurrent.futures.Future()
-        self._jobs.put(self._finish)
+        self._jobs.put(lambda: self._finish(rows))
         self._jobs.put(None)  # the commit is the thread's last job
         return self._committed
 
-    def _finish(self) -> None:
+    def _finish(self, count: int) -> None:
         """The commit, on the writer's thread: in the file before the rename makes it count."""
         for rows in self._rows.values():
-            rows.close()
-        self._h5.attrs.update(num_rows=self.rows, nonfinite_count=self.nonfinite)
+            rows.close(count)
+        for dataset in self._datasets.values() if count < self.rows else ():
+            dataset.resize(count, axis=0)
+        self._h5.attrs.update(num_rows=count, nonfinite_count=self.nonfinite)
         self._h5.close()
         self._h5 = None
         checksum = storage.crc32c(self._file.local)
@@ -376,13 +380,13 @@ class _Rows:
             self._chunk[: len(values) - taken] = values[taken:]
             self._filled = len(values) - taken
 
-    def close(self) -> None:
-        """Write the last chunk, when rows end within it (the rest of it is zeros, outside the dataset)."""
+    def close(self, rows: int) -> None:
+        """Write the last chunk, when the ``rows`` written end within it (the rest: zeros, outside the dataset)."""
         if self._filled:
             self._chunk[self._filled :] = 0
             self._put(self._chunk)
-        if self._next < self._rows:
-            raise OutputError(f"{self._next} of {self._rows} rows written")
+        if self._next < rows:
+            raise OutputError(f"{self._next} of {rows} rows written")
 
     def _put(self, chunk: np.ndarray) -> None:
         # HDF5 takes the chunk's bytes as they are (write() made them the dataset's type and row shape):

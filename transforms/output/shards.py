@@ -24,7 +24,17 @@ import os
 from typing import Any
 
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import CHECKSUM_SUFFIX, CRC32C_SUFFIX, SELF_CHECK, SHARDS_DIR, shard_file, shard_name
+from jacobeam.transforms.output.layout import (
+    CHECKSUM_SUFFIX,
+    CRC32C_SUFFIX,
+    REJECTED_FILE,
+    REJECTED_GROUP,
+    SELF_CHECK,
+    SHARDS_DIR,
+    shard_file,
+    shard_name,
+)
+from jacobeam.transforms.spec import Rejected
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +57,7 @@ class ShardRecord:
     # ``timing`` too); None when it checked nothing.
     self_check: dict[str, Any] | None = None
     crc32c: str | None = None  # the CRC32C of the shard's bytes (``storage.crc32c``), or None beside a sha256
+    rejected: tuple[Rejected, ...] = ()  # the samples of the range that its worker rejected
 
     @property
     def checksums(self) -> dict[str, str]:
@@ -81,6 +92,28 @@ def proven_checksum(path: str) -> dict[str, str] | None:
     return None
 
 
+def rejected_record(rejected: list[Rejected] | tuple[Rejected, ...]) -> str:
+    """Rejected samples as a shard stores them (``REJECTED_GROUP``'s ``runs``): JSON."""
+    return json.dumps([[r.file, r.reason, r.row, r.start, r.stop] for r in rejected])
+
+
+def read_rejected(h5) -> tuple[Rejected, ...]:
+    """The rejected samples an open shard lists (none in a shard written before shards listed them)."""
+    if REJECTED_GROUP not in h5:
+        return ()
+    text = h5[REJECTED_GROUP]["runs"][()]
+    return tuple(Rejected(*run) for run in json.loads(text.decode() if isinstance(text, bytes) else text))
+
+
+def _listed_rejected(output_dir: str, start: int, stop: int) -> tuple[Rejected, ...]:
+    """The rejected samples of ids ``[start, stop)`` as the folder's ``rejected.jsonl`` lists them (the
+    last complete run's; the plan rejected them then), one per sample."""
+    path = storage.join(output_dir, REJECTED_FILE)
+    lines = [json.loads(line) for line in storage.read_text(path).splitlines()] if storage.exists(path) else []
+    return tuple(Rejected(line["file"], line["reason"], line["row"], line["id"], line["id"] + 1)
+                 for line in lines if line["id"] is not None and start <= line["id"] < stop)
+
+
 def read_attrs(path: str | os.PathLike) -> dict[str, Any]:
     with storage.open_h5(path) as h5:
         return dict(h5.attrs)
@@ -96,7 +129,10 @@ def existing_record(
     """The record of a complete shard found on disk (kept, not recomputed); ``checksums`` when known (as
     ``proven_checksum`` gives them), else its CRC32C is computed."""
     path = shard_path(output_dir, start, stop)
-    attrs = read_attrs(path)
+    with storage.open_h5(path) as h5:
+        attrs, rejected = dict(h5.attrs), read_rejected(h5)
+    if not rejected and int(attrs.get("num_rows", stop - start)) < stop - start:
+        rejected = _listed_rejected(output_dir, start, stop)  # a shard written before shards listed them
     checked = attrs.get(SELF_CHECK)
     checksums = checksums or {"crc32c": storage.crc32c(path)}
     return ShardRecord(
@@ -112,4 +148,5 @@ def existing_record(
         self_check=None
         if checked is None
         else json.loads(checked.decode() if isinstance(checked, bytes) else str(checked)),
+        rejected=rejected,
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import mmap
 import os
 import shutil
@@ -106,16 +107,24 @@ def open_read(path: str | os.PathLike) -> IO[bytes]:
     return FileSystems.open(str(path), compression_type=CompressionTypes.UNCOMPRESSED)
 
 
-def open_input(path: str) -> IO[bytes]:
+HEADER_BUFFER = 4096  # bytes a remote file opened for its headers reads at a time
+
+
+def open_input(path: str, headers: bool = False) -> IO[bytes]:
     """An input file opened for reading, through Beam's ``FileSystems`` whether local or remote; one
-    that cannot be opened is a ``CorruptInputError`` (reason ``unreadable: ...``)."""
+    that cannot be opened is a ``CorruptInputError`` (reason ``unreadable: ...``). ``headers``: only
+    headers will be read: a remote file is read in ranges of ``HEADER_BUFFER`` bytes (Beam's remote
+    streams read 16 MiB ranges, the whole object where it is smaller)."""
     from apache_beam.io.filesystem import CompressionTypes
     from apache_beam.io.filesystems import FileSystems
 
     try:
-        return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
+        stream = FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
     except Exception as err:  # Beam wraps every file-system failure in its own error types.
         raise CorruptInputError(f"{path}: cannot open: {err}", reason=f"unreadable: {err}") from err
+    if headers and not is_local(path) and isinstance(stream, io.BufferedReader):
+        return io.BufferedReader(stream.detach(), buffer_size=HEADER_BUFFER)  # nothing read yet: its raw stream
+    return stream
 
 
 def read_text(path: str | os.PathLike) -> str:
