@@ -1,2 +1,3 @@
-"""Input formats: reading samples in slices from .npy/.npz/.h5 arrays, TFRecord files and images, and the
-input scan. Never imports Beam."""
+"""Input formats: describing files from their headers, reading samples in slices from .npy/.npz/.h5
+arrays, TFRecord files and images, and checking each sample as a worker reads it (``checks``). Never
+imports Beam."""

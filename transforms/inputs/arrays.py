@@ -42,8 +42,8 @@ class Rows(Protocol):
 
 
 # numpy parses a header with ast.literal_eval, which CPython 3.11 before 3.11.8 cannot run in two
-# threads at once ("SystemError: AST constructor recursion depth mismatch", gh-106905); the input
-# scan reads files on a thread pool.
+# threads at once ("SystemError: AST constructor recursion depth mismatch", gh-106905); the launcher
+# describes files on a thread pool.
 _HEADER_LOCK = threading.Lock()
 
 
