@@ -36,11 +36,17 @@ def test_planning_a_sparse_4_gib_file_reads_its_header_only(tmp_path, monkeypatc
     assert not (tmp_path / "out").exists()  # nothing written
 
 
-@pytest.mark.parametrize("suffix, mode, channels", [(".png", "L", 1), (".png", "RGBA", 4), (".jpg", "RGB", 3)])
-def test_an_image_is_described_from_its_header_as_it_decodes(tmp_path, suffix, mode, channels):
+@pytest.mark.parametrize("suffix, mode, transparency, channels", [
+    (".png", "L", None, 1), (".png", "RGBA", None, 4), (".jpg", "RGB", None, 3),
+    # A tRNS chunk gives a palette an alpha channel, not grey or RGB; CMYK decodes to RGB.
+    (".png", "L", 3, 1), (".png", "RGB", (1, 2, 3), 3), (".png", "P", 0, 4), (".png", "P", None, 3),
+    (".png", "LA", None, 2), (".jpg", "L", None, 1), (".jpg", "CMYK", None, 3),
+])
+def test_an_image_is_described_from_its_header_as_it_decodes(tmp_path, suffix, mode, transparency, channels):
     path = tmp_path / f"x{suffix}"
-    pixels = np.random.default_rng(0).integers(0, 256, (9, 14, len(mode)), dtype=np.uint8)
-    Image.fromarray(pixels[..., 0] if mode == "L" else pixels, mode).save(path)
+    pixels = np.random.default_rng(0).integers(0, 256, (9, 14, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels).convert(mode)
+    image.save(path, **({} if transparency is None else {"transparency": transparency}))
     with counted_reads() as counts:
         described = images.describe(str(path), None)
     decoded = images.read_images([described])[0]

@@ -75,9 +75,10 @@ def open_samples(source: SourceFile) -> contextlib.AbstractContextManager[Image]
 
 
 _PNG = b"\x89PNG\r\n\x1a\n"
-# PNG colour type -> channels as TensorFlow decodes it (a palette expands to RGB); with a tRNS chunk
-# an alpha channel is added (grey + alpha, RGBA).
+# PNG colour type -> channels as TensorFlow decodes it: a palette expands to RGB, and to RGBA where a
+# tRNS chunk gives it transparency (grey and RGB images keep their channels whatever tRNS says).
 _PNG_CHANNELS = {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}
+_PALETTE = 3
 _JPEG_FRAMES = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 
 
@@ -89,21 +90,22 @@ def _exactly(stream: IO[bytes], count: int) -> bytes:
 
 
 def _png_header(stream: IO[bytes]) -> tuple[int, int, int]:
-    height = width = channels = None
+    height = width = channels = colour = None
     while True:
         length, kind = struct.unpack(">I4s", _exactly(stream, 8))
         if kind == b"IHDR":
             data = _exactly(stream, length)
             width, height = struct.unpack(">II", data[:8])
-            if data[9] not in _PNG_CHANNELS:
-                raise ValueError(f"PNG colour type {data[9]}")
-            channels = _PNG_CHANNELS[data[9]]
+            colour = data[9]
+            if colour not in _PNG_CHANNELS:
+                raise ValueError(f"PNG colour type {colour}")
+            channels = _PNG_CHANNELS[colour]
             stream.seek(4, os.SEEK_CUR)
             continue
         if channels is None:
             raise ValueError("no IHDR chunk first")
-        if kind == b"tRNS" and channels in (1, 3):
-            channels += 1
+        if kind == b"tRNS" and colour == _PALETTE:
+            channels = 4
         if kind in (b"IDAT", b"IEND"):
             return height, width, channels
         stream.seek(length + 4, os.SEEK_CUR)
@@ -121,7 +123,7 @@ def _jpeg_header(stream: IO[bytes]) -> tuple[int, int, int]:
         (length,) = struct.unpack(">H", _exactly(stream, 2))
         if marker[1] in _JPEG_FRAMES:
             _, height, width, components = struct.unpack(">BHHB", _exactly(stream, 6))
-            return height, width, components
+            return height, width, 1 if components == 1 else 3  # TensorFlow decodes CMYK/YCCK to RGB
         if marker[1] == 0xDA:
             raise ValueError("no frame header before the scan")
         stream.seek(length - 2, os.SEEK_CUR)
