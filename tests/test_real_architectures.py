@@ -197,7 +197,8 @@ def test_the_self_check_passes_good_values_and_fails_a_value_ten_times_the_float
     stored = engine(net.x[:4], net.labels[:4])
     truth = net.truth(slice(0, 4))
     noisiest = int(np.argmax(errors(net.tape(slice(0, 4)), truth)))
-    records = [checker.check([net.x[i : i + 1]], {k: v[i : i + 1] for k, v in stored.items()}, i) for i in range(4)]
+    row = lambda i: {k: v[i : i + 1] for k, v in stored.items()}  # noqa: E731
+    records = [checker.check([net.x[i : i + 1]], row(i), i, int(net.labels[i])) for i in range(4)]
     assert all(record["verdict"] == "ok" for record in records), records
     assert records[0]["truth"] == self_check.TRUTH_FLOAT64
     # The record's error is the stored value's against the float64 truth, as computed here independently.
@@ -208,16 +209,12 @@ def test_the_self_check_passes_good_values_and_fails_a_value_ten_times_the_float
     i = noisiest
     (own, twin), _ = checker._references()
     xs, index = [net.x[i : i + 1]], stored["output_index"][i : i + 1]
-    reference, scale = checker.datasets(twin, [net.x[i : i + 1].astype(np.float64)], index)
-    names = ["output", "saliency"]
-    noise = max(
-        self_check._error("saliency", checker.datasets(own, xs, index, pad=pad)[0]["saliency"], reference["saliency"])
-        for pad in (False, True)
-    )
-    noise = max(noise, checker._moved(twin, np.dtype(np.float64), xs, index, reference, scale, names, i)["saliency"], 1e-4 / 4)
-    signs = np.random.default_rng(0).choice([-1.0, 1.0], size=reference["saliency"].shape)
-    wrong = reference["saliency"] + 10 * noise * np.abs(reference["saliency"]).max() * signs
-    record = checker.check(xs, {**{k: v[i : i + 1] for k, v in stored.items()}, "saliency": wrong.astype(np.float32)}, i)
+    reference = checker.datasets(twin, [net.x[i : i + 1].astype(np.float64)], index)[0]["saliency"]
+    noise = max(errors(checker.datasets(own, xs, index, pad=pad)[0]["saliency"], reference)[0] for pad in (False, True))
+    noise = max(noise, 1e-4 / 4)
+    signs = np.random.default_rng(0).choice([-1.0, 1.0], size=reference.shape)
+    wrong = reference + 10 * noise * np.abs(reference).max() * signs
+    record = checker.check(xs, {**row(i), "saliency": wrong.astype(np.float32)}, i, int(net.labels[i]))
     assert record["verdict"] == "mismatch" and record["dataset"] == "saliency", record
 
 

@@ -46,7 +46,8 @@ def test_the_reference_of_a_selection_differentiates_only_its_rows_and_agrees_wi
             y = model(sample)
         full = tape.jacobian(y, sample).numpy().reshape(5, 12)
         np.testing.assert_allclose(rows.numpy().reshape(-1, 12), full[index[0]], rtol=1e-5, atol=1e-7)
-        record = check.check([x[row : row + 1]], {name: value[row : row + 1] for name, value in stored.items()}, row)
+        label = int(labels[row]) if outputs == "label" else None
+        record = check.check([x[row : row + 1]], {name: value[row : row + 1] for name, value in stored.items()}, row, label)
         assert record["verdict"] == "ok", record
 
 

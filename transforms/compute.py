@@ -220,7 +220,8 @@ class ComputeJacobiansFn(beam.DoFn):
             inputs = part.inputs
             xs = [inputs[name][row : row + 1] for name in names] if isinstance(inputs, dict) else [inputs[row : row + 1]]
             stored = {name: values[row : row + 1] for name, values in datasets.items()}
-            checks.append(self._checker.check(xs, stored, int(part.ids[row])))
+            label = int(part.labels[row]) if self._options.outputs.rule == "label" else None
+            checks.append(self._checker.check(xs, stored, int(part.ids[row]), label))
         return checks
 
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -83,37 +83,35 @@ def rounded(value: float) -> float | str:
     return float(f"{value:.3g}") if np.isfinite(value) else "inf"
 
 
-def _error(name: str, stored: np.ndarray, reference: np.ndarray, jacobian_scale: float = 0.0) -> float:
-    """How far ``stored`` is from ``reference`` (one sample's dataset ``name``; see the module docstring)."""
-    from jacobeam.transforms.engine import relative_error
-
-    if name == "logabsdet":
-        return relative_error(stored, reference, scale=1.0)
-    if name in ("trace", "diagonal"):
-        return relative_error(stored, reference, floor=jacobian_scale)
-    return relative_error(stored, reference)
-
-
 class SelfChecker:
     """Checks samples of one engine (``transforms.engine.JacobianEngine``); one per worker process.
 
-    The reference functions (in the compute dtype and, for float32, in a float64 copy of the model) are
-    built and traced at the first check, once (``check`` may be called from several threads).
+    What it reads of the engine: its model, options, shapes and mode (to compute the reference the same
+    way round), never its post-processing. The reference functions (in the compute dtype and, for float32,
+    in a float64 copy of the model) are built and traced at the first check, once (``check`` may be called
+    from several threads).
     """
 
     def __init__(self, engine, options: SelfCheck):
         from jacobeam.transforms.engine import reference
+        from jacobeam.transforms.reference_datasets import ReferenceDatasets
+        from jacobeam.transforms.spec import store_dtype
 
         self.engine, self.options = engine, options
         self.forward = engine.describe()["mode"] == "forward"
         self.compute = engine.options.compute_dtype
+        self.selection = engine.options.outputs
         self.tolerance = reference.tolerance(reference.RTOL[self.compute], engine.options.store_dtype)
-        operands = engine.operands
-        # Forward mode with fixed input-side vectors (jvp, project, an input basis): the JVPs run along
-        # them, as the engine's do, rather than along every input entry.
-        self._directions = operands.right if self.forward else None
-        # Selected rows (outputs other than all) are all the reverse-mode reference differentiates.
-        self._rows = not self.forward and operands.kind("reverse") == "index"
+        self.plain = ReferenceDatasets(engine.options, engine.output_shape, engine.input_shapes, engine.input_names,
+                                       engine.wrt)
+        # Below the store dtype's smallest normal number its relative precision is gone: no row is judged
+        # against a smaller scale.
+        self._floor = float(_finfo(store_dtype(engine.options.store_dtype)).tiny)
+        # Forward mode with input-side vectors (jvp, project, an input basis): the JVPs run along them, as
+        # the engine's do, rather than along every input entry; the vectors are the reference's own.
+        self._directions = self.plain.directions if self.forward else None
+        # Selected rows (by index, not a matrix) are all the reverse-mode reference differentiates.
+        self._rows = not self.forward and self.selection.rule != "all" and self.plain.left is None
         self.method = (
             ("forward-mode JVPs along the product's vectors" if self._directions is not None
              else "forward-mode JVPs per input entry") + ", one sample, in a plain loop"
@@ -122,6 +120,7 @@ class SelfChecker:
         )
         self.truth = None  # what the errors are measured against: TRUTH_FLOAT64, or why there is none
         self._functions: tuple | None = None
+        self._outputs: dict[str, Any] = {}  # forward passes by dtype, for rows chosen by the outputs
         self._lock = threading.Lock()
 
     def _function(self, model, dtype: str):
@@ -149,135 +148,262 @@ class SelfChecker:
             truth, self.truth = (own, TRUTH_FLOAT64) if self.compute == "float64" else (None, None)
             if truth is None:
                 try:
-                    truth = self._function(self.engine.model.with_dtype("float64"), "float64")
+                    self._twin = self.engine.model.with_dtype("float64")
+                    truth = self._function(self._twin, "float64")
                     foreign = reference.foreign_float_op(truth.graph, "float64")
                     if foreign is not None:
                         truth, self.truth = None, f"no float64 copy: the rebuilt model still computes {foreign}"
                     else:
                         self.truth = TRUTH_FLOAT64
                 except (ModelError, ValueError, TypeError) as err:  # not Keras, layers without a config
-                    truth, self.truth = None, f"no float64 copy: {str(err).splitlines()[0][:200]}"
+                    truth, self.truth = None, f"no float64 copy: {no_copy_reason(err)}"
             self._functions = (own, truth)
             return self._functions, True
 
-    def datasets(
-        self, function, xs: Sequence[np.ndarray], index: np.ndarray | None, pad: bool = False
-    ) -> tuple[dict[str, np.ndarray], float]:
-        """The datasets the run would store for one sample (``xs``: ``(1, *shape)`` per model input), from
-        the reference ``function`` (``pad``: with another batch shape), with the stored rows ``index``
-        ``(1, k)`` (or None); and the Jacobian's scale for the ``trace`` and ``diagonal`` comparisons."""
+    def _outputs_of(self, dtype: str, xs: Sequence[np.ndarray]) -> np.ndarray:
+        """The model's outputs at one sample, flat, computed in ``dtype`` (the float64 copy for float64)."""
+        with self._lock:
+            if dtype not in self._outputs:
+                from jacobeam.transforms.engine import reference
+
+                model = self.engine.model if dtype == self.compute else self._twin
+                self._outputs[dtype] = reference.forward_function(model.call, list(self.engine.input_shapes), dtype)
+            forward = self._outputs[dtype]
+        return np.asarray(forward(*[np.asarray(x, dtype) for x in xs]), np.float64).reshape(-1)
+
+    def datasets(self, function, xs: Sequence[np.ndarray], index: np.ndarray | None, pad: bool = False):
+        """``(datasets, jacobians)``: the datasets the run would store for one sample (``xs``: ``(1, *shape)``
+        per model input), computed by the reference ``function`` (``pad``: with another batch shape) for the
+        rows ``index`` ``(1, k)`` (or None), each rebuilt from its definition (``ReferenceDatasets``); and the
+        Jacobians as the reference computed them, ``(rows, columns)`` per differentiated input."""
         import tensorflow as tf
 
-        engine = self.engine
         arguments = [tf.constant(x) for x in xs]
         if self._rows:
             arguments.append(tf.constant(np.asarray(index, np.int32).reshape(1, -1)))
-        y, jacobians = function(*arguments, pad=True) if pad else function(*arguments)
-        y = np.asarray(y).reshape(1, -1)
-        m = y.shape[1]
-        products, scale = {}, 0.0
-        for k, jacobian in zip(engine.wrt, jacobians):
-            jacobian = np.asarray(jacobian).reshape(1, index.shape[1] if self._rows else m, -1)
-            if self._rows:  # already the selected rows: only a projection's columns are left to apply
-                products[k] = engine.operands.apply(jacobian, None)
-            elif self._directions is not None:  # already J R: only the rows are left to choose
-                products[k] = jacobian if index is None else np.take_along_axis(jacobian, index[:, :, None], axis=1)
-            else:
-                products[k] = engine.operands.apply(jacobian, index)
-            if engine.options.reduce.kind == "trace":
-                scale = float(np.abs(np.diagonal(jacobian[0].astype(np.float64))).sum())
-            elif engine.options.reduce.kind == "diagonal":
-                finite = jacobian[np.isfinite(jacobian)]
-                scale = float(np.abs(finite).max()) if finite.size else 0.0
-        datasets, _ = engine.assemble(y, products, index)
-        return datasets, scale
+        y, found = function(*arguments, pad=True) if pad else function(*arguments)
+        y = np.asarray(y, np.float64).reshape(-1)
+        rows = index.shape[1] if self._rows else len(y)
+        jacobians = {k: np.asarray(j, np.float64).reshape(rows, -1) for k, j in zip(self.engine.wrt, found)}
+        datasets = self.plain.datasets(y, jacobians, index, selected=self._rows, along=self._directions is not None)
+        return datasets, jacobians
 
-    def check(self, xs: Sequence[np.ndarray], stored: Mapping[str, np.ndarray], sample_id: int) -> dict[str, Any]:
+    def check(
+        self, xs: Sequence[np.ndarray], stored: Mapping[str, np.ndarray], sample_id: int, label: int | None = None
+    ) -> dict[str, Any]:
         """Recompute one sample and judge what the engine computed for it (``stored``: each dataset's row
-        ``(1, ...)``) by the rule of the module docstring. Returns the record of the check (see
-        ``transforms.write``)."""
-        return self.judge(xs, stored, sample_id)[0]
+        ``(1, ...)``; ``label``: the sample's label as read from its input, for ``outputs: label``) by the
+        rule of the module docstring. Returns the record of the check (see ``transforms.write``)."""
+        return self.judge(xs, stored, sample_id, label)[0]
 
     def judge(
-        self, xs: Sequence[np.ndarray], stored: Mapping[str, np.ndarray], sample_id: int
+        self, xs: Sequence[np.ndarray], stored: Mapping[str, np.ndarray], sample_id: int, label: int | None = None
     ) -> tuple[dict[str, Any], dict[str, float]]:
         """``check``'s record and each dataset's bound (``jacobeam verify`` reports them all; a shard
         records only the worst's)."""
         began = time.perf_counter()
         (own, truth), first = self._references()  # traced at the first check of the process: timed with it
-        index = None if "output_index" not in stored else np.asarray(stored["output_index"], np.int32).reshape(1, -1)
+        exact = truth or own  # the truth: the float64 copy, or the compute dtype's reference without one
+        exact_dtype = np.dtype(np.float64 if truth is not None else self.compute)
+        at = [np.asarray(x, exact_dtype) for x in xs]
         mine = [np.asarray(x, self.compute) for x in xs]
-        computed, scale = self.datasets(own, mine, index)
-        # Every float dataset (output, jacobian, a reduction's); not output_index, which was taken as stored.
-        names = [name for name, value in computed.items() if value.dtype.kind == "f" or value.dtype.name == "bfloat16"]
-
-        def errors(values: Mapping[str, np.ndarray], against: Mapping[str, np.ndarray], at: float) -> dict[str, float]:
-            return {name: _error(name, values[name], against[name], at) for name in names}
-
-        second = not self.forward  # the reverse reference runs with two batch shapes
-        if truth is None:  # the compute dtype's reference is the truth; the noise is its spread
-            reference, second = computed, False
-            spread = None if self.forward else self.datasets(own, mine, index, pad=True)[0]
-            noise = dict.fromkeys(names, 0.0) if spread is None else errors(spread, computed, scale)
+        index, rows_differ = self._rows_of(at, mine, stored, label)
+        reference, jacobians = self.datasets(exact, at, index)
+        names = [name for name, value in reference.items() if value.dtype.kind == "f"]
+        rows = index.shape[1] if index is not None else self.plain.m
+        scales = {name: self.plain.scale(name, jacobians, self._rows) for name in names}
+        if truth is None:  # the compute dtype's reference is the truth; the noise is its spread over batch shapes
+            owns = [] if self.forward else [self.datasets(own, mine, index, pad=True)[0]]
         elif truth is own:  # a float64 run: nothing is more accurate than its own reference
-            reference, noise = computed, dict.fromkeys(names, 0.0)
+            owns = []
         else:
-            reference, scale = self.datasets(truth, [np.asarray(x, np.float64) for x in xs], index)
-            noise = errors(computed, reference, scale)
-        error = errors(stored, reference, scale)
-        if second and any(error[name] > self.tolerance for name in names):
+            owns = [self.datasets(own, mine, index)[0]]
+        judged = _Judgement(self, names, reference, stored, owns, scales, rows)
+        if truth is not None and truth is not own and not self.forward and judged.beyond_tolerance():
             # Batch shapes 1 and 2 round differently (oneDNN's kernels): both are float32's own. Measured
             # only where the tolerance alone does not pass the value (a smooth model's check stays cheap).
-            again = errors(self.datasets(own, mine, index, pad=True)[0], reference, scale)
-            noise = {name: max(noise[name], again[name]) for name in names}
-        measured = dict(noise)  # as the precision report shows it
-
-        def failing() -> list[str]:
-            return [name for name in names if not error[name] <= max(self.tolerance, NOISE_FACTOR * noise[name])]
-
-        verdict = OK
-        if failing():
-            # The truth's own dtype: float64, or the compute dtype where the compute dtype's reference is it.
-            dtype = np.dtype(np.float64 if truth is not None else self.compute)
-            moved = self._moved(truth or own, dtype, xs, index, reference, scale, names, sample_id)
-            noise = {name: max(noise[name], moved[name]) for name in names}
-            verdict = MISMATCH if failing() else KINK
-
-        def ratio(name: str) -> float:
-            return error[name] / max(self.tolerance, NOISE_FACTOR * noise[name])
-
-        worst = max(names, key=ratio)
+            judged = _Judgement(self, names, reference, stored, [*owns, self.datasets(own, mine, index, pad=True)[0]],
+                                scales, rows)
+        verdict, nearest = OK, None
+        if rows_differ:
+            verdict = MISMATCH
+        elif judged.worst_ratio() > 1:
+            nearest = min(judged.ratio_against(moved) for moved in self._moved(exact, exact_dtype, xs, index, sample_id))
+            verdict = KINK if nearest <= 1 else MISMATCH
+        worst = judged.worst()
+        bounds = judged.bounds()
         record: dict[str, Any] = {
             "id": int(sample_id),
             "verdict": verdict,
-            "dataset": worst,
-            "max_rel_error": rounded(error[worst]),
-            "errors": {name: rounded(value) for name, value in error.items()},
-            "noise": {name: rounded(value) for name, value in measured.items()},
-            "bound": rounded(max(self.tolerance, NOISE_FACTOR * noise[worst])),
+            "dataset": "output_index" if rows_differ else worst,
+            "max_rel_error": "inf" if rows_differ else rounded(judged.errors[worst]),
+            "errors": {name: rounded(value) for name, value in judged.errors.items()},
+            "noise": {name: rounded(value) for name, value in judged.noise.items()},
+            "bound": rounded(bounds[worst]),
             "tolerance": self.tolerance,
             "reference": self.method,
             "truth": self.truth,
         }
+        if rows_differ:
+            record["detail"] = rows_differ
+        elif verdict == MISMATCH:
+            record["failing"] = judged.failing()
+        if nearest is not None:  # how far from the nearest derivative the moved points found, in bounds
+            record["nearest"] = rounded(nearest)
         if verdict == KINK:
             record["note"] = KINK_NOTE
         record["timing"] = {"seconds": round(time.perf_counter() - began, 4), "traced": first}
-        return record, {name: max(self.tolerance, NOISE_FACTOR * noise[name]) for name in names}
+        return record, bounds
 
-    def _moved(self, function, dtype, xs, index, reference, scale, names, sample_id) -> dict[str, float]:
-        """How far the truth (``function``, computing in ``dtype``) moves when each entry of the sample
-        moves by up to one unit of rounding of the compute dtype (seeded uniform fractions of its spacing,
-        both ways): the largest error per dataset against ``reference``."""
+    def _rows_of(self, at, mine, stored, label) -> tuple[np.ndarray | None, str | None]:
+        """The rows ``(1, k)`` the sample's reference differentiates (None for all), chosen again without the
+        run's choice: ``indices`` from the configuration, ``label`` from the sample's label as read from its
+        input, ``argmax`` and ``top_k`` from the truth's own outputs (ties broken towards the smaller index;
+        where the stored rows differ only by outputs within float32's noise of each other, the stored ones
+        are as right, and judged). Also what is wrong with the stored rows, or None."""
+        selection = self.selection
+        if selection.rule == "all":
+            return None, None
+        if selection.rule == "indices":
+            want, why = np.asarray(selection.indices, np.int64), "the configured indices"
+        elif selection.rule == "label":
+            if label is None:
+                raise ValueError("jacobian.outputs label: the self-check needs the sample's label")
+            want, why = np.asarray([int(label)], np.int64), "the sample's label"
+        else:
+            truth = self._outputs_of("float64" if self.truth == TRUTH_FLOAT64 else self.compute, at)
+            want, why = np.argsort(-truth, kind="stable")[: selection.count].astype(np.int64), "the model's largest outputs"
+        got = np.asarray(stored.get("output_index", np.zeros((1, 0))), np.int64).reshape(-1)
+        if np.array_equal(got, want):
+            return want[None], None
+        if selection.rule in ("argmax", "top_k") and self._tied(truth, mine, got, want):
+            return got[None], None
+        return want[None], f"output_index: stored rows {got.tolist()}, the reference chooses {want.tolist()} ({why})"
+
+    def _tied(self, truth: np.ndarray, mine, got: np.ndarray, want: np.ndarray) -> bool:
+        """Whether the stored rows ``got`` are as good a choice as ``want``: distinct outputs whose true values
+        are, rank by rank, within float32's noise of the largest ones (measured: the compute dtype's own
+        outputs against the truth's)."""
+        if len(got) != len(want) or len(set(got.tolist())) != len(got) or not all(0 <= i < len(truth) for i in got):
+            return False
+        noise = float(np.abs(self._outputs_of(self.compute, mine) - truth).max()) if self.compute != "float64" else 0.0
+        band = max(self.tolerance * float(np.abs(truth).max()), NOISE_FACTOR * noise)
+        return bool(np.all(np.abs(truth[got] - truth[want]) <= band))
+
+    def _moved(self, function, dtype, xs, index, sample_id) -> Iterator[dict[str, np.ndarray]]:
+        """The truth (``function``, computing in ``dtype``) at the sample's entries each moved by up to one
+        unit of rounding of the compute dtype (seeded uniform fractions of its spacing, both ways): the
+        derivatives near the sample, one datasets dict per moved point."""
         rng = np.random.default_rng((SEED, int(sample_id)))
-        moved = dict.fromkeys(names, 0.0)
         for _ in range(KINK_DIRECTIONS):
             steps = [rng.uniform(-1.0, 1.0, np.shape(x)) * np.spacing(np.abs(np.asarray(x, self.compute))) for x in xs]
             for way in (1.0, -1.0):
                 points = [(np.asarray(x, np.float64) + way * step).astype(dtype) for x, step in zip(xs, steps)]
-                datasets, _ = self.datasets(function, points, index)
-                for name in names:
-                    moved[name] = max(moved[name], _error(name, datasets[name], reference[name], scale))
-        return moved
+                yield self.datasets(function, points, index)[0]
+
+
+class _Judgement:
+    """One sample's datasets judged row by row against the truth (the rule of the module docstring).
+
+    Per dataset and row ``r``: ``deviation_r`` is the largest difference over the row's entries (inf where
+    the two disagree on which entries are finite); the row's scale is its own largest true entry, at least
+    the largest deviation of the compute dtype's own per-sample computations (``owns``: the row's float32
+    noise; a row float32 cannot resolve is judged against that noise), the compute dtype's epsilon of the
+    dataset's largest entry, and the store dtype's smallest normal number; ``error_r`` and ``noise_r`` are
+    the deviations of the stored value and of the own computations over that scale, and the row fails when
+    ``error_r > max(tolerance, NOISE_FACTOR * noise_r)``. ``trace``, ``diagonal`` and ``logabsdet`` have one
+    row and a scale of their own (``ReferenceDatasets.scale``).
+    """
+
+    def __init__(self, checker: SelfChecker, names, truth, stored, owns, scales, rows):
+        self.tolerance, self.names, self.stored = checker.tolerance, names, stored
+        self._split = lambda name, values: checker.plain.split_rows(name, values, rows)
+        eps = float(_finfo(checker.compute).eps)
+        self._scale, self._bound, self._rows = {}, {}, {}
+        self.errors, self.noise = {}, {}  # per dataset, its worst row's
+        for name in names:
+            t = self._split(name, truth[name])
+            finite = np.where(np.isfinite(t), np.abs(t), 0.0)
+            noise = np.zeros(len(t))
+            for own in owns:
+                noise = np.maximum(noise, _deviation(self._split(name, own[name]), t))
+            scale = finite.max(axis=1, initial=0.0) if scales[name] is None else np.full(len(t), scales[name])
+            if name != "logabsdet":  # compared absolutely
+                scale = np.maximum(scale, eps * float(finite.max(initial=0.0)))
+            self._scale[name] = np.maximum(np.maximum(scale, np.where(np.isfinite(noise), noise, 0.0)), checker._floor)
+            relative_noise = noise / self._scale[name]
+            self._bound[name] = np.maximum(checker.tolerance, NOISE_FACTOR * relative_noise)
+            self._rows[name] = self._error(name, truth[name])
+            self.errors[name] = float(self._rows[name].max(initial=0.0))
+            self.noise[name] = float(relative_noise.max(initial=0.0))
+
+    def _error(self, name: str, against: np.ndarray) -> np.ndarray:
+        """Each row's error of the stored value against ``against`` (the truth's dataset, or a moved point's)."""
+        stored = np.asarray(self.stored[name])
+        if stored.shape != np.shape(against):
+            return np.full(len(self._scale[name]), np.inf)
+        return _deviation(self._split(name, stored), self._split(name, against)) / self._scale[name]
+
+    def beyond_tolerance(self) -> bool:
+        """Whether some row's error exceeds the tolerance (then the noise is worth measuring twice)."""
+        return any(not np.all(self._rows[name] <= self.tolerance) for name in self.names)
+
+    def _ratio(self, name: str) -> float:
+        return float(np.max(self._rows[name] / self._bound[name], initial=0.0))
+
+    def worst_ratio(self) -> float:
+        """The worst row's error over its bound: beyond 1, the value fails against the truth."""
+        return max((self._ratio(name) for name in self.names), default=0.0)
+
+    def ratio_against(self, moved: Mapping[str, np.ndarray]) -> float:
+        """The worst row's error over its bound, judged against a moved point's derivatives instead."""
+        return max((float(np.max(self._error(name, moved[name]) / self._bound[name], initial=0.0)) for name in self.names),
+                   default=0.0)
+
+    def failing(self) -> list[str]:
+        """The datasets with a row beyond its bound, worst first."""
+        return sorted((name for name in self.names if self._ratio(name) > 1), key=self._ratio, reverse=True)
+
+    def worst(self) -> str:
+        return max(self.names, key=self._ratio)
+
+    def bounds(self) -> dict[str, float]:
+        """Per dataset, the bound of its worst row."""
+        return {name: float(self._bound[name][np.argmax(self._rows[name] / self._bound[name])]) if len(self._bound[name])
+                else self.tolerance for name in self.names}
+
+
+def mismatch_text(check: Mapping[str, Any]) -> str:
+    """What a mismatch's record says is wrong, in words: the rows the check chose otherwise, or the dataset,
+    its error and its bound."""
+    if "detail" in check:
+        return check["detail"]
+    return (f"{check['dataset']} differs from the reference ({check['reference']}, {check['truth']}) by max relative "
+            f"error {check['max_rel_error']}, bound {check['bound']} (tolerance {check['tolerance']:g}, or "
+            f"{NOISE_FACTOR}x the error of an independent per-sample computation)"
+            + "".join(f"; {name} too" for name in check.get("failing", []) if name != check["dataset"]))
+
+
+def _deviation(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    """Per row of ``(rows, entries)`` arrays, the largest difference over the entries finite in ``expected``;
+    inf for a row where the two disagree on which entries are finite (a NaN would otherwise pass)."""
+    finite = np.isfinite(expected)
+    differ = np.any(finite != np.isfinite(actual), axis=1)
+    gap = np.where(finite, np.abs(np.where(finite, actual, 0.0) - np.where(finite, expected, 0.0)), 0.0)
+    return np.where(differ, np.inf, gap.max(axis=1, initial=0.0))
+
+
+def _finfo(name: str):
+    if str(name) == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.finfo(ml_dtypes.bfloat16)
+    return np.finfo(np.dtype(name))
+
+
+def no_copy_reason(err: BaseException) -> str:
+    """Why no float64 copy of the model could be built, in one line."""
+    return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
 
 
 def summary(options: SelfCheck, records: Sequence[Any]) -> dict[str, Any]:

@@ -214,10 +214,7 @@ class ShardOutput:
         row = f" (input {where['file']} row {where['row']})" if where else ""
         return (
             f"self-check failed: {shard_file(shard.start, shard.stop)} (ids {shard.start}..{shard.stop - 1}), sample "
-            f"{check['id']}{row}: {check['dataset']} differs from the reference ({check['reference']}"
-            f", {check['truth']}) by max relative error {check['max_rel_error']}, "
-            f"bound {check['bound']} (tolerance {check['tolerance']:g}, or "
-            f"{self_check.NOISE_FACTOR}x the error of an independent per-sample computation)"
+            f"{check['id']}{row}: {self_check.mismatch_text(check)}"
         )
 
     def _check_record(self, timing: bool) -> dict[str, Any]:

@@ -140,6 +140,20 @@ def tape_function(
     return one
 
 
+def forward_function(call, shapes: list[tuple[int, ...]], dtype: str = "float32"):
+    """``(x_1, ..., x_k) -> y``: the model's outputs at one sample (each ``(1, *shape)`` in ``dtype``), for
+    the rows a check chooses from them (``argmax``, ``top_k``)."""
+    import tensorflow as tf
+
+    dtype = tf.as_dtype(dtype)
+
+    @tf.function(input_signature=[tf.TensorSpec((1, *shape), dtype) for shape in shapes], autograph=False)
+    def outputs(*xs):
+        return tf.cast(call(list(xs)), dtype)
+
+    return outputs.get_concrete_function()
+
+
 def foreign_float_op(graph, dtype: str) -> str | None:
     """The first op of ``graph`` (a traced reference) that computes a floating-point result in another
     dtype than ``dtype``, as ``"name (type, dtype)"``, or None. Constants are left out (a float32

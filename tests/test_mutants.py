@@ -1,0 +1,87 @@
+"""The checkers tested by mutation: every engine fault of ``tests.mutants``, applied to every sample, on
+every kind of input, for every kind of output, is a mismatch of the self-check's rule (which ``jacobeam
+verify`` applies too), in the 4 samples a shard checks at the defaults; the same values unmutated pass.
+
+The counts of this matrix are in docs/verifying.md ("How the checks are tested").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jacobeam.transforms import self_check
+from jacobeam.transforms.spec import SelfCheck, ShardRange
+from tests import mutants
+
+CHECKED = SelfCheck().samples  # the default: 4 samples per shard
+
+
+def _verdicts(engine, batch, stored) -> list[dict]:
+    checker = self_check.SelfChecker(engine, SelfCheck())
+    chosen = self_check.chosen_ids(ShardRange(0, len(batch.x)), CHECKED)
+    label = lambda i: int(batch.labels[i]) if batch.options.outputs.rule == "label" else None  # noqa: E731
+    return [checker.check([batch.x[i : i + 1]], {k: v[i : i + 1] for k, v in stored.items()}, int(i), label(i))
+            for i in chosen]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("output", list(mutants.OUTPUTS))
+@pytest.mark.parametrize("case", mutants.CASES)
+def test_every_mutant_is_a_mismatch_and_the_unmutated_values_pass(case, output):
+    engine, batch, stored = mutants.batch(case, output)
+    clean = _verdicts(engine, batch, stored)
+    assert all(record["verdict"] != "mismatch" for record in clean), clean
+    missed = []
+    for name, mutant in mutants.MUTANTS.items():
+        wrong = mutant(dict(stored), batch)
+        if wrong is None:  # the fault does not apply to this output (no reduction to get wrong)
+            continue
+        records = _verdicts(engine, batch, wrong)
+        if not any(record["verdict"] == "mismatch" for record in records):
+            missed.append((name, [(r["verdict"], r["dataset"], r["max_rel_error"], r["bound"]) for r in records]))
+    assert not missed, missed
+
+
+def test_the_readme_images_scaled_are_a_mismatch_not_a_kink():
+    """The README's bars: flat regions, ReLUs exactly at 0 and max-pooling ties. The derivatives at points
+    one rounding unit away differ by about 5x the Jacobian's largest entry; a value is judged against the
+    nearest of them, within float32's noise at the sample, never within their spread."""
+    engine, batch, stored = mutants.batch("flat_images", "all")
+    for factor in (1.5, -1.0, 0.0):
+        records = _verdicts(engine, batch, {**stored, "jacobian": factor * stored["jacobian"]})
+        assert [record["verdict"] for record in records] == ["mismatch"] * CHECKED, records
+        assert all(record["nearest"] > 1 for record in records)
+    assert all(record["verdict"] == "ok" for record in _verdicts(engine, batch, stored))
+
+
+def test_a_small_row_negated_is_judged_at_its_own_scale():
+    """A peaked softmax: most rows are 100x smaller than the largest. Negating them, or one of them, is a
+    mismatch named by its dataset, though its error relative to the largest entry is tiny."""
+    engine, batch, stored = mutants.batch("peaked_softmax", "all")
+    rows = stored["jacobian"].reshape(8, 10, 12)
+    size = np.abs(rows).max(axis=2)
+    sample = int(np.argmax(size.max(axis=1) / np.sort(size, axis=1)[:, 1]))  # the most peaked
+    smallest = int(np.argmin(size[sample]))
+    assert size[sample, smallest] < size[sample].max() / 100
+    wrong = rows.copy()
+    wrong[sample, smallest] *= -1
+    checker = self_check.SelfChecker(engine, SelfCheck())
+    one = lambda values: {k: v[sample : sample + 1] for k, v in values.items()}  # noqa: E731
+    assert checker.check([batch.x[sample : sample + 1]], one(stored), sample)["verdict"] == "ok"
+    negated = {**stored, "jacobian": wrong.reshape(stored["jacobian"].shape)}
+    record = checker.check([batch.x[sample : sample + 1]], one(negated), sample)
+    assert record["verdict"] == "mismatch" and record["dataset"] == "jacobian", record
+
+
+def test_rows_are_chosen_again_by_the_check():
+    """The label is the one read from the input, argmax and top_k come from the truth's own outputs: a
+    stored output_index that differs is a mismatch even when the stored rows are that index's rows."""
+    for output in ("label", "top_k"):
+        engine, batch, stored = mutants.batch("gaussian", output)
+        shifted = (stored["output_index"] + 1) % 10
+        rows = np.take_along_axis(batch.full, shifted[:, :, None], axis=1)
+        wrong = {**stored, "output_index": shifted, "jacobian": rows.reshape(stored["jacobian"].shape).astype(np.float32)}
+        records = _verdicts(engine, batch, wrong)
+        assert [r["dataset"] for r in records] == ["output_index"] * CHECKED, records
+        assert all(r["verdict"] == "mismatch" and "the reference chooses" in r["detail"] for r in records)
