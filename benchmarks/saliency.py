@@ -66,7 +66,7 @@ def end_to_end(name: str, images: int, batch: int) -> None:
     import keras
 
     from jacobeam.pipeline import config, runner
-    from jacobeam.transforms.self_check import precision_line
+    from jacobeam.pipeline.self_check_report import precision_line
 
     model = APPLICATIONS[name]()
     preprocess = {"resnet50": keras.applications.resnet50, "mobilenet_v2": keras.applications.mobilenet_v2,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from benchmarks.suite import write_inputs
 from benchmarks.workloads import WORKLOADS, Workload
-from jacobeam.transforms.self_check import precision_line
+from jacobeam.pipeline.self_check_report import precision_line
 from jacobeam.transforms.spec import SelfCheck
 
 BATCH = 256

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from jacobeam.pipeline.self_check_report import checks_line, precision_line
 from jacobeam.transforms.engine.reductions import DESCRIPTIONS
 from jacobeam.transforms.finalize import missing_sources, view_datasets
 from jacobeam.transforms.model_identity import COMPARED_LIBRARIES
@@ -24,7 +25,6 @@ from jacobeam.transforms.output.layout import (
     is_shard_temp,
     result_datasets,
 )
-from jacobeam.transforms.self_check import precision_line
 
 
 @dataclass
@@ -151,27 +151,8 @@ def _result(manifest: dict[str, Any]) -> str | None:
     return f"{shown}: {DESCRIPTIONS.get(kind, kind)} (reduce: {kind}{selected})"
 
 
-def _self_check(summary: dict[str, Any]) -> str:
-    """The run's self-check in one line (the manifest's ``self_check``)."""
-    if not summary["samples_per_shard"]:
-        return "off (jacobian.self_check.samples: 0)"
-    if not summary["samples_checked"]:
-        return "no sample checked"
-    error = summary["max_rel_error"]
-    line = (
-        f"{summary['samples_checked']:,} sample(s) in {summary['shards_checked']:,} shard(s) recomputed on their own, "
-        f"max relative error {'n/a' if error is None else error if isinstance(error, str) else f'{error:.2g}'} "
-        f"(tolerance {summary['tolerance']:g})"
-    )
-    if summary["kinks"]:
-        line += f"; {len(summary['kinks'])} at a kink or ill-conditioned (rounding the input moves its derivative as much)"
-    if summary["mismatches"]:
-        line += f"; {len(summary['mismatches'])} MISMATCH(ES), e.g. sample {summary['mismatches'][0]['id']} (on_mismatch: warn)"
-    return line
-
-
 def _precision(manifest: dict[str, Any]) -> str | None:
-    """How accurate the stored values are, as the self-check measured it (``self_check.precision_line``)."""
+    """How accurate the stored values are, as the self-check measured it (``self_check_report.precision_line``)."""
     compute = (manifest.get("config", {}).get("jacobian") or {}).get("compute_dtype", "float32")
     return precision_line(manifest.get("self_check") or {}, compute)
 
@@ -216,7 +197,7 @@ def format_report(report: Report) -> str:
                 if manifest.get("nonfinite", {}).get("count")
                 else []
             ),
-            *([f"  self-check  {_self_check(manifest['self_check'])}"] if "self_check" in manifest else []),
+            *([f"  self-check  {checks_line(manifest['self_check'])}"] if "self_check" in manifest else []),
             *([f"  precision   {precision}"] if (precision := _precision(manifest)) else []),
             *(
                 [

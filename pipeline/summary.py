@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import time
 
+from jacobeam.pipeline.self_check_report import checks_line, precision_line
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import JACOBIAN, SAMPLE_ID, VIEW, result_datasets
-from jacobeam.transforms.self_check import precision_line
 
 # The command's first moments (cli.py imports this module at its top), where the process's start time is
 # not known.
@@ -72,6 +72,7 @@ def run_summary(result) -> str:
             f"{run['samples_kept']:,} already complete{rejected_part}) in {len(manifest['shards'])} shard(s), "
             f"{total:.1f} s from start (pipeline {run['wall_seconds']:.1f} s{rate})",
             *warnings,
+            *([f"self-check: {checks_line(manifest['self_check'])}"] if manifest.get("self_check") else []),
             *([f"precision: {precision}"] if precision else []),
             f"metrics: {metrics}",
             f"output: {out}",

@@ -138,7 +138,8 @@ def test_default_run_checks_four_samples_per_shard_in_its_attributes_and_the_man
     lines = format_report(inspect(str(out))).splitlines()
     line = next(line for line in lines if line.startswith("  self-check"))
     assert re.fullmatch(
-        r"  self-check  12 sample\(s\) in 3 shard\(s\) recomputed on their own, max relative error \S+ \(tolerance 0.0001\)", line
+        r"  self-check  12 sample\(s\) in 3 shard\(s\) recomputed on their own: 12 passed, 0 at a kink \(.*\), 0 mismatch\(es\); "
+        r"max relative error \S+ \(tolerance 0.0001\)", line
     )
     line = next(line for line in lines if line.startswith("  precision"))
     assert re.fullmatch(
@@ -219,7 +220,8 @@ def test_on_mismatch_warn_completes_and_records_the_mismatch(clean, tmp_path, mo
     assert all(check["verdict"] == "mismatch" and check["errors"]["jacobian"] == 1.0 for check in checks)
     assert any(f"sample {chosen[0]}" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
     report = format_report(inspect(str(out)))
-    assert f"4 MISMATCH(ES), e.g. sample {chosen[0]} (on_mismatch: warn)" in report
+    assert ": 8 passed, 0 at a kink" in report and "4 mismatch(es)" in report
+    assert f"MISMATCH, e.g. sample {chosen[0]} jacobian (recorded under on_mismatch: warn)" in report
     assert "jacobian: float32 error against a float64 copy of the model median" in report
     assert "max 1 (TensorFlow's own per-sample gradient: median" in report  # the recorded errors, mismatches included
     assert "float64 for more" not in report  # float32 itself is accurate here: float64 would not help
@@ -303,7 +305,7 @@ def test_a_run_whose_samples_sit_at_kinks_completes_with_notes(tmp_path, monkeyp
     summary = manifest["self_check"]
     assert summary["samples_checked"] == 12 and len(summary["kinks"]) == 12 and summary["mismatches"] == []
     assert summary["max_rel_error"] is None  # every check was at a kink: none judged by the tolerance
-    assert "12 at a kink or ill-conditioned (rounding the input" in format_report(inspect(str(tmp_path / "out")))
+    assert "recomputed on their own: 0 passed, 12 at a kink (" in format_report(inspect(str(tmp_path / "out")))
 
 
 def test_config_keys_and_their_checks():

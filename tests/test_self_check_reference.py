@@ -7,7 +7,7 @@ model, is named in the record."""
 import numpy as np
 import pytest
 
-from jacobeam.pipeline import config
+from jacobeam.pipeline import config, self_check_report
 from jacobeam.transforms import self_check
 from jacobeam.transforms.engine import JacobianEngine
 from jacobeam.transforms.engine.models import wrap_model
@@ -129,5 +129,5 @@ def test_without_a_float64_copy_the_truth_is_the_compute_dtype_reference_and_the
     assert record["errors"]["jacobian"] < 1e-5
     wrong = checker.check([x[:1]], {**row, "jacobian": 1.01 * row["jacobian"]}, 0)
     assert wrong["verdict"] == "mismatch" and wrong["max_rel_error"] == pytest.approx(0.01, rel=0.05)
-    line = self_check.precision_line({"precision": self_check.precision([record])}, "float32")
+    line = self_check_report.precision_line({"precision": self_check.precision([record])}, "float32")
     assert line.startswith("jacobian: float32 error against the float32 per-sample reference (no float64 copy:")

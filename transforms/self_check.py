@@ -4,9 +4,11 @@ what the compute dtype can achieve on the model at that sample.
 The engine computes each batch in compiled, vectorised blocks; the self-check recomputes chosen
 samples of each shard with independent per-sample methods (``transforms.engine.reference``: reverse
 mode pulls one-hot cotangents back through copies of the one sample; where the engine ran in forward
-mode, one forward-mode JVP per input entry or product column in a plain loop), turns each full Jacobian
-into what the run stores with the engine's own post-processing (``operands.apply``, ``assemble``: the
-selected rows, products, reductions, store dtype), and compares dataset by dataset.
+mode, one forward-mode JVP per input entry or product vector in a plain loop), chooses the rows again
+itself (``indices`` from the configuration, ``label`` from the label read from the input, ``argmax``
+and ``top_k`` from the truth's own outputs), rebuilds every stored dataset from its definition
+(``transforms.reference_datasets``: float64 numpy, no code shared with the engine's assembly) and
+compares dataset by dataset, row by row. ``jacobeam verify`` judges by the same ``judge``.
 
 Why not a fixed tolerance against a float32 tape. On a deep ReLU conv net every float32 computation
 of a gradient is about 1e-3 off the float64 truth, in every framework (ResNet50: median 2.5e-3, max
@@ -14,34 +16,36 @@ of a gradient is about 1e-3 off the float64 truth, in every framework (ResNet50:
 kink, and where they flip depends on the batch shape's kernels. A stored value that is as good as
 float32 gets is not a failure; one clearly worse than an independent float32 computation is.
 
-The rule, per checked sample and dataset (errors relative to the reference's largest entry, as
-``transforms.engine.relative_error``):
+The rule, per checked sample (``_Judgement``):
 
 - the truth is the reference computed by a float64 copy of the model (``LoadedModel.with_dtype``,
   verified to compute in float64: ``reference.foreign_float_op``); where none can be built, the
-  per-sample reference in the compute dtype (then the error is measured against it);
-- ``noise`` is how far independent computations in the compute dtype are from the truth: the
-  per-sample reference itself (TensorFlow's own per-sample gradient) with batch shapes 1 and, where
-  the stored value is beyond the tolerance, 2 (in reverse mode: oneDNN rounds them differently, and
-  one of them is often 100x luckier than any batched computation), and, only where the bound is
-  still exceeded, the truth itself at the sample's entries moved by one unit of rounding of the
-  compute dtype (a sample at a kink, or so ill-conditioned that rounding the input already changes its
-  derivative); without a float64 copy, the spread of the two per-sample computations;
-- the stored value fails when its error exceeds ``max(tolerance, NOISE_FACTOR * noise)``: the
-  tolerance of the compute dtype (``reference.RTOL``, at least twice the store dtype's epsilon) where
-  the model is well-conditioned, and clearly worse than float32 itself where it is not.
+  per-sample reference in the compute dtype;
+- each dataset is split into rows (``ReferenceDatasets.split_rows``: one per output row, selected row
+  or product vector), each judged at its own scale: its largest true entry, at least its float32 noise;
+- a row's ``noise`` is how far independent computations in the compute dtype are from the truth: the
+  per-sample reference itself with batch shapes 1 and, where the stored value is beyond the tolerance,
+  2 (in reverse mode: oneDNN rounds them differently); without a float64 copy, the spread of the two;
+- a row fails when its error exceeds ``max(tolerance, NOISE_FACTOR * noise)``: the tolerance of the
+  compute dtype (``reference.RTOL``, at least twice the store dtype's epsilon) where the model is
+  well-conditioned, and clearly worse than float32 itself where it is not;
+- at a kink the derivative is a set (ReLU at 0, max-pooling ties): where some row fails against the
+  truth, the truth is computed again at the sample moved by up to one unit of rounding of the compute
+  dtype (``KINK_DIRECTIONS`` seeded directions, both ways), and the value passes as ``kink`` if every
+  row of every dataset is within the *same* bounds of the derivatives at one of those points. The moved
+  points offer other derivatives the value may be close to; they never widen a bound, so a value that
+  no derivative near the sample has (scaled, negated, another row's) fails however different those
+  derivatives are from each other (the README's flat images: about 5x the Jacobian's largest entry);
+- stored rows (``output_index``) other than the check's choice fail, unless the outputs chosen are,
+  rank by rank, within float32's noise of the largest ones (a tie: then either choice is right).
 
-The later terms are computed only where they can change the verdict (the bound only grows with them,
-so the verdict is the same); a check that needed the moved inputs is recorded as ``kink``: passed, with
-a note. Every check records the stored value's error against the truth and the noise before the moved
-inputs, so the manifest reports the run's precision (``summary``).
+Every check records the stored value's error against the truth and the noise, per dataset its worst
+row's, so the manifest reports the run's precision (``summary``).
 
 Which samples: ``chosen_ids`` draws them from a generator seeded with the shard's first id, among the
 shard's stored (not rejected) ids, so a resumed run checks, and records, exactly what an uninterrupted
 one does. Errors are stored rounded to 3 significant digits (and check times only in the manifest), so
-that a shard's bytes do not depend on the last bits of a reference. ``logabsdet`` is compared absolutely
-(the relative error of ``|det|``), ``trace`` relative to the sum of the absolute diagonal entries and
-``diagonal`` relative to the Jacobian's largest entry.
+that a shard's bytes do not depend on the last bits of a reference.
 
 Numpy at import; TensorFlow only once a check runs (in the worker).
 """
@@ -62,7 +66,7 @@ SEED = 0x5E1FC  # with the shard's first id: which samples a shard checks
 OK, KINK, MISMATCH = "ok", "kink", "mismatch"
 NOISE_FACTOR = 4  # "clearly worse": a value 10x the noise fails; batched and per-sample float32 measured within 1x
 KINK_DIRECTIONS = 3  # seeded moves of the sample by up to one unit of rounding, each both ways
-KINK_NOTE = "at a kink or ill-conditioned: rounding the input by one unit moves the derivative as much"
+KINK_NOTE = "at a kink: within float32's noise of the derivative at a point one rounding unit away, not at the sample"
 TRUTH_FLOAT64 = "float64 copy of the model"
 # Reverse-mode references pull rows back through this many bytes of copies at most per call.
 REFERENCE_BUDGET = 2**30
@@ -156,9 +160,17 @@ class SelfChecker:
                     else:
                         self.truth = TRUTH_FLOAT64
                 except (ModelError, ValueError, TypeError) as err:  # not Keras, layers without a config
-                    truth, self.truth = None, f"no float64 copy: {no_copy_reason(err)}"
+                    truth, self.truth = None, f"no float64 copy: {self._no_copy(err)}"
             self._functions = (own, truth)
             return self._functions, True
+
+    def _no_copy(self, err: BaseException) -> str:
+        """Why no float64 copy of the model could be built, in words for a user who never asked for one."""
+        model = self.engine.model
+        if getattr(model, "keras_model", None) is None:
+            return (f"{model.source} is not a Keras model (a SavedModel or a plain tf.Module) and cannot be rebuilt in "
+                    "float64; judged against its own float32 per-sample gradient, in two batch shapes")
+        return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
 
     def _outputs_of(self, dtype: str, xs: Sequence[np.ndarray]) -> np.ndarray:
         """The model's outputs at one sample, flat, computed in ``dtype`` (the float64 copy for float64)."""
@@ -401,9 +413,6 @@ def _finfo(name: str):
     return np.finfo(np.dtype(name))
 
 
-def no_copy_reason(err: BaseException) -> str:
-    """Why no float64 copy of the model could be built, in one line."""
-    return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
 
 
 def summary(options: SelfCheck, records: Sequence[Any]) -> dict[str, Any]:
@@ -439,7 +448,7 @@ def summary(options: SelfCheck, records: Sequence[Any]) -> dict[str, Any]:
 
 def precision(checks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     """How accurate the stored values are: per dataset, the checked samples' error against the truth
-    (median and max, and the max of those that passed) and the same of the per-sample reference in the
+    (median and max, and the max of those that passed, None if none did) and the same of the per-sample reference in the
     compute dtype (``noise``: what TensorFlow's own gradient of one sample achieves); None without checks."""
     checks = [check for check in checks if "noise" in check]  # shards of runs before the precision report
     if not checks:
@@ -450,44 +459,14 @@ def precision(checks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
         numbers = [float("inf") if value == "inf" else float(value) for value in values]
         return {"median": rounded(statistics.median(numbers)), "max": rounded(max(numbers))}
 
-    passed = [c for c in checks if c["verdict"] != MISMATCH] or checks
+    passed = [c for c in checks if c["verdict"] != MISMATCH]
     datasets = {
         name: {
             "error": spread([c["errors"][name] for c in checks]),
             "noise": spread([c["noise"][name] for c in checks]),
-            "passed_max": spread([c["errors"][name] for c in passed])["max"],  # mismatches aside
+            # Mismatches aside; None where every check was one.
+            "passed_max": spread([c["errors"][name] for c in passed])["max"] if passed else None,
         }
         for name in checks[0]["errors"]
     }
     return {"against": truth, "samples": len(checks), "datasets": datasets}
-
-
-def precision_line(summary: Mapping[str, Any], compute_dtype: str) -> str | None:
-    """The run's precision in one line, for its result datasets (``output`` aside where there are others):
-    ``saliency: float32 error against a float64 copy of the model median 2.2e-3, max 1.7e-2 on 28 checked
-    samples (TensorFlow's own per-sample gradient: median 3.3e-3, max 1.7e-2); jacobian.compute_dtype:
-    float64 for more``, the hint where a value that passed is more than 1e-4 off."""
-    found = (summary or {}).get("precision")
-    if not found:
-        return None
-    datasets = found["datasets"]
-    names = [name for name in datasets if name != "output"] or list(datasets)
-    truth = found["against"]
-    against = f"against a {truth}" if truth == TRUTH_FLOAT64 else f"against the {compute_dtype} per-sample reference ({truth})"
-
-    def show(value) -> str:
-        return value if isinstance(value, str) else f"{value:.2g}"
-
-    parts = []
-    for name in names:
-        error, noise = datasets[name]["error"], datasets[name]["noise"]
-        part = f"{name}: {compute_dtype} error {against} median {show(error['median'])}, max {show(error['max'])}"
-        if truth == TRUTH_FLOAT64 and compute_dtype != "float64":
-            part += f" (TensorFlow's own per-sample gradient: median {show(noise['median'])}, max {show(noise['max'])})"
-        parts.append(part)
-    line = f"{'; '.join(parts)} on {found['samples']:,} checked sample(s)"
-    # float64 helps where the values that passed are far off (not where one is wrong: that is a mismatch).
-    worst = max((datasets[name]["passed_max"] for name in names), key=lambda v: float("inf") if v == "inf" else v)
-    if truth == TRUTH_FLOAT64 and compute_dtype != "float64" and (worst == "inf" or worst > 1e-4):
-        line += "; jacobian.compute_dtype: float64 for more"
-    return line
