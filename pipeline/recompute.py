@@ -3,10 +3,10 @@ checked against the shards' partial sums (see ``pipeline.verify``).
 
 One recompute-and-compare implementation: the self-check's (``transforms.self_check.SelfChecker``). Its
 reference differentiates one sample at a time (per-sample tape, or forward-mode JVPs where the run ran
-forward), in a float64 copy of the model where one can be built, and turns the Jacobian into every
-stored dataset with the production numpy post-processing (``operands.apply``, ``reductions.reduce_full``,
-the products' reshapes), none of which is the engine's batched TensorFlow path. Verify gives it an
-engine rebuilt from what the manifest records (``_RecordedEngine``: no probing, the run's mode).
+forward), in a float64 copy of the model where one can be built, chooses the rows again itself (a
+label read again from the input file), and rebuilds every stored dataset from its definition
+(``transforms.reference_datasets``), none of which is the engine's code. Verify gives it an engine
+rebuilt from what the manifest records (``_RecordedEngine``: no probing, the run's mode).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jacobeam.transforms.engine.assembly import DatasetAssembly
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import AGGREGATES, NONFINITE, SAMPLE_ID
 
@@ -24,10 +23,9 @@ if TYPE_CHECKING:
     from jacobeam.pipeline.verify import Report
 
 
-class _RecordedEngine(DatasetAssembly):
+class _RecordedEngine:
     """What ``SelfChecker`` reads of an engine, from the manifest: the options, the model in the compute
-    dtype, the operands (vectors, projections, bases, loaded as the run loaded them), the run's mode; and
-    the engine's own numpy post-processing of full Jacobians (``assemble``: reductions, products, store dtype)."""
+    dtype, its inputs and outputs, the size of its forward pass, the run's mode."""
 
     def __init__(self, loaded, manifest: dict[str, Any], output_shape: tuple[int, ...]):
         import tensorflow as tf
@@ -35,14 +33,12 @@ class _RecordedEngine(DatasetAssembly):
         from jacobeam.pipeline.config import validate
         from jacobeam.transforms.engine import model_checks
         from jacobeam.transforms.engine.diagnostics import activation_size
-        from jacobeam.transforms.engine.operands import build_operands
 
         self.options = validate(manifest["config"]).jacobian.engine_options()
         self.model = loaded.with_dtype(self.options.compute_dtype)
         self.input_names, self.input_shapes = model_checks.resolve_inputs(self.model, manifest["input_shape"])
         self.wrt = model_checks.resolve_wrt(self.input_names, self.options.wrt, self.model.source)
         self.output_shape = tuple(output_shape)
-        self.operands = build_operands(self.options, self.output_shape, self.input_shapes, self.input_names, self.model.source)
         specs = [tf.TensorSpec((None, *shape), self.options.compute_dtype) for shape in self.input_shapes]
         forward = tf.function(lambda xs: self.model.call(list(xs)), input_signature=[specs], autograph=False)
         self.activations = activation_size(forward.get_concrete_function(specs).graph)

@@ -9,12 +9,12 @@
    worker computed as it read them (``samples_sha256``).
 3. ``K`` randomly chosen stored samples (seeded: ``--seed``) are recomputed from their input rows by the
    run's self-check (``transforms.self_check``, through ``pipeline.recompute``), independently of the
-   engine's batched computation: a per-sample ``tf.GradientTape`` (forward-mode JVPs where the run ran
-   forward) in a float64 copy of the model, the truth; each stored dataset, reductions and selected rows
-   included, is rebuilt from that Jacobian by the production numpy post-processing and judged by the
-   self-check's bound (``max(tolerance, 4 x`` the error of TensorFlow's own per-sample float32
-   gradient``)``), so float32 round-off on a deep net is not called a mismatch. Without a float64 copy
-   (SavedModels, plain ``tf.Module``) the truth is the compute dtype's reference.
+   engine: a per-sample ``tf.GradientTape`` (forward-mode JVPs where the run ran forward) in a float64
+   copy of the model, the truth; the rows chosen again (a label read again from the input, ``argmax`` and
+   ``top_k`` from the truth's outputs); each stored dataset rebuilt from its definition
+   (``transforms.reference_datasets``) and judged row by row by the self-check's rule, word for word, so
+   that the run and verify cannot disagree on what is right. Without a float64 copy (SavedModels, plain
+   ``tf.Module``) the truth is the compute dtype's reference.
 4. ``aggregates.h5`` is the tree-sum of the shards' stored partial sums, bit for bit; where shards store
    full Jacobians, a recomputed sample's shard's partial sums agree with sums over its stored values.
 

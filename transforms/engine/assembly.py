@@ -1,6 +1,6 @@
 """The datasets an engine stores, assembled from its products: reductions, shapes, store dtype (numpy
-only). A mixin, as two engines share it: ``JacobianEngine``, and ``pipeline.recompute``'s engine rebuilt
-from a manifest, which turns its reference Jacobians into the datasets the run stored."""
+only), for ``JacobianEngine``. The checks rebuild the same datasets with code of their own
+(``transforms.reference_datasets``), so that a bug here is not repeated by what judges it."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ class DatasetAssembly:
     def assemble(
         self, output: np.ndarray, products: Mapping[int, np.ndarray], index: np.ndarray | None
     ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
-        """Datasets from the outputs ``(n, m)`` and ``L J R`` ``(n, r, c)`` per differentiated input
-        (``operands.apply`` of full Jacobians gives the same form): reductions, shapes, store dtype."""
+        """Datasets from the outputs ``(n, m)`` and ``L J R`` ``(n, r, c)``
+        per differentiated input: reductions, shapes, store dtype."""
         n = len(output)
         store = store_dtype(self.options.store_dtype)
         datasets = {"output": output.reshape((n, *self.output_shape))}

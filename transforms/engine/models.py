@@ -116,15 +116,77 @@ BUILTINS: dict[str, Callable[..., keras.Model]] = {"mlp": build_mlp, "cnn": buil
 
 
 def _keras_in_dtype(model: keras.Model, dtype: str) -> keras.Model:
-    def clone_layer(layer):
-        return layer.__class__.from_config({**layer.get_config(), "dtype": dtype})
+    """A copy of the Functional or Sequential ``model`` computing in ``dtype``, with its weights cast.
 
-    inputs = [keras.Input(shape=t.shape[1:], dtype=dtype, name=t.name) for t in model.inputs]
-    clone = keras.models.clone_model(
-        model, input_tensors=inputs[0] if len(inputs) == 1 else inputs, clone_function=clone_layer
-    )
-    clone.set_weights([weight.astype(dtype) for weight in model.get_weights()])
-    return clone
+    Each layer (and each ``keras.ops`` call of a functional model) is rebuilt from its config, in which every
+    floating-point dtype is replaced by ``dtype``: a dtype name or a serialized ``DTypePolicy``, the layer's
+    own and those of the layers nested in its config (a Sequential or Functional submodel and its inputs, a
+    wrapper's layer). The copy is built with ``dtype`` as Keras' default dtype policy, for the sublayers a
+    layer creates without passing its dtype on; the previous default (thread-local in Keras) is restored
+    after, also on error, and ``floatx`` is never changed. Each rebuilt layer then gets its original's
+    weights, cast to its variables' dtypes (integer ones, a counter say, stay integers). What cannot be
+    rebuilt raises a one-line ValueError naming the layer and why.
+    """
+
+    def retyped(config: Any, layer: str) -> Any:
+        """``config`` with each floating-point dtype in it, at any depth, replaced by ``dtype``."""
+        if isinstance(config, list | tuple):
+            return type(config)(retyped(item, layer) for item in config)
+        if not isinstance(config, dict):
+            return config
+        if "dtype" not in config:
+            return {key: retyped(value, layer) for key, value in config.items()}
+        layer = config["name"] if isinstance(config.get("name"), str) else layer  # a nested layer's config
+        try:
+            policy = None if config["dtype"] is None else keras.dtype_policies.get(config["dtype"])
+        except (ValueError, TypeError):  # not a dtype, an argument that happens to be called so: kept
+            policy = None
+        if getattr(policy, "quantization_mode", None) is not None:
+            raise ValueError(f"layer {layer!r} is quantized ({policy.name}): its weights cannot be cast to {dtype}")
+        new = {key: retyped(value, layer) for key, value in config.items() if key != "dtype"}
+        floating = policy is not None and keras.backend.is_float_dtype(policy.compute_dtype)
+        return {**new, "dtype": dtype if floating else config["dtype"]}
+
+    rebuilt = []  # (original layer, its copy)
+
+    def clone_layer(layer: Any) -> Any:
+        try:
+            copy = layer.__class__.from_config(retyped(layer.get_config(), layer.name))
+        except Exception as err:  # no get_config, a class Keras cannot find or will not load (safe_mode), ...
+            raise ValueError(f"layer {layer.name!r} ({type(layer).__name__}): {first_line(err)}") from err
+        if isinstance(layer, keras.layers.Layer):  # not a stateless keras.ops operation
+            rebuilt.append((layer, copy))
+        return copy
+
+    try:
+        declared = model.inputs
+    except AttributeError:  # a subclassed model
+        declared = None
+    if not declared:
+        raise ValueError(
+            f"{type(model).__name__} is not a Functional or Sequential model with declared inputs (keras.Input): "
+            f"only those can be rebuilt in {dtype}"
+        )
+    inputs = [
+        keras.Input(shape=t.shape[1:], dtype=dtype if keras.backend.is_float_dtype(t.dtype) else t.dtype, name=t.name)
+        for t in declared
+    ]
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(dtype)
+    try:
+        twin = keras.models.clone_model(
+            model, input_tensors=inputs[0] if len(inputs) == 1 else inputs, clone_function=clone_layer
+        )
+    finally:
+        keras.config.set_dtype_policy(previous)
+    for layer, copy in rebuilt:
+        if len(copy.weights) != len(layer.weights):
+            raise ValueError(
+                f"layer {layer.name!r} ({type(layer).__name__}) rebuilt from its config has {len(copy.weights)} "
+                f"weights, not {len(layer.weights)}"
+            )
+        copy.set_weights([np.asarray(w.numpy()).astype(v.dtype) for w, v in zip(layer.weights, copy.weights)])
+    return twin
 
 
 def _activation_name(layer: Any) -> str | None:

@@ -89,17 +89,6 @@ class Operands:
             raise ModelError(f"label {labels[bad[0]]} of batch row {bad[0]} is not an output index 0..{self.outputs - 1}")
         return labels.astype(np.int32)[:, None]
 
-    def apply(self, jacobian: np.ndarray, index: np.ndarray | None) -> np.ndarray:
-        """``L J R`` of full Jacobians ``(n, m, d)``: ``(n, r, c)``, in numpy. What the blocks compute
-        without ever forming ``J``; used to check them against a reference that does."""
-        if self.left is not None:
-            rows = np.einsum("rm,nmd->nrd", self.left, jacobian)
-        elif index is not None:
-            rows = np.take_along_axis(jacobian, np.asarray(index)[:, :, None], axis=1)
-        else:
-            rows = jacobian
-        return rows if self.right is None else np.einsum("nrd,cd->nrc", rows, self.right)
-
 
 def build_operands(
     options: EngineOptions,
