@@ -20,7 +20,7 @@ from jacobeam.transforms import self_check
 from jacobeam.transforms.engine import JacobianEngine
 from jacobeam.transforms.errors import SelfCheckError
 from jacobeam.transforms.output.storage import crc32c
-from jacobeam.transforms.spec import SelfCheck, ShardRange
+from jacobeam.transforms.spec import EngineOptions, SelfCheck, ShardRange
 from tests import mutants
 
 CHECKED = SelfCheck().samples  # the default: 4 samples per shard
@@ -183,3 +183,41 @@ def test_verify_catches_a_stored_value_scaled_and_a_label_row_of_another_class(q
     assert problems[0].startswith("sample 0 (") and "jacobian differs from the reference" in problems[0], problems
     assert problems[1].startswith("sample 1 (") and "output_index: stored rows" in problems[1], problems
     assert len(problems) == 2
+
+
+def _patch_mutant(monkeypatch, mutant) -> None:
+    """The engine computes every batch through ``mutant`` (its full Jacobians from an engine of the same model
+    storing all rows, built once)."""
+    original = JacobianEngine.compute
+    everything = {}
+
+    def compute(engine, x, labels=None):
+        datasets, full = original(engine, x, labels)
+        if id(engine) not in everything:
+            everything[id(engine)] = JacobianEngine(engine.model, engine.input_shapes[0], EngineOptions(batch_size=8))
+        jacobians = original(everything[id(engine)], x)[0]["jacobian"]
+        batch = mutants.Batch(None, engine.options, np.asarray(x), np.asarray(labels),
+                              jacobians.reshape(len(x), jacobians[0].shape[0], -1).astype(np.float64))
+        return mutant(dict(datasets), batch), full
+
+    monkeypatch.setattr(JacobianEngine, "compute", compute)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("output", ["all", "label", "projection"])
+@pytest.mark.parametrize("name", list(mutants.MUTANTS))
+def test_every_mutant_stops_the_run_at_the_defaults_and_fails_verify(quickstart, tmp_path, monkeypatch, name, output):
+    """The README quickstart (its bar images and model, every key at its default), its engine faulty."""
+    jacobian = {"all": {}, "label": {"outputs": "label", "labels": {"key": "y"}},
+                "projection": {"reduce": "project", "project": {"dim": 8}}}[output]
+    raw = _quickstart_config(quickstart, tmp_path / "out", **jacobian)
+    if name == "wrong_reduction" and output != "projection":
+        pytest.skip("nothing reduced to get wrong")
+    _patch_mutant(monkeypatch, mutants.MUTANTS[name])
+    with pytest.raises(SelfCheckError, match="self-check failed"):
+        runner.run(config.validate(raw), [], show_progress=False)
+    raw.setdefault("jacobian", {})["self_check"] = {"on_mismatch": "warn"}
+    manifest = runner.run(config.validate(raw), [], show_progress=False).manifest
+    assert manifest["self_check"]["mismatches"]
+    monkeypatch.undo()
+    assert not verify(tmp_path / "out", samples=8).ok
