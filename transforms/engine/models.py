@@ -129,21 +129,23 @@ def _keras_in_dtype(model: keras.Model, dtype: str) -> keras.Model:
     """
 
     def retyped(config: Any, layer: str) -> Any:
-        """``config`` with each floating-point dtype in it, at any depth, replaced by ``dtype``."""
+        """``config`` (of the layer named ``layer``) with each floating-point dtype in it, at any depth,
+        replaced by ``dtype``."""
         if isinstance(config, list | tuple):
             return type(config)(retyped(item, layer) for item in config)
         if not isinstance(config, dict):
             return config
+        new = {key: retyped(value, layer) for key, value in config.items() if key != "dtype"}
         if "dtype" not in config:
-            return {key: retyped(value, layer) for key, value in config.items()}
-        layer = config["name"] if isinstance(config.get("name"), str) else layer  # a nested layer's config
+            return new
         try:
             policy = None if config["dtype"] is None else keras.dtype_policies.get(config["dtype"])
         except (ValueError, TypeError):  # not a dtype, an argument that happens to be called so: kept
             policy = None
         if getattr(policy, "quantization_mode", None) is not None:
-            raise ValueError(f"layer {layer!r} is quantized ({policy.name}): its weights cannot be cast to {dtype}")
-        new = {key: retyped(value, layer) for key, value in config.items() if key != "dtype"}
+            name = config.get("name", layer)
+            whose = "its" if name == layer else f"its sublayer {name!r}'s"
+            raise ValueError(f"{whose} dtype policy {policy.name!r} is quantized: its weights cannot be cast to {dtype}")
         floating = policy is not None and keras.backend.is_float_dtype(policy.compute_dtype)
         return {**new, "dtype": dtype if floating else config["dtype"]}
 
@@ -153,7 +155,10 @@ def _keras_in_dtype(model: keras.Model, dtype: str) -> keras.Model:
         try:
             copy = layer.__class__.from_config(retyped(layer.get_config(), layer.name))
         except Exception as err:  # no get_config, a class Keras cannot find or will not load (safe_mode), ...
-            raise ValueError(f"layer {layer.name!r} ({type(layer).__name__}): {first_line(err)}") from err
+            reason = first_line(ValueError(str(err).rpartition("Exception encountered: ")[2]))  # Keras' wrapping
+            raise ValueError(
+                f"layer {layer.name!r} ({type(layer).__name__}) cannot be rebuilt from its config: {reason}"
+            ) from err
         if isinstance(layer, keras.layers.Layer):  # not a stateless keras.ops operation
             rebuilt.append((layer, copy))
         return copy
@@ -246,7 +251,7 @@ def without_softmax(model: keras.Model, source: str = "the model") -> keras.Mode
 def wrap_model(obj: Any, source: str) -> LoadedModel:
     """A Keras model, or any callable taking one batch tensor, as a ``LoadedModel``."""
     if isinstance(obj, keras.Model):
-        inputs = obj.inputs or []
+        inputs = getattr(obj, "inputs", None) or []  # a subclassed model has none
         if len(inputs) > 1:
             return LoadedModel(
                 lambda xs: obj(list(xs), training=False),
