@@ -124,6 +124,7 @@ class SelfChecker:
         )
         self.truth = None  # what the errors are measured against: TRUTH_FLOAT64, or why there is none
         self._functions: tuple | None = None
+        self._twin = None  # the float64 copy of the model, once built
         self._outputs: dict[str, Any] = {}  # forward passes by dtype, for rows chosen by the outputs
         self._lock = threading.Lock()
 
