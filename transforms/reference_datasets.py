@@ -142,7 +142,7 @@ class ReferenceDatasets:
             raise ValueError(f"jacobian.reduce {kind!r}: no reference definition")
         return out
 
-    def scale(self, name: str, jacobians: Mapping[int, np.ndarray], selected: bool) -> float | None:
+    def scale(self, name: str, jacobians: Mapping[int, np.ndarray]) -> float | None:
         """The scale a dataset's error is measured against where it is not the dataset's own largest entry:
         ``logabsdet`` absolutely (1), ``trace`` the sum of the diagonal's absolute entries, ``diagonal`` the
         Jacobian's largest entry; None for the rest."""

@@ -224,7 +224,7 @@ class SelfChecker:
         reference, jacobians = self.datasets(exact, at, index)
         names = [name for name, value in reference.items() if value.dtype.kind == "f"]
         rows = index.shape[1] if index is not None else self.plain.m
-        scales = {name: self.plain.scale(name, jacobians, self._rows) for name in names}
+        scales = {name: self.plain.scale(name, jacobians) for name in names}
         if truth is None:  # the compute dtype's reference is the truth; the noise is its spread over batch shapes
             owns = [] if self.forward else [self.datasets(own, mine, index, pad=True)[0]]
         elif truth is own:  # a float64 run: nothing is more accurate than its own reference
