@@ -20,7 +20,8 @@ import tests.remote_fs  # noqa: E402,F401
 # here, the longest files first, so that the two processes finish together instead of one starting the
 # longest file last. (Not `--dist loadgroup`: with pytest 9.2 it no longer groups, pytest-xdist#1386.)
 LONGEST_FIRST = (
-    "test_real_architectures", "test_s3", "test_faults", "test_differential", "test_terminal", "test_readme", "test_dask",
+    "test_real_architectures", "test_float64_copies", "test_mutants", "test_mutant_runs",
+    "test_s3", "test_faults", "test_differential", "test_terminal", "test_readme", "test_dask",
     "test_workers", "test_remote", "test_lease", "test_benchmarks",
     # then the longest of `make test-fast`
     "test_engine_modes", "test_inspect_plot", "test_layer_rules", "test_multi_input", "test_bad_data", "test_resume",

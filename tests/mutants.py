@@ -14,6 +14,7 @@ classifier whose probabilities are peaked.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import keras
@@ -43,8 +44,9 @@ def bar_images(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return images, cols // 2
 
 
+@functools.cache
 def readme_cnn(dtype: str = "float32") -> keras.Model:
-    """The README's quickstart model, trained for a few seconds on its bar images."""
+    """The README's quickstart model, trained for a few seconds on its bar images (once per process)."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
         keras.Input((28, 28, 1), dtype=dtype),

@@ -205,7 +205,8 @@ def test_verify_catches_a_wrong_value_in_one_inputs_jacobian(npz_run, tmp_path):
     report = verify(copy, samples=40)
     assert not report.ok
     assert any(re.match(r"sample 3 \(shards/shard-000000000000-000000000016.h5 row 3\): jacobian/meta differs from the "
-                        r"reference \(.*\) by max relative error 0.01, bound 0.0001", p) for p in report.problems), report.problems
+                        r"reference \(.*\) by max relative error 0.01, bound 0.0001", p)
+               for p in report.problems), report.problems
     assert not any("jacobian/image" in p for p in report.problems)  # the other input's Jacobian is right
 
 
