@@ -280,6 +280,24 @@ def test_resume_after_losing_one_shard_recomputes_only_it_bit_for_bit(fake_run, 
     assert verify.verify(str(out), samples=0).ok
 
 
+def test_a_row_whose_shard_file_is_missing_reads_as_nan_and_id_minus_one_never_as_zeros(fake_run, tmp_path):
+    """The view's fill values: a shard deleted under a finished folder (a rerun that deleted it and then
+    failed, say) leaves rows no reader can take for data."""
+    root, _, result, _ = fake_run
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)
+    shards = result.manifest["shards"]
+    (out / shards[1]["file"]).unlink()
+    first, lost = shards[0]["num_samples"], shards[1]["num_samples"]
+    with h5py.File(out / "jacobians.h5") as view:
+        ids, jacobians, outputs, flags = (view[name][()] for name in ("sample_id", "jacobian", "output", "nonfinite"))
+    gone = slice(first, first + lost)
+    assert (ids[gone] == -1).all() and np.isnan(jacobians[gone]).all() and np.isnan(outputs[gone]).all()
+    assert flags[gone].all()
+    kept = np.r_[0:first, first + lost : len(ids)]
+    assert (ids[kept] >= 0).all() and np.isfinite(jacobians[kept]).all() and not flags[kept].any()
+
+
 def test_read_compute_write_composed_in_a_users_pipeline_give_the_same_folder_as_the_run(fake_run, tmp_path):
     """``ReadSamples | ComputeJacobians | WriteShards`` on a planned job: the batches are grouped by their
     planned shard, every shard and aggregate the same bit for bit as ``jacobeam run``'s."""

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import apache_beam as beam
+import numpy as np
 from apache_beam.typehints.decorators import no_annotations
 
 from jacobeam.transforms import model_identity, self_check
@@ -92,7 +93,8 @@ def write_virtual_view(output_dir: str, records: Sequence[ShardRecord]) -> dict[
     Rows are the shards' rows in id order; rejected samples have no row, so row ``i`` holds the sample
     with id ``sample_id[i]`` (row ``i`` is id ``i`` when nothing was rejected). Sources are relative paths
     (``shards/...``), which HDF5 resolves against the view's own folder, so the output folder can be
-    moved. Returns each dataset's per-sample shape and dtype.
+    moved. A row whose shard file is missing reads as no value at all (``_missing``: NaN, -1), never as
+    zeros. Returns each dataset's per-sample shape and dtype.
     """
     import h5py
 
@@ -117,11 +119,25 @@ def write_virtual_view(output_dir: str, records: Sequence[ShardRecord]) -> dict[
         with h5py.File(temp, "w", libver="latest") as view:
             view.attrs["jacobeam_version"] = version()
             for name, layout in layouts.items():
-                view.create_virtual_dataset(name, layout)
+                view.create_virtual_dataset(name, layout, fillvalue=_missing(fields[name][1]))
                 faults.reached("view_write")
 
     storage.write_atomically(storage.join(output_dir, VIEW), write, "view")
     return {name: (tuple(int(d) for d in shape), dtype.name) for name, (shape, dtype) in fields.items()}
+
+
+def _missing(dtype) -> Any:
+    """What a row of the view reads where its shard is missing: never a value a shard could hold as data.
+    NaN for floats, -1 for signed integers (``sample_id``, ``output_index``), the largest value for unsigned
+    ones, True for flags (``nonfinite``: the row has no finite values)."""
+    kind = np.dtype(dtype).kind
+    if kind == "f":
+        return np.nan
+    if kind == "i":
+        return -1
+    if kind == "u":
+        return np.iinfo(dtype).max
+    return True if kind == "b" else None
 
 
 def view_datasets(view) -> dict[str, Any]:
