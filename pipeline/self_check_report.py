@@ -21,11 +21,11 @@ def checks_line(summary: Mapping[str, Any]) -> str:
     kinks, mismatches = len(summary["kinks"]), len(summary["mismatches"])
     error = summary["max_rel_error"]
     shown = "n/a" if error is None else error if isinstance(error, str) else f"{error:.2g}"
+    why = " (within float32's noise of the derivative one rounding unit away, not at the sample)" if kinks else ""
     line = (
         f"{checked:,} sample(s) in {summary['shards_checked']:,} shard(s) recomputed on their own: "
-        f"{checked - kinks - mismatches:,} passed, {kinks:,} at a kink (within float32's noise of the derivative one "
-        f"rounding unit away, not at the sample), {mismatches:,} mismatch(es); max relative error {shown} "
-        f"(tolerance {summary['tolerance']:g})"
+        f"{checked - kinks - mismatches:,} passed, {kinks:,} at a kink{why}, {mismatches:,} mismatch(es); "
+        f"max relative error {shown} (tolerance {summary['tolerance']:g})"
     )
     if mismatches:
         first = summary["mismatches"][0]
