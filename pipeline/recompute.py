@@ -34,7 +34,10 @@ class _RecordedEngine:
         from jacobeam.transforms.engine import model_checks
         from jacobeam.transforms.engine.diagnostics import activation_size
 
-        self.options = validate(manifest["config"]).jacobian.engine_options()
+        jacobian = validate(manifest["config"]).jacobian
+        self.options = jacobian.engine_options()
+        # Where outputs: label finds each sample's label in the input files (read again, not the stored row).
+        self.label_key = jacobian.labels.key if self.options.outputs.rule == "label" and jacobian.labels else None
         self.model = loaded.with_dtype(self.options.compute_dtype)
         self.input_names, self.input_shapes = model_checks.resolve_inputs(self.model, manifest["input_shape"])
         self.wrt = model_checks.resolve_wrt(self.input_names, self.options.wrt, self.model.source)
@@ -70,7 +73,6 @@ def recompute(
     root: str, manifest: dict[str, Any], shards: list[tuple[str, np.ndarray]], samples: int, seed: int, report: Report
 ) -> None:
     """Recompute ``samples`` seeded random stored samples and judge every stored dataset of each."""
-    from jacobeam.pipeline.config import validate
     from jacobeam.transforms.inputs.readers import manifest_sources, open_samples
     from jacobeam.transforms.output.shards import read_attrs
     from jacobeam.transforms.self_check import KINK, MISMATCH, SelfChecker, mismatch_text
@@ -99,14 +101,12 @@ def recompute(
     engine = _RecordedEngine(loaded, manifest, tuple(int(d) for d in read_attrs(first)["output_shape"]))
     checker = SelfChecker(engine, SelfCheck())
     several = len(engine.input_names) > 1
-    labels = validate(manifest["config"]).jacobian.labels if engine.options.outputs.rule == "label" else None
-    label_key = None if labels is None else labels.key
     sources = manifest_sources(manifest)
     for sample_id in report.samples:
         source = next(s for s in sources if s.first_id <= sample_id < s.stop_id)
         with open_samples(source) as rows:
             read = rows.read(sample_id - source.first_id, sample_id - source.first_id + 1)
-        label = _label(source, sample_id, label_key) if label_key else None
+        label = _label(source, sample_id, engine.label_key) if engine.label_key else None
         xs = [np.asarray(read[n] if several else read) for n in engine.input_names]
         file, row = where[sample_id]
         with storage.open_h5(storage.join(root, file)) as h5:

@@ -120,9 +120,9 @@ class ReferenceDatasets:
         if kind == "frobenius":
             out["frobenius"] = np.sqrt(np.sum(product**2)).reshape(1)
         elif kind == "diagonal":
-            out["diagonal"] = np.array([product[i, i] for i in range(min(product.shape))]).reshape(1, -1)
+            out["diagonal"] = np.diagonal(product).reshape(1, -1)
         elif kind == "trace":
-            out["trace"] = np.array([sum(product[i, i] for i in range(min(product.shape)))])
+            out["trace"] = np.array([np.trace(product)])
         elif kind == "slogdet":
             sign, logabsdet = np.linalg.slogdet(product)
             out["sign"], out["logabsdet"] = np.array([sign]), np.array([logabsdet])
@@ -154,7 +154,7 @@ class ReferenceDatasets:
         finite = jacobian[np.isfinite(jacobian)]
         if name == "diagonal":
             return float(np.abs(finite).max()) if finite.size else 0.0
-        return float(sum(abs(jacobian[i, i]) for i in range(min(jacobian.shape))))
+        return float(np.abs(np.diagonal(jacobian)).sum())
 
     def split_rows(self, name: str, values: np.ndarray, rows: int) -> np.ndarray:
         """One sample's dataset ``values`` ``(1, ...)`` as ``(rows, entries)`` float64: one row per output
