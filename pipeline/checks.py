@@ -2,8 +2,9 @@
 files: the model against the inputs, and the output folder's writability.
 
 ``check_model`` loads the model here, once, so that a model that cannot take the inputs' samples fails
-with a message naming a file instead of failing inside every worker. It imports TensorFlow; the plan
-module itself stays importable without it.
+with a message naming a file instead of failing inside every worker; the plan takes the model's identity
+from that load (a factory's is that of the model it built: ``transforms.model_identity``), as each
+worker does from its own. It imports TensorFlow; the plan module itself stays importable without it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from jacobeam.transforms.errors import ModelError, OutputError
 from jacobeam.transforms.inputs.types import SourceFile
@@ -18,9 +20,10 @@ from jacobeam.transforms.output.layout import SHARDS_DIR, WRITE_PROBE_PREFIX
 from jacobeam.transforms.spec import ModelSource
 
 
-def check_model(model: ModelSource, files: list[SourceFile]) -> tuple[str, tuple[int, ...]]:
+def check_model(model: ModelSource, files: list[SourceFile]) -> tuple[str, tuple[int, ...], dict[str, Any]]:
     """Load the model, check it takes the inputs' samples (one array per model input); returns its
-    weight fingerprint and output shape.
+    weight fingerprint, output shape and identity (``transforms.model_identity.model_identity`` of the
+    model loaded: for a factory, of the model it built, which is then not built a second time).
 
     Keras files load with ``safe_mode`` on; a Python factory runs only because the config names it.
     """
@@ -44,7 +47,7 @@ def check_model(model: ModelSource, files: list[SourceFile]) -> tuple[str, tuple
         raise ModelError(
             f"{loaded.source}: cannot be called on samples of shape {shape} (the samples of {first}): {err}"
         ) from err
-    return loaded.fingerprint(), tuple(int(d) for d in output.shape[1:])
+    return loaded.fingerprint(), tuple(int(d) for d in output.shape[1:]), loaded.identity
 
 
 def check_writable(folder: str | Path) -> None:

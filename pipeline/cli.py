@@ -35,7 +35,7 @@ log = logging.getLogger("jacobeam")
 
 # Exit statuses (the epilog of ``jacobeam --help`` lists them). USAGE is kept for what the command line
 # or config must change, so that a script can tell it from a run that failed (FAILED).
-OK, FAILED, USAGE, MISSING_EXTRA, BUSY, INTERRUPTED = 0, 1, 2, 3, 75, 130
+OK, FAILED, USAGE, MISSING_EXTRA, BUSY, LOST, INTERRUPTED = 0, 1, 2, 3, 75, 76, 130
 EXIT_STATUSES = """exit status:
   0    done
   1    failed: an error during the run (inputs, model, output folder, self-check), or inspect: the folder
@@ -45,6 +45,8 @@ EXIT_STATUSES = """exit status:
   3    an optional package is missing (inspect --plot needs matplotlib, a gs:// output folder
        google-cloud-storage)
   75   busy: another run holds the output folder (retry later, or --wait)
+  76   lost: this run was paused past the lease's stale time and another run took the output folder
+       over; this run committed nothing after that
   130  interrupted (Ctrl-C): complete shards are kept, the same command finishes the run
 """
 
@@ -249,7 +251,7 @@ def _remote_error(err: BaseException) -> JacobeamError | None:
     for match in re.finditer(r"(?:jacobeam\.transforms\.errors\.)?(\w+Error): (.+)", str(err)):
         kind = getattr(errors, match.group(1), None)
         if isinstance(kind, type) and issubclass(kind, JacobeamError):
-            found = JacobeamError(match.group(2))
+            found = kind(match.group(2))
     return found
 
 
@@ -341,11 +343,14 @@ def _error(err: BaseException, verbose: bool, raised: BaseException | None = Non
         print(f"jacobeam: {err}", file=sys.stderr)
         return MISSING_EXTRA
     from jacobeam.pipeline.config import ConfigError
+    from jacobeam.transforms.errors import LostLeaseError
     from jacobeam.transforms.output.lease import LeaseBusy
 
     print(f"jacobeam: error: {_clean(str(err))}", file=sys.stderr)
     if isinstance(err, LeaseBusy):
         return BUSY
+    if isinstance(err, LostLeaseError):
+        return LOST
     return USAGE if isinstance(err, (ConfigError, UsageError)) else FAILED
 
 

@@ -104,19 +104,21 @@ def check_inputs(manifest: dict[str, Any], report: Report) -> bool:
     from jacobeam.transforms.inputs.readers import describe, manifest_sources
 
     fine = True
+    rows: dict[str, int] = {}  # each file's rows, over its pieces (a file that grew: ``SourceFile.first_row``)
+    sources = {}
     for source in manifest_sources(manifest):
-        if source.unreadable:
-            continue
+        if not source.unreadable:
+            rows[source.path] = max(rows.get(source.path, 0), source.first_row + source.num_samples)
+            sources.setdefault(source.path, source)
+    for path, source in sources.items():
         try:
             found = describe(source.path, source.key, source.sample_shape, source.image).num_samples
         except (InputError, OSError) as err:
             report.problems.append(f"input {source.path}: cannot be read any more ({err}); cannot recompute")
             fine = False
             continue
-        if found != source.num_samples:
-            report.problems.append(
-                f"input {source.path}: holds {found} samples, the manifest says {source.num_samples}"
-            )
+        if found != rows[path]:
+            report.problems.append(f"input {source.path}: holds {found} samples, the manifest says {rows[path]}")
             fine = False
     return fine
 

@@ -6,7 +6,8 @@ headers, or nothing for an image whose shape ``input.image`` gives), so that pla
 number of files, not their bytes. The samples themselves are read, checked and hashed by the workers
 (``transforms.inputs.checks``). A file's identity is its stamp from the listing (size and time of the
 last change; remotely what the file system's metadata gives): a resumed run trusts it, as make and
-rsync do, and computes again the shards of a file whose stamp changed.
+rsync do; the shards of a file whose stamp changed are stale, and their workers read their samples
+again (``transforms.job``).
 """
 
 from __future__ import annotations
@@ -38,14 +39,34 @@ def _match(patterns: list[str]) -> dict[str, str]:
         pattern = storage.absolute(given)
         folder = not any(c in pattern for c in "*?[") and (pattern.endswith("/") or storage.is_folder(pattern))
         (match,) = FileSystems.match([storage.join(pattern, "**") if folder else pattern])
-        found = {m.path: f"{m.size_in_bytes}:{m.last_updated_in_seconds!r}" for m in match.metadata_list
-                 if not folder or m.path.lower().endswith(IMAGE_SUFFIXES)}
+        found = {m.path: _stamp(m) for m in match.metadata_list if not folder or m.path.lower().endswith(IMAGE_SUFFIXES)}
         if not found:
             what = "holds no PNG or JPEG images" if folder else "matches no files"
             where = "" if pattern == given else f" (looked for {pattern})"
             raise InputError(f"input.paths: {given!r} {what}{where}")
         paths.update(found)
     return dict(sorted(paths.items()))
+
+
+def _stamp(metadata) -> str:
+    """A file's stamp (``SourceFile.stamp``) from Beam's ``FileMetadata`` of it."""
+    return f"{metadata.size_in_bytes}:{metadata.last_updated_in_seconds!r}"
+
+
+def stamps(paths: list[str]) -> dict[str, str]:
+    """The stamps of the files at ``paths`` (as ``SourceFile.stamp``), by path; a file not there is left
+    out. Reads the listing only."""
+    from apache_beam.io.filesystem import BeamIOError
+    from apache_beam.io.filesystems import FileSystems
+
+    found: dict[str, str] = {}
+    for path in paths:
+        try:
+            (match,) = FileSystems.match([path])
+        except BeamIOError:
+            continue
+        found.update({m.path: _stamp(m) for m in match.metadata_list if m.path == path})
+    return found
 
 
 def resolve_inputs(

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from jacobeam.pipeline.identity import identity_differences, run_identity
+from jacobeam.pipeline.ids import path_mapper
 from jacobeam.transforms import model_identity
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import (
@@ -17,6 +19,7 @@ from jacobeam.transforms.output.layout import (
     INPUT_STAMPS,
     MANIFEST,
     REJECTED_FILE,
+    SAMPLES_SHA256,
     SHARDS_DIR,
     VIEW,
     is_checksum_file,
@@ -145,9 +148,10 @@ def _attr_str(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _absolute_paths(inputs: list[list[Any]]) -> list[list[Any]]:
-    """A shard's ``inputs`` attribute with local paths absolute (older shards list them relative)."""
-    return [[storage.absolute(path), *rest] for path, *rest in inputs]
+def _absolute_paths(inputs: list[list[Any]], as_now: Callable[[str], str] = storage.absolute) -> list[list[Any]]:
+    """A shard's ``inputs`` attribute with local paths as this run names the files (``as_now``;
+    absolute: older shards list them relative)."""
+    return [[as_now(path), *rest] for path, *rest in inputs]
 
 
 def judged_by_weights(folder: Folder) -> bool:
@@ -157,6 +161,20 @@ def judged_by_weights(folder: Folder) -> bool:
     return (folder.manifest is not None and "model_identity" not in folder.manifest) or any(
         model_identity.IDENTITY_ATTR not in attrs for attrs in folder.shards.values()
     )
+
+
+def recorded_run_key(folder: Folder, identity: dict[str, Any]) -> str | None:
+    """The run key the folder's manifest (else its first shard, by name) recorded, when its recorded run
+    identity is ``identity`` as ``identity_differences`` compares them (file names resolved): a folder
+    written by this run under another spelling of a path, or by a version that keyed the path as written.
+    This run then writes under that key, so that every shard of the folder has one. None otherwise."""
+    if folder.manifest is not None:
+        recorded = [(folder.manifest.get("run_identity") or run_identity(folder.manifest["config"]),
+                     folder.manifest["run_key"])]
+    else:
+        recorded = [(json.loads(_attr_str(attrs["run_identity"])), _attr_str(attrs["run_key"]))
+                    for _, attrs in sorted(folder.shards.items()) if "run_identity" in attrs][:1]
+    return next((key for theirs, key in recorded if not identity_differences(theirs, identity)), None)
 
 
 def stored_fingerprint(folder: Folder) -> str | None:
@@ -202,6 +220,7 @@ def folder_differences(
         for difference in version_differences(manifest.get("versions")):
             by_place.setdefault(difference, []).append(MANIFEST)
     expected = set(spec.ranges()) if folder.shards else set()  # planning costs in the folder's shards, not all ids
+    as_now = path_mapper(folder.manifest, list(spec.files), spec.output_dir)
     for name, attrs in folder.shards.items():
         where = f"{SHARDS_DIR}/{name}"
         shard = ShardRange(*shard_ids(name))
@@ -220,7 +239,7 @@ def folder_differences(
             found += version_differences(model_identity.versions_from_attrs(attrs))
         # Path, key, first id and samples of each file (not the data sha256 that shards written before
         # planning read headers only list: a changed file is told by its stamp, stale_shards).
-        if "inputs" in attrs and [entry[:4] for entry in _absolute_paths(json.loads(_attr_str(attrs["inputs"])))] != [
+        if "inputs" in attrs and [entry[:4] for entry in _absolute_paths(json.loads(_attr_str(attrs["inputs"])), as_now)] != [
             entry[:4] for entry in shard_inputs(spec.files, shard.start, shard.stop)
         ]:
             found.append("computed from other input data (its ids now mean other samples)")
@@ -237,18 +256,40 @@ def folder_differences(
 def stale_shards(folder: Folder, spec: JobSpec) -> list[str]:
     """The folder's shards (names) fed by an input file whose stamp changed since they were computed
     (``SourceFile.stamp``: size and time of the last change): a resumed run trusts a stamp, as make and
-    rsync do, and computes such a shard again. A shard lists its files' stamps (``input_stamps``); one
-    written before shards did is judged by the stamps the folder's manifest lists, and is computed again
-    when there is none to compare."""
+    rsync do, and reads such a shard's samples again (``JobSpec.stale``). ``stale_names`` says which."""
     now = {f.path: f.stamp for f in spec.files}
-    listed = {storage.absolute(entry["path"]): entry.get("stamp") for entry in (folder.manifest or {}).get("inputs", [])}
+    return stale_names(folder, now, path_mapper(folder.manifest, list(spec.files), spec.output_dir))
+
+
+def stale_names(folder: Folder, now: dict[str, str | None], as_now: Callable[[str], str] = storage.absolute) -> list[str]:
+    """The folder's shards (names) that are not known to be up to date with the input files' stamps
+    ``now`` (by path, as this run names them; ``as_now`` maps a path the folder recorded to that name).
+
+    A shard is up to date when the stamps it recorded (``input_stamps``) are those of now, or when the
+    folder's manifest lists it with the digest of its samples it holds (``samples_sha256``: that shard,
+    not another under its name) and lists the stamps of now for its files: the run that wrote the
+    manifest found the shard's samples unchanged under those stamps (``transforms.job``), so the next run
+    does not read them again. A shard written before shards recorded stamps is judged by the manifest's
+    stamps alone, and is stale when there is none to compare. A file absent from ``now`` (gone: what
+    ``inspect`` cannot judge) makes no shard stale."""
+    manifest = folder.manifest or {}
+    listed = {as_now(entry["path"]): entry.get("stamp") for entry in manifest.get("inputs", [])}
+    vouched = {storage.name_of(entry["file"]): entry.get("samples_sha256") for entry in manifest.get("shards", [])}
+
+    def current(stamps: dict[str, str | None]) -> bool:
+        return all(path not in now or (stamp is not None and now[path] == stamp) for path, stamp in stamps.items())
+
     stale = []
     for name, attrs in folder.shards.items():
         if INPUT_STAMPS in attrs:
-            stamps = {storage.absolute(path): stamp for path, stamp in json.loads(_attr_str(attrs[INPUT_STAMPS])).items()}
+            stamps = {as_now(path): stamp for path, stamp in json.loads(_attr_str(attrs[INPUT_STAMPS])).items()}
         else:
-            paths = [storage.absolute(entry[0]) for entry in json.loads(_attr_str(attrs.get("inputs", "[]")))]
+            paths = [as_now(entry[0]) for entry in json.loads(_attr_str(attrs.get("inputs", "[]")))]
             stamps = {path: listed.get(path) for path in paths}
-        if any(stamp is None or now.get(path) != stamp for path, stamp in stamps.items()):
-            stale.append(name)
+        if current(stamps):
+            continue
+        digest = _attr_str(attrs[SAMPLES_SHA256]) if SAMPLES_SHA256 in attrs else None
+        if digest is not None and vouched.get(name) == digest and current({path: listed.get(path) for path in stamps}):
+            continue
+        stale.append(name)
     return sorted(stale)

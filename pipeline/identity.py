@@ -1,13 +1,46 @@
 """A run's identity: what decides the values stored for a sample id, and how ids are grouped into shards.
 
 Two runs with the same identity (and the same input data, compared file by file) store the same bits,
-so one can resume or extend what the other wrote.
+so one can resume or extend what the other wrote. Where a file is named, its spelling is not what
+counts: a model file is compared by its content (``transforms.model_identity``), so ``m.keras``,
+``./m.keras``, its absolute path and a copy of the folder that holds it are one model; the files of
+``jacobian.vectors`` and ``jacobian.basis`` are compared by path, resolved (``spelled``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
+
+# What the identity holds for ``model.path``: the model is compared by its content, which the manifest
+# and each shard record apart (``model_identity``), not by where the file is or how its path is spelled.
+MODEL_FILE = "(a model file: compared by its content)"
+# The identity's keys naming a file other than the model's: compared by path, ``spelled``.
+_PATH_KEYS = ("jacobian.vectors", "jacobian.basis.input", "jacobian.basis.output")
+
+
+def spelled(path: str) -> str:
+    """A local path as one spelling, whatever way it was written: relative to the working directory when
+    the file is under it (``./v.npy``, ``v.npy`` and its absolute path all give ``v.npy``; so does a copy
+    of the folder, run from the copy), else absolute; a remote URL as it is."""
+    if "://" in path:
+        return path
+    absolute = os.path.abspath(path)
+    relative = os.path.relpath(absolute, os.getcwd())
+    return absolute if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
+
+
+def comparable(identity: dict[str, Any]) -> dict[str, Any]:
+    """An identity (this run's, or one a folder recorded, however old) with its file names as the
+    comparison takes them: the model file by its content (``MODEL_FILE``), other files ``spelled``."""
+    found = dict(identity)
+    if found.get("model.path") is not None:
+        found["model.path"] = MODEL_FILE
+    for key in _PATH_KEYS:
+        if isinstance(found.get(key), str):
+            found[key] = spelled(found[key])
+    return found
 
 
 def run_identity(config: dict[str, Any]) -> dict[str, Any]:
@@ -20,7 +53,8 @@ def run_identity(config: dict[str, Any]) -> dict[str, Any]:
     Not part of it: threads (how fast), the self-check (how the results are checked, not what they
     are), compression (how stored), the input globs (an incremental run may add one; the files
     themselves are compared one by one) and ``on_bad_sample`` (a sample is rejected or not by the data
-    alone; the policy only decides whether a run with rejections goes ahead).
+    alone; the policy only decides whether a run with rejections goes ahead). Files are named as
+    ``comparable`` takes them: ``model.path`` by its content, the others ``spelled``.
     """
     identity = {
         "model.path": config["model"].get("path"),
@@ -44,10 +78,13 @@ def run_identity(config: dict[str, Any]) -> dict[str, Any]:
                 identity[f"{prefix}{key}"] = value
 
     flatten("jacobian.", config.get("jacobian", {}))
-    return identity
+    return comparable(identity)
 
 
 def identity_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    """How two identities differ, one line per key; file names compared as ``comparable`` takes them (a
+    folder's recorded identity may spell them as its run's config did)."""
+    theirs, ours = comparable(theirs), comparable(ours)
     return [
         f"{key} is {json.dumps(theirs.get(key))} there, {json.dumps(ours.get(key))} in this run"
         for key in sorted(set(theirs) | set(ours))

@@ -4,61 +4,121 @@ A fresh run numbers the samples of its input files in sorted path order. When th
 already has a manifest (an earlier, complete run), every file it lists keeps its ids, and files that
 are new are sorted among themselves and placed after the old ones: ids never move, so the old shards
 stay valid and only the new samples are computed (incremental runs). Each run that adds files adds an
-"id segment"; shard ranges tile each segment from its start in steps of ``samples_per_shard``.
+"id segment"; shard ranges tile each segment from its start in steps of ``samples_per_shard``. A file
+that grew by appended rows keeps its old ids, and its new rows are numbered as a new file's would be.
+Files are matched with the manifest's by path, resolved (``path_mapper``: another spelling, or a folder
+copied or moved together with its inputs, is the same file).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from collections.abc import Callable
 from typing import Any
 
 from jacobeam.transforms.inputs.readers import assign_ids, shape_record
 from jacobeam.transforms.inputs.types import SourceFile
-from jacobeam.transforms.output.storage import absolute
+from jacobeam.transforms.output.storage import absolute, is_local
 from jacobeam.transforms.spec import ShardRange
 
 
+def path_mapper(previous: dict[str, Any] | None, files: list[SourceFile], output_dir: str | None = None
+                ) -> Callable[[str], str]:
+    """``recorded path -> this run's path`` of the same input file, for the paths a folder recorded (its
+    manifest's inputs, its shards' ``inputs`` and ``input_stamps``): a path is compared resolved
+    (``./d/a.npy``, ``d/a.npy``, its absolute path and a spelling through a symbolic link are one file),
+    and where the folder was copied or moved together with its inputs (``cp -a``, run from the copy), a
+    file at the same place relative to the output folder as the recorded one is that file. A path that
+    is none of this run's files is returned absolute, as it is."""
+    current = {f.path for f in files}
+    real = {os.path.realpath(path): path for path in current if is_local(path)}
+    old_root = _recorded_root(previous)
+    new_root = os.path.realpath(output_dir) if output_dir and is_local(output_dir) else None
+
+    def as_now(path: str) -> str:
+        path = absolute(path)
+        if path in current or not is_local(path):
+            return path
+        resolved = os.path.realpath(path)
+        if resolved in real:
+            return real[resolved]
+        if old_root is not None and new_root is not None:
+            moved = os.path.normpath(os.path.join(new_root, os.path.relpath(resolved, old_root)))
+            return real.get(moved, path)
+        return path
+
+    return as_now
+
+
+def _recorded_root(previous: dict[str, Any] | None) -> str | None:
+    """Where the output folder was when its manifest was written (``output_dir``; a manifest written before
+    it recorded that: its config's ``output.path`` if absolute), resolved; None if not known or remote."""
+    if previous is None:
+        return None
+    root = previous.get("output_dir") or (previous.get("config") or {}).get("output", {}).get("path")
+    if not root or not is_local(root) or not os.path.isabs(root):
+        return None
+    return os.path.realpath(root)
+
+
 def place_files(
-    files: list[SourceFile], previous: dict[str, Any] | None
+    files: list[SourceFile], previous: dict[str, Any] | None, output_dir: str | None = None
 ) -> tuple[list[SourceFile], list[tuple[int, int]], list[str]]:
     """Give each file its ids: kept from the previous manifest, new files after the old ones.
 
     Returns the placed files (in id order), the id segments, and how the inputs differ from the
-    previous run's (a file gone, or holding another number or kind of samples), which makes the folder
-    another run's result. A file whose stamp changed keeps its ids: the shards it feeds are computed
-    again (``pipeline.folder.stale_shards``).
+    previous run's (a file gone, holding fewer samples or another kind of them), which makes the folder
+    another run's result. The previous manifest's paths are matched with this run's as ``path_mapper``
+    does (``output_dir``: where the folder is now). A file whose stamp changed keeps its ids: the shards
+    it feeds are stale (``pipeline.folder.stale_shards``), read again and computed again where their
+    samples differ. A file that grew (rows appended) keeps the ids of its old rows and is placed a
+    second time, as a piece of its own (``SourceFile.first_row``), for the rows appended: their ids come
+    after every old id, as a new file's do.
     """
     if previous is None:
         placed = assign_ids(files)
         return placed, [(0, max(f.stop_id for f in placed))], []
+    as_now = path_mapper(previous, files, output_dir)
     current = {f.path: f for f in files}
     placed, differences, end = [], [], 0
+    covered: dict[str, int] = {}  # rows of each file that the previous run's pieces hold
     for entry in previous["inputs"]:
         # Folders written before paths were made absolute list them relative to the working directory.
-        path, old_stop = absolute(entry["path"]), entry["first_id"] + entry["num_samples"]
+        path, old_stop = as_now(entry["path"]), entry["first_id"] + entry["num_samples"]
         end = max(end, old_stop)
-        now = current.pop(path, None)
+        now = current.get(path)
         if now is None:
-            differences.append(f"input file {path} (ids {entry['first_id']}..{old_stop} there) is not among this run's inputs")
+            differences.append(f"input file {absolute(entry['path'])} (ids {entry['first_id']}..{old_stop} there) "
+                               "is not among this run's inputs")
             continue
         changed = [
             f"{what} {json.dumps(before)} there, {json.dumps(after)} now"
-            for what, before, after in (
-                ("samples", entry["num_samples"], now.num_samples),
-                ("key", entry.get("key"), now.key),
-                ("dtype", entry.get("dtype"), now.dtype),
-            )
+            for what, before, after in (("key", entry.get("key"), now.key), ("dtype", entry.get("dtype"), now.dtype))
             if before != after
         ]
         if changed:
             differences.append(f"input file {path} changed: {', '.join(changed)}")
-        placed.append(dataclasses.replace(now, first_id=entry["first_id"]))
+        first_row = entry.get("first_row", 0)
+        covered[path] = max(covered.get(path, 0), first_row + entry["num_samples"])
+        if entry["num_samples"] or now.num_samples == 0:  # a file unreadable then, readable now: all appended
+            placed.append(dataclasses.replace(now, first_id=entry["first_id"], num_samples=entry["num_samples"],
+                                              first_row=first_row))
     segments = [tuple(s) for s in previous.get("id_segments") or [[0, end]]]
+    appended = []  # new files, and the rows appended to old ones
+    for path in sorted(current):
+        now, rows = current[path], covered.get(path)
+        if rows is None:
+            appended.append(now)
+        elif now.num_samples < rows:
+            differences.append(f"input file {path} changed: samples {rows} there, {now.num_samples} now")
+        elif now.num_samples > rows:
+            appended.append(dataclasses.replace(now, first_row=rows, num_samples=now.num_samples - rows))
     next_id = end
-    for path in sorted(current):  # new files: sorted among themselves, after every old id
-        placed.append(dataclasses.replace(current[path], first_id=next_id))
-        next_id += current[path].num_samples
+    for piece in appended:  # sorted by path among themselves, after every old id
+        placed.append(dataclasses.replace(piece, first_id=next_id))
+        next_id += piece.num_samples
     if next_id > end:
         segments.append((end, next_id))
     if previous.get("input_shape") is not None and any(f.unreadable is None for f in placed):

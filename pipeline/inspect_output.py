@@ -35,6 +35,9 @@ class Report:
     temp_files: list[str]
     view: dict[str, dict[str, Any]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    # Shards (as the manifest names them) computed from input files whose stamp changed since: the next
+    # run reads their samples again and computes those whose samples differ (``pipeline.folder.stale_names``).
+    stale: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -45,6 +48,7 @@ class Report:
             "folder": self.folder,
             "complete": self.ok,
             "problems": self.problems,
+            "stale": self.stale,
             "view": self.view,
             "shards_on_disk": self.shards_on_disk,
             "temp_files": self.temp_files,
@@ -89,7 +93,22 @@ def inspect(folder: str) -> Report:
     if "rejected" in manifest and REJECTED_FILE not in top:
         report.problems.append(f"{REJECTED_FILE} is missing")
     _check_view(root, report)
+    report.stale = _stale(root, manifest)
     return report
+
+
+def _stale(root: str, manifest: dict[str, Any]) -> list[str]:
+    """The shards on disk computed from input files whose stamp changed since (files gone are not judged):
+    their results may no longer be those of their inputs. Reads the inputs' listing and the shards'
+    attributes only."""
+    from jacobeam.pipeline.discover import stamps
+    from jacobeam.pipeline.folder import read_folder, stale_names
+    from jacobeam.transforms.inputs.readers import from_a_pipeline
+
+    if from_a_pipeline(manifest):
+        return []
+    paths = sorted({storage.absolute(entry["path"]) for entry in manifest["inputs"] if not entry.get("unreadable")})
+    return [f"{SHARDS_DIR}/{name}" for name in stale_names(read_folder(root), stamps(paths))]
 
 
 def _inputs(shape: list[int] | dict[str, list[int]]) -> str:
@@ -184,6 +203,13 @@ def format_report(report: Report) -> str:
             f"  engine      {_engine(manifest.get('engine'))}",
             *([f"  result      {result}"] if (result := _result(manifest)) else []),
             f"  shards      {len(manifest['shards'])} in manifest, {len(report.shards_on_disk)} on disk",
+            *(
+                [f"  stale       {len(report.stale)} shard(s) computed from input files changed since (another "
+                 f"stamp): {', '.join(report.stale)}; the next run reads their samples again and computes those "
+                 "whose samples differ"]
+                if report.stale
+                else []
+            ),
             *(
                 [
                     f"  rejected    {manifest['rejected']['count']:,} sample(s), "

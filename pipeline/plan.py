@@ -8,8 +8,9 @@ of the wrong key or dtype, a model that does not fit the inputs or a folder hold
 result fails here, with nothing written. The samples are read, checked and hashed by the workers
 (``transforms.inputs.checks``): a bad sample under ``input.on_bad_sample: error`` stops the job there,
 and the shards already complete are kept for the rerun. ``prepare_output`` then makes the first writes
-(create the folder, apply ``--overwrite``, remove a killed run's temporary files and the shards of
-input files that changed since).
+(create the folder, apply ``--overwrite``, remove a killed run's temporary files). The shards of input
+files whose stamp changed since (``JobSpec.stale``) stay: a worker reads their samples again, keeps
+those that read as before, and replaces the others when their new shard is committed.
 
 This module imports no TensorFlow; the model check (``pipeline.checks``) imports it when called. Its
 parts: ``pipeline.discover`` (input files), ``pipeline.identity`` (what makes two runs the same),
@@ -26,15 +27,21 @@ import uuid
 
 from jacobeam.pipeline.config import Config, to_dict
 from jacobeam.pipeline.discover import resolve_inputs
-from jacobeam.pipeline.folder import folder_differences, read_folder, stale_shards, stored_fingerprint
+from jacobeam.pipeline.folder import (
+    folder_differences,
+    read_folder,
+    recorded_run_key,
+    stale_shards,
+    stored_fingerprint,
+)
 from jacobeam.pipeline.identity import run_identity
 from jacobeam.pipeline.ids import place_files, shard_ranges
 from jacobeam.transforms.errors import ModelError, OutputError
 from jacobeam.transforms.finalize import remove_temp_files
 from jacobeam.transforms.inputs.readers import check_labels
 from jacobeam.transforms.model_identity import model_identity
-from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import CHECKSUM_SUFFIXES, SHARDS_DIR, shard_ids
+from jacobeam.transforms.output import fence, storage
+from jacobeam.transforms.output.layout import SHARDS_DIR, shard_ids, shard_name
 from jacobeam.transforms.spec import JobSpec, ModelSource, Rejected, run_key
 
 log = logging.getLogger(__name__)
@@ -46,9 +53,11 @@ _MAX_LISTED = 8  # differences shown in one error message
 class Job:
     spec: JobSpec
     already_done: int  # sample ids (stored or rejected) in complete shards that this run keeps
-    remove: list[str]  # jacobeam's files to remove first: --overwrite's, unproven remote shards, stale shards
+    remove: list[str]  # jacobeam's files to remove first: --overwrite's, unproven remote shards
     model_output_shape: tuple[int, ...] | None = None
-    complete: bool = False  # every range's shard is complete already: nothing to compute
+    # Every range has a shard already (stale ones are read again first): the workers load the model only
+    # for a range they compute.
+    complete: bool = False
 
 
 def _check_files_named(config: Config) -> None:
@@ -71,8 +80,9 @@ def _check_files_named(config: Config) -> None:
 def _recorded_config(config: Config) -> dict:
     """The config as the manifest records it: the local files it names absolute (the model's, the vectors
     and bases of ``reduce: vjp``, ``jvp``, ``basis``), as the input paths are, so that ``verify`` finds them
-    from any working directory. The run's identity keeps the paths as written (``run_identity`` of the
-    config itself): a folder resumed by the same config is the same run."""
+    from any working directory. The run's identity names them as ``pipeline.identity.comparable`` does
+    (the model by its content, other files resolved): a folder resumed by the same config, from a copy of
+    its folder or with another spelling of a path, is the same run."""
     recorded = to_dict(config)
     jacobian = recorded["jacobian"]
     for section, key in ((recorded["model"], "path"), (jacobian, "vectors"), (jacobian["basis"], "input"),
@@ -82,7 +92,7 @@ def _recorded_config(config: Config) -> dict:
     return recorded
 
 
-def _checked_model(config: Config, files) -> tuple[str, tuple[int, ...]]:
+def _checked_model(config: Config, files) -> tuple[str, tuple[int, ...], dict]:
     from jacobeam.pipeline.checks import check_model
 
     log.info("loading the model to check it against the inputs")
@@ -93,12 +103,12 @@ def _label_key(config: Config) -> str | None:
     return config.jacobian.labels.key if config.jacobian.outputs == "label" else None
 
 
-def _build_spec(config: Config, files, segments, identity, tf_threads, fingerprint, model) -> JobSpec:
+def _build_spec(config: Config, files, segments, identity, tf_threads, fingerprint, model, key=None) -> JobSpec:
     return JobSpec(
         model=ModelSource(**to_dict(config)["model"]),
         files=tuple(files),
         output_dir=storage.normalize(config.output.path),
-        run_key=run_key(identity),
+        run_key=key or run_key(identity),
         engine=config.jacobian.engine_options(),
         samples_per_shard=config.output.samples_per_shard,
         compression=config.output.compression,
@@ -131,10 +141,11 @@ def make_job(
     Touches no output. ``check_model``: load the model to check it takes the inputs' samples (and to
     compare its weights with a folder written before shards stored the model's identity).
     ``identify_model`` false: the configured model is not the one computed (a test's engine factory),
-    the run has no model identity. ``run_id``: the run's (its lease's); a new one if empty.
+    the run has no model identity. ``run_id``: the run's lease's, whose commits then prove they hold
+    it; a new one, unfenced, if empty (a folder without a lease).
     """
     policy = config.input.on_bad_sample
-    if check_model:
+    if check_model or (identify_model and config.model.factory is not None):  # a factory is built here
         from jacobeam.transforms.engine.threads import configure_tf_threads
 
         configure_tf_threads(tf_threads, warn=False)  # before reading inputs, which may run TensorFlow ops
@@ -148,19 +159,23 @@ def make_job(
         log.warning("jacobian.labels.key %r: floating-point labels in %d file(s) (%s%s); each must be a whole "
                     "output index", label_key, len(floats), floats[0], ", ..." if len(floats) > 1 else "")
     folder = read_folder(config.output.path)
-    fingerprint, output_shape = _checked_model(config, files) if check_model else (None, None)
+    fingerprint, output_shape, loaded = _checked_model(config, files) if check_model else (None, None, None)
     identity = run_identity(to_dict(config))
-    model = model_identity(ModelSource(**to_dict(config)["model"])) if identify_model else {}
+    # The model's identity: the loaded model's where it was loaded (a factory is not built twice); a
+    # factory's is that of what it builds, so it is built here when it was not (transforms.model_identity).
+    model = (loaded or model_identity(ModelSource(**to_dict(config)["model"]))) if identify_model else {}
     if folder.alien:
         raise OutputError(
             f"output folder {folder.root}: " + "; ".join(folder.alien[:_MAX_LISTED])
             + " — jacobeam uses these names, but did not write these files; move them away or choose another output.path"
         )
-    placed, segments, differences = place_files(files, folder.manifest)
+    placed, segments, differences = place_files(files, folder.manifest, folder.root)
     # Without loading the model, the weights the kept shards were computed with: a worker that loads
     # others (a factory that draws them) refuses to write a shard beside them.
     kept_weights = fingerprint or stored_fingerprint(folder)
-    spec = _build_spec(config, placed, segments, identity, tf_threads, kept_weights, model)
+    # The folder's own key where it recorded this identity (another spelling of a path, or an older key).
+    key = recorded_run_key(folder, identity)
+    spec = _build_spec(config, placed, segments, identity, tf_threads, kept_weights, model, key)
     differences += folder_differences(folder, spec, fingerprint, accept_library_versions)
     remove: list[str] = list(folder.unproven)
     if differences:
@@ -177,16 +192,23 @@ def make_job(
         spec = _build_spec(config, placed, segments, identity, tf_threads, fingerprint, model)
         already_done, complete = 0, False
     else:
+        # A stale shard stays until its replacement is committed (or, where no range of this run is its,
+        # until the new manifest no longer names it): the manifest and the view never point at a file gone.
         stale = stale_shards(folder, spec)
         if stale:
-            log.info("%d shard(s) computed from input files changed since (another stamp): computing them again",
-                     len(stale))
-        shards = storage.join(folder.root, SHARDS_DIR)
-        remove += [storage.join(shards, name + suffix) for name in stale for suffix in ("", *CHECKSUM_SUFFIXES)]
+            log.info("%d shard(s) computed from input files changed since (another stamp): their samples are "
+                     "read again, and those that differ computed again", len(stale))
+        names = {shard_name(r.start, r.stop) for r in spec.ranges()}
+        spec = dataclasses.replace(
+            spec, stale=tuple(name for name in stale if name in names),
+            obsolete=tuple(f"{SHARDS_DIR}/{name}" for name in stale if name not in names),
+        )
         kept = [shard_ids(name) for name in folder.shards if name not in stale]  # of this run: folder_differences
-        already_done, complete = sum(stop - start for start, stop in kept), len(kept) == len(spec.ranges())
-    # The run's id (its lease's, when it holds one): its temporary files carry it.
-    spec = dataclasses.replace(spec, run_id=run_id or uuid.uuid4().hex[:12])
+        already_done = sum(stop - start for start, stop in kept)
+        complete = len(kept) + len(spec.stale) == len(spec.ranges())
+    # The run's id (its lease's, when it holds one): its temporary files carry it, and each of its
+    # commits proves that the lease is still its own (``transforms.output.fence``).
+    spec = dataclasses.replace(spec, run_id=run_id or uuid.uuid4().hex[:12], fenced=bool(run_id))
     return Job(spec, already_done, remove, output_shape, complete)
 
 
@@ -199,8 +221,10 @@ def prepare_output(job: Job) -> None:
 
     root = job.spec.output_dir
     check_writable(root)
-    storage.delete(*job.remove)
+    guard = fence.of(job.spec)
+    with fence.held(guard):
+        storage.delete(*job.remove)
     shards = storage.join(root, SHARDS_DIR)
     if job.remove and storage.is_local(root) and os.path.isdir(shards) and not os.listdir(shards):
         os.rmdir(shards)
-    remove_temp_files(root)
+    remove_temp_files(root, guard=guard)

@@ -105,7 +105,7 @@ def recompute(
     for sample_id in report.samples:
         source = next(s for s in sources if s.first_id <= sample_id < s.stop_id)
         with open_samples(source) as rows:
-            read = rows.read(sample_id - source.first_id, sample_id - source.first_id + 1)
+            read = rows.read(source.row(sample_id), source.row(sample_id) + 1)
         label = _label(source, sample_id, engine.label_key) if engine.label_key else None
         xs = [np.asarray(read[n] if several else read) for n in engine.input_names]
         file, row = where[sample_id]
@@ -143,7 +143,7 @@ def _label(source, sample_id: int, key: str) -> int:
     """The sample's label, read again from its input file (the check does not take the stored row's)."""
     from jacobeam.transforms.inputs.readers import open_rows
 
-    row = sample_id - source.first_id
+    row = source.row(sample_id)
     with open_rows(source.path, key, "jacobian.labels.key") as labels:
         return int(np.asarray(labels.read(row, row + 1)).reshape(-1)[0])
 

@@ -7,7 +7,7 @@ import itertools
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from jacobeam.pipeline.progress import ShardProgress
 from jacobeam.transforms.compute import EngineFactory
 from jacobeam.transforms.finalize import Finalize
 from jacobeam.transforms.job import ComputeShards
-from jacobeam.transforms.output import storage
+from jacobeam.transforms.output import fence, storage
 from jacobeam.transforms.output.layout import MANIFEST, SHARDS_DIR, shard_name
 from jacobeam.transforms.output.lease import Lease
 from jacobeam.transforms.spec import JobSpec
@@ -97,8 +97,9 @@ def launcher_loads_model(config: Config, options: PipelineOptions) -> bool:
     """Whether the launcher loads the model to check it while planning (``plan.make_job``).
 
     The run's model identity is read from the model's files without loading it
-    (``transforms.model_identity``): a rerun with nothing to compute loads no model. The launcher loads
-    it on a fresh folder whose engines it builds in its own process (to check the model against the
+    (``transforms.model_identity``): a rerun with nothing to compute loads no model (but a factory, whose
+    identity is that of the model it builds: ``plan.make_job`` builds it where it is not checked). The
+    launcher loads it on a fresh folder whose engines it builds in its own process (to check the model against the
     inputs before anything runs), and on a folder written before shards stored the model's identity,
     which only the loaded weights can be compared with; with ``outputs: label`` on a fresh folder too, for
     the model's output size, which bounds the labels that the plan checks (a folder's shards record it).
@@ -349,6 +350,19 @@ def _warn_idle_workers(spec: JobSpec, options: PipelineOptions) -> None:
                     "for the cores (jacobian.threads: auto splits them)", workers, spec.tf_threads, cores)
 
 
+@contextlib.contextmanager
+def _lost_lease_first(spec: JobSpec) -> Iterator[None]:
+    """A failed pipeline of a run that lost its folder's lease fails for that reason (``LostLeaseError``,
+    exit status 76): what failed first (another run's shard in its way) is only its symptom."""
+    try:
+        yield
+    except Exception as err:
+        lost = fence.lost(spec)
+        if lost is not None:
+            raise lost from err
+        raise
+
+
 def _run_leased(
     config, options, show_progress, overwrite, verify_samples, pipeline, engine_factory, planned, accept_library_versions,
     lease: Lease | None,
@@ -376,16 +390,17 @@ def _run_leased(
         if pipeline is None:
             pipeline = beam.Pipeline(runner=_runner(options), options=options)
         build(pipeline, spec, engine_factory, local_worker_processes(options) if is_local(options) else None, job.complete)
-        result = pipeline.run()
-        try:
-            result.wait_until_finish()
-        finally:
-            _close_client(result)
+        with _lost_lease_first(spec):
+            result = pipeline.run()
+            try:
+                result.wait_until_finish()
+            finally:
+                _close_client(result)
     manifest = json.loads(storage.read_text(storage.join(spec.output_dir, MANIFEST)))
     verification = None
     if verify_samples:
         from jacobeam.pipeline import verify
 
         verification = verify.verify(spec.output_dir, samples=verify_samples)
-        manifest = verify.record(spec.output_dir, verification)
+        manifest = verify.record(spec.output_dir, verification, fence.of(spec))
     return RunResult(manifest=manifest, metrics=_metrics(result, manifest), verification=verification)

@@ -41,6 +41,7 @@ from jacobeam.pipeline.coverage import check_digests, check_inputs, check_struct
 from jacobeam.pipeline.recompute import check_aggregates, recompute
 from jacobeam.transforms.finalize import write_manifest
 from jacobeam.transforms.output import storage
+from jacobeam.transforms.output.fence import Fence
 from jacobeam.transforms.output.layout import AGGREGATES, ENGINE_PLAN, MANIFEST, SHARDS_DIR, is_shard_file
 
 
@@ -132,11 +133,12 @@ def _check_engine_plan(path: str, manifest: dict[str, Any], report: Report) -> N
         report.notes.append(f"{ENGINE_PLAN}: made for other model weights than the manifest's (a next run ignores it)")
 
 
-def record(folder: str | Path, report: Report) -> dict[str, Any]:
-    """Store the report in the manifest (``verify``); returns the manifest."""
+def record(folder: str | Path, report: Report, guard: Fence | None = None) -> dict[str, Any]:
+    """Store the report in the manifest (``verify``); returns the manifest. ``guard``: the fence of the run
+    that holds the folder (``run --verify``)."""
     manifest = json.loads(storage.read_text(storage.join(str(folder), MANIFEST)))
     manifest["verify"] = report.as_dict()
-    write_manifest(str(folder), manifest)
+    write_manifest(str(folder), manifest, guard)
     return manifest
 
 

@@ -198,3 +198,31 @@ def jacobeam_process(
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return proc.returncode, proc.pid
+
+
+class JacobeamRuns:
+    """``python -m jacobeam`` subprocesses, each in a process group of its own, all killed at the end
+    (``stop``). ``prefix``: a command to run it under (``unshare ...``)."""
+
+    def __init__(self):
+        self.procs = []
+
+    def start(self, args, log, env=None, prefix=()):
+        from jacobeam.transforms.testing import faults
+
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        environ = {**os.environ, "PYTHONPATH": repo, **(env or {})}
+        for name in (faults.KILL_AT, faults.DELAY_AT, faults.HOLD_AT, faults.LEASE_SECONDS, faults.CLOCK_OFFSET):
+            if name not in (env or {}):
+                environ.pop(name, None)
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "jacobeam", *args], cwd=repo, env=environ,
+                                start_new_session=True, stdout=open(f"{log}.out", "w"), stderr=open(f"{log}.err", "w"))
+        self.procs.append(proc)
+        return proc
+
+    def stop(self):
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGCONT)  # a stopped group is killed all the same, but say so
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -175,6 +175,32 @@ def test_write_shards_refuses_a_folder_holding_another_runs_result_unless_told_t
     assert verify.verify(str(out), samples=0).ok
 
 
+def test_building_a_pipeline_touches_nothing_and_a_failed_one_holds_nothing(tmp_path, samples):
+    """``WriteShards(replace=True)`` claims the folder when the pipeline runs, not when it is built: a
+    pipeline built and never run leaves another run's result byte for byte and takes no lease. One that
+    fails holds nothing afterwards: no lease file, no lease or heartbeat left in the process."""
+    import threading
+
+    from jacobeam.transforms.output import lease
+
+    out = tmp_path / "out"
+    _write(pipeline_spec(str(out), MODEL, SHAPE, EngineOptions(batch_size=4), samples_per_shard=8), samples)
+    before = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    other = pipeline_spec(str(out), MODEL, SHAPE, EngineOptions(batch_size=8), samples_per_shard=16)
+    pipeline = beam.Pipeline(runner=FnApiRunner())
+    _ = (pipeline | beam.Create(list(enumerate(samples))) | ComputeJacobians(MODEL, SHAPE, other.engine)
+         | WriteShards(other, replace=True))
+    assert {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    assert not (out / LEASE).exists()
+
+    keyed = [(i, samples[i]) for i in (0, 1, 2, 4)]  # a gap: fails after the claim, in the shards' step
+    with pytest.raises(Exception, match="a gap in the ids"):
+        with beam.Pipeline(runner=FnApiRunner()) as failing:
+            _ = failing | beam.Create(keyed) | ComputeJacobians(MODEL, SHAPE, other.engine) | WriteShards(other, replace=True)
+    assert not (out / LEASE).exists() and not lease._held
+    assert not [t for t in threading.enumerate() if t.name == "jacobeam lease heartbeat"]
+
+
 def test_write_shards_into_a_folder_another_live_run_holds_is_refused_as_busy(tmp_path, samples):
     out = tmp_path / "out"
     out.mkdir()

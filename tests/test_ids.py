@@ -124,9 +124,29 @@ def test_old_files_keep_their_ids_and_new_files_go_after_them():
     ]
     assert segments == [(0, 9), (9, 14)] and differences == []
 
-    changed = [_source("/d/b", 6), _source("/d/a", 2)]
+    changed = [_source("/d/b", 4), _source("/d/a", 2)]
     _, _, differences = ids.place_files(changed, previous)
     assert differences == [
-        "input file /d/b changed: samples 5 there, 6 now",
         "input file /d/c (ids 5..9 there) is not among this run's inputs",
+        "input file /d/b changed: samples 5 there, 4 now",
     ]
+
+
+def test_a_file_that_grew_keeps_the_ids_of_its_old_rows_and_its_new_rows_come_after_every_old_id():
+    """Rows appended to /d/b (5 -> 8): its rows 0..5 keep ids 0..5, rows 5..8 are a piece of their own
+    placed as a new file would be (sorted by path with the new files, after the old end); it grows
+    again: a third piece."""
+    first, segments, _ = ids.place_files([_source("/d/b", 5), _source("/d/c", 4)], None)
+    grown = [_source("/d/b", 8), _source("/d/c", 4), _source("/d/d", 2)]
+    placed, segments, differences = ids.place_files(grown, _as_previous(first, segments))
+    assert differences == [] and segments == [(0, 9), (9, 14)]
+    assert [(f.path, f.first_id, f.stop_id, f.first_row) for f in placed] == [
+        ("/d/b", 0, 5, 0), ("/d/c", 5, 9, 0), ("/d/b", 9, 12, 5), ("/d/d", 12, 14, 0),
+    ]
+    assert [placed[2].row(i) for i in (9, 11)] == [5, 7]
+    previous = _as_previous(placed, segments)
+    for entry, piece in zip(previous["inputs"], placed):
+        entry["first_row"] = piece.first_row  # as the manifest records a piece
+    again, segments, differences = ids.place_files([_source("/d/b", 10), _source("/d/c", 4), _source("/d/d", 2)], previous)
+    assert differences == [] and segments == [(0, 9), (9, 14), (14, 16)]
+    assert [(f.first_id, f.stop_id, f.first_row) for f in again if f.path == "/d/b"] == [(0, 5, 0), (9, 12, 5), (14, 16, 8)]

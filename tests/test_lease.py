@@ -13,6 +13,7 @@ import pytest
 from jacobeam.transforms.output import lease
 from jacobeam.transforms.output.layout import LEASE
 from jacobeam.transforms.testing import faults
+from tests.services import JacobeamRuns
 
 
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
@@ -24,22 +25,99 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     assert not (tmp_path / LEASE).exists()
 
 
-def test_a_lease_whose_process_is_gone_is_taken_over(tmp_path, caplog):
+def _dead_pid():
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    (tmp_path / LEASE).write_text(json.dumps(
-        {"holder": "dead", "host": socket.gethostname(), "pid": gone.pid, "started_at": 0, "heartbeat": 9e12}))
+    return gone.pid
+
+
+def _record(holder, pid, heartbeat=9e12, **machine):
+    return json.dumps({"holder": holder, "host": socket.gethostname(), "pid": pid, "started_at": 0,
+                       "heartbeat": heartbeat, **machine})
+
+
+@pytest.mark.skipif(lease._machine()["boot_id"] is None, reason="no /proc: the taker cannot know a process is gone")
+def test_a_lease_whose_process_is_gone_on_this_machine_is_taken_over_at_once(tmp_path, caplog):
+    (tmp_path / LEASE).write_text(_record("dead", _dead_pid(), **lease._machine()))
     with lease.Lease(str(tmp_path)).acquire() as taken:
         assert json.loads((tmp_path / LEASE).read_text())["holder"] == taken.run_id
     assert "taking over the lease of run dead" in caplog.text and "is gone" in caplog.text
 
 
-def test_a_lease_without_a_recent_heartbeat_is_taken_over(tmp_path, caplog):
-    (tmp_path / LEASE).write_text(json.dumps(
-        {"holder": "far", "host": "another-host", "pid": 1, "started_at": 0, "heartbeat": 0}))
+def test_a_pid_that_now_names_another_process_is_gone(tmp_path, caplog):
+    if lease._machine()["boot_id"] is None:
+        pytest.skip("no /proc")
+    record = _record("reused", os.getpid(), **lease._machine(), process_start="1")  # our pid, another start
+    (tmp_path / LEASE).write_text(record)
     with lease.Lease(str(tmp_path)).acquire():
         pass
-    assert "no heartbeat for" in caplog.text
+    assert "the pid is another process's now" in caplog.text
+
+
+@pytest.mark.parametrize("elsewhere", [
+    {"boot_id": "another-boot", "pid_namespace": None},  # fields as another boot of this host wrote them
+    {"pid_namespace": "pid:[1]"},  # another PID namespace (a container with this host name)
+    {},  # a record that does not say (an older jacobeam, or a system without /proc)
+])
+def test_a_dead_pid_is_no_evidence_where_the_pid_means_something_else(tmp_path, elsewhere):
+    """The pid is not visible here, but the holder ran in another boot or PID namespace: it may well be
+    alive, and its heartbeat is fresh: refused."""
+    machine = {**lease._machine(), **elsewhere} if elsewhere else {}
+    (tmp_path / LEASE).write_text(_record("other", _dead_pid(), heartbeat=time.time(), **machine))
+    with pytest.raises(lease.LeaseBusy, match="is being written by run other"):
+        lease.Lease(str(tmp_path)).acquire()
+    assert json.loads((tmp_path / LEASE).read_text())["holder"] == "other"
+
+
+def test_a_lease_that_does_not_change_while_watched_is_taken_over(tmp_path, caplog):
+    """No heartbeat for the stale time, as this process watched it on its own monotonic clock."""
+    (tmp_path / LEASE).write_text(json.dumps(
+        {"holder": "far", "host": "another-host", "pid": 1, "started_at": 0, "heartbeat": 0}))
+    began = time.monotonic()
+    with lease.Lease(str(tmp_path), stale_seconds=0.6).acquire():
+        assert time.monotonic() - began >= 0.6  # it watched before taking over
+    assert "watching it for 1 s" in caplog.text and "did not change for 1 s, watched from here" in caplog.text
+
+
+def test_a_heartbeat_that_looks_old_by_the_clocks_but_changes_is_a_live_holder(tmp_path, monkeypatch, caplog):
+    """A taker whose clock is 400 s ahead: the holder's heartbeat looks stale by the clocks, so the taker
+    watches it, sees it change, and is refused. (Two processes: ``test_..._clock_400_s_ahead_exits_75``.)"""
+    monkeypatch.setenv(faults.LEASE_SECONDS, "0.05:2")
+    holder = lease.Lease(str(tmp_path)).acquire()
+    try:
+        monkeypatch.setenv(faults.CLOCK_OFFSET, "400")  # the heartbeat thread's clock too: it writes a time
+        began = time.monotonic()  # 400 s ahead at its next beat, but the taker read the one before
+        with pytest.raises(lease.LeaseBusy, match=f"is being written by run {holder.run_id} "):
+            lease.Lease(str(tmp_path)).acquire()
+        assert time.monotonic() - began < 2  # refused at the first change, not after the stale time
+        assert f"run {holder.run_id}" in caplog.text and "looks old by the clocks; watching it for 2 s" in caplog.text
+    finally:
+        holder.release()
+
+
+def test_a_take_over_waits_for_a_commit_under_way(tmp_path):
+    """The folder's lock: a taker that finds it held (a commit of the holder under way) does not take over."""
+    (tmp_path / LEASE).write_text(_record("busy", 0, heartbeat=0))
+    file = lease.lease_file(str(tmp_path), "busy")
+    with file.locked():
+        taker = lease.Lease(str(tmp_path), stale_seconds=0.2)
+        assert not taker._file.take_over(file.read()[1])
+    assert json.loads((tmp_path / LEASE).read_text())["holder"] == "busy"
+
+
+def test_a_retried_claim_of_the_same_run_takes_its_own_lease_again(tmp_path):
+    """A runner that retries ``WriteShards``' claim (the same run id) finds the lease its first attempt
+    took: it is this run's, not another holder's."""
+    first = lease.Lease(str(tmp_path), run_id="0123456789ab").acquire()
+    first._stop.set()  # the first attempt's worker is gone, its record stays
+    again = lease.Lease(str(tmp_path), run_id="0123456789ab").acquire()
+    try:
+        assert json.loads((tmp_path / LEASE).read_text())["holder"] == "0123456789ab"
+        assert again._file.refresh(again._record())  # its heartbeat writes the record it adopted
+    finally:
+        again.release()
+        first.release()  # removes nothing: the record is no longer the one it wrote
+    assert not (tmp_path / LEASE).exists()
 
 
 def test_release_never_removes_another_runs_lease(tmp_path):
@@ -83,35 +161,9 @@ def clean(tmp_path_factory):
     return root, root / "clean"
 
 
-class _Runs:
-    """``python -m jacobeam`` subprocesses, each in a process group of its own, all killed at the end."""
-
-    def __init__(self):
-        self.procs = []
-
-    def start(self, args, log, env=None):
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        environ = {**os.environ, "PYTHONPATH": repo, **(env or {})}
-        for name in (faults.KILL_AT, faults.DELAY_AT, faults.HOLD_AT):
-            if name not in (env or {}):
-                environ.pop(name, None)
-        proc = subprocess.Popen([sys.executable, "-m", "jacobeam", *args], cwd=repo, env=environ,
-                                start_new_session=True, stdout=open(f"{log}.out", "w"), stderr=open(f"{log}.err", "w"))
-        self.procs.append(proc)
-        return proc
-
-    def stop(self):
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-
-
 @pytest.fixture
 def runs():
-    started = _Runs()
+    started = JacobeamRuns()
     yield started
     started.stop()
 

@@ -106,7 +106,9 @@ def test_incremental_run_computes_only_new_files_and_ids_stay(clean, tmp_path):
     assert third["run"]["samples_computed"] == 0 and third["id_segments"] == [[0, 40], [40, 64]]
 
 
-def test_a_rerun_reads_only_new_or_changed_files_and_with_nothing_to_compute_loads_no_model(tmp_path, monkeypatch):
+def test_a_rerun_reads_only_new_or_changed_files_and_with_nothing_to_compute_no_worker_loads_the_model(
+    tmp_path, monkeypatch
+):
     """A resume trusts what the file system says of a file (size, time of its last change): the ranges of
     an unchanged file are not read again; a new file's are; a file changed in place has the shards it
     feeds computed again (a (7), b (13), c (20): b feeds ids 0..32, two shards of 16)."""
@@ -122,26 +124,34 @@ def test_a_rerun_reads_only_new_or_changed_files_and_with_nothing_to_compute_loa
 
     monkeypatch.setattr(job, "shard_batches", counted)
 
-    def no_model(self):
-        raise AssertionError("the model was loaded")
+    loads, load = [], ModelSource.load
+
+    def counted_load(self):
+        loads.append(self)
+        return load(self)
 
     with monkeypatch.context() as patched:
-        patched.setattr(ModelSource, "load", no_model)
+        patched.setattr(ModelSource, "load", counted_load)
         again = _run(data, out)
-    assert read == [] and again["run"]["samples_computed"] == 0
+    # Built once, by the launcher: a factory's identity is that of the model it builds; no worker loads it.
+    assert read == [] and again["run"]["samples_computed"] == 0 and len(loads) == 1
 
     _write(data, {"d": 5}, seed=3)
     assert _run(data, out)["run"]["samples_computed"] == 5 and read == [(40, 45)]
 
-    kept = {name: sha256(out / "shards" / name) for name in ("shard-000000000032-000000000040.h5",)}
+    # b (ids 7..20) feeds the shards of ids 0..16 and 16..32; only its row 0 (id 7) changes: the shard of
+    # ids 16..32 is read again, its samples are those it was computed from, and it is kept as it is.
+    names = ("shard-000000000016-000000000032.h5", "shard-000000000032-000000000040.h5")
+    kept = {name: (sha256(out / "shards" / name), (out / "shards" / name).stat().st_ino) for name in names}
     x = np.load(data / "b.npy")
     x[0, 0] += 1.0
     np.save(data / "b.npy", x)
     stat = (data / "b.npy").stat()
     os.utime(data / "b.npy", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # a coarse clock still tells
     changed = _run(data, out)
-    assert changed["run"]["samples_computed"] == 32 and read[1:] == [(0, 16), (16, 32)]
-    assert {name: sha256(out / "shards" / name) for name in kept} == kept
+    assert changed["run"]["samples_computed"] == 16 and read[1:] == [(0, 16)]
+    assert [s["computed_in_this_run"] for s in changed["shards"]] == [True, False, False, False]
+    assert {name: (sha256(out / "shards" / name), (out / "shards" / name).stat().st_ino) for name in names} == kept
     assert verify(out, samples=4).ok
 
 
@@ -179,13 +189,14 @@ def _other_weights(dtype="float32"):
 
 
 def test_a_factory_that_loads_other_weights_than_the_kept_shards_writes_no_shard_beside_them(tmp_path, monkeypatch):
-    """The factory's source is unchanged (the identity is the same: the launcher loads no model), but it
-    now builds other weights: the worker compares them with those the kept shards recorded."""
+    """The factory's source is unchanged, but it now builds other weights: its identity is that of the
+    model it builds (the launcher builds it), so the folder is refused before any worker runs.
+    (A worker that builds other weights than the launcher's: tests/test_factory_identity.py.)"""
     data, out, _ = _own_run(tmp_path)
     shards = _shas(out)
     monkeypatch.setattr(test_models, "small_mlp", _other_weights)
     _write(data, {"d": 5}, seed=3)
-    with pytest.raises(Exception, match=r"model weights changed since the run was planned \(fingerprint \w+… then"):
+    with pytest.raises(Exception, match=r"manifest.json: model: the weights differ \(so do 3 shards\)"):
         _run(data, out)
     assert _shas(out) == shards  # nothing written beside them
 

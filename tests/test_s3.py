@@ -29,9 +29,10 @@ import pytest
 from jacobeam.pipeline import checks, cli, folder
 from jacobeam.transforms.output import lease, shards, storage
 from jacobeam.transforms.output.layout import CRC32C_SUFFIX, LEASE
+from tests import takeover
 from tests.models import small_cnn
 from tests.reference import assert_close, tape_loop
-from tests.services import jacobeam_process, moto_s3
+from tests.services import JacobeamRuns, jacobeam_process, moto_s3
 from tests.test_pipeline import write_inputs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -195,10 +196,24 @@ def test_an_s3_folder_has_one_writer_at_a_time(bucket, caplog):
 
     bucket.put(f"out/{LEASE}", json.dumps({"holder": "silent", "host": "elsewhere", "pid": 1, "started_at": 0,
                                           "heartbeat": 0}).encode())
-    with lease.Lease(folder).acquire() as taken:
+    with lease.Lease(folder, stale_seconds=0.6).acquire() as taken:
         assert json.loads(bucket.get(f"out/{LEASE}"))["holder"] == taken.run_id
-    assert "taking over the lease of run silent" in caplog.text and "no heartbeat for" in caplog.text
+    assert "taking over the lease of run silent" in caplog.text and "did not change for 1 s, watched from here" in caplog.text
     assert f"out/{LEASE}" not in bucket.keys("out/")
+
+
+@pytest.mark.slow
+def test_a_run_paused_past_the_stale_time_and_taken_over_commits_nothing_on_s3_when_it_resumes(bucket, tmp_path):
+    """The scenario of ``tests.takeover`` into an S3 folder: the fence is a read of the lease before each
+    commit, and the take-over a delete conditional on the stale lease's ETag."""
+    runs = JacobeamRuns()
+    try:
+        takeover.paused_and_taken_over(
+            tmp_path, runs, bucket.url("out"), bucket.args,
+            lambda: {key.removeprefix("out/"): bucket.get(key) for key in bucket.keys("out/")},
+            lambda: json.loads(bucket.get(f"out/{LEASE}")))
+    finally:
+        runs.stop()
 
 
 def test_a_run_into_an_s3_folder_another_run_holds_is_refused_before_anything_is_written(bucket, tmp_path):

@@ -18,7 +18,7 @@ import apache_beam as beam
 import numpy as np
 
 from jacobeam.transforms.errors import OutputError
-from jacobeam.transforms.output import storage
+from jacobeam.transforms.output import fence, storage
 from jacobeam.transforms.output.layout import AGGREGATES
 from jacobeam.transforms.output.shards import ShardRecord, read_attrs, shard_path
 from jacobeam.transforms.spec import JobSpec
@@ -147,7 +147,7 @@ def write_aggregates(sums: Partial | None, spec: JobSpec, records: Sequence[Shar
             if "jtj" in sums:
                 h5["jtj"] = sums["jtj"]
 
-    storage.write_atomically(storage.join(output_dir, AGGREGATES), write)
+    storage.write_atomically(storage.join(output_dir, AGGREGATES), write, fence=fence.of(spec))
     return {"file": AGGREGATES, "count": count, "datasets": sorted(k for k in ("mean", "mean_abs", "jtj") if k in _names(sums))}
 
 

@@ -49,3 +49,8 @@ class OutputError(JacobeamError, RuntimeError):
 class SelfCheckError(JacobeamError, RuntimeError):
     """The run's self-check: a sample recomputed on its own does not reproduce what the engine computed
     for it in its batch; the message names the shard, the sample, the dataset and the error."""
+
+
+class LostLeaseError(OutputError):
+    """This run no longer holds its output folder's lease (it was paused past the stale time and another
+    run took the folder over): it commits nothing more (the command's exit status 76)."""

@@ -31,8 +31,9 @@ from jacobeam.transforms import model_identity, self_check
 from jacobeam.transforms.aggregates import PARTIALS, combine_shards, write_aggregates
 from jacobeam.transforms.errors import InputError, OutputError
 from jacobeam.transforms.inputs.readers import shape_record
-from jacobeam.transforms.output import claim, storage
+from jacobeam.transforms.output import fence, storage
 from jacobeam.transforms.output.layout import (
+    CHECKSUM_SUFFIXES,
     CRC32C_SUFFIX,
     MANIFEST,
     NONFINITE,
@@ -87,14 +88,16 @@ def check_coverage(
     return ordered
 
 
-def write_virtual_view(output_dir: str, records: Sequence[ShardRecord]) -> dict[str, tuple[tuple[int, ...], str]]:
+def write_virtual_view(
+    output_dir: str, records: Sequence[ShardRecord], guard: fence.Fence | None = None
+) -> dict[str, tuple[tuple[int, ...], str]]:
     """Write ``jacobians.h5``: one virtual dataset per shard dataset, all shards in id order.
 
     Rows are the shards' rows in id order; rejected samples have no row, so row ``i`` holds the sample
     with id ``sample_id[i]`` (row ``i`` is id ``i`` when nothing was rejected). Sources are relative paths
     (``shards/...``), which HDF5 resolves against the view's own folder, so the output folder can be
     moved. A row whose shard file is missing reads as no value at all (``_missing``: NaN, -1), never as
-    zeros. Returns each dataset's per-sample shape and dtype.
+    zeros. Returns each dataset's per-sample shape and dtype. ``guard``: the run's fence for the commit.
     """
     import h5py
 
@@ -122,7 +125,7 @@ def write_virtual_view(output_dir: str, records: Sequence[ShardRecord]) -> dict[
                 view.create_virtual_dataset(name, layout, fillvalue=_missing(fields[name][1]))
                 faults.reached("view_write")
 
-    storage.write_atomically(storage.join(output_dir, VIEW), write, "view")
+    storage.write_atomically(storage.join(output_dir, VIEW), write, "view", guard)
     return {name: (tuple(int(d) for d in shape), dtype.name) for name, (shape, dtype) in fields.items()}
 
 
@@ -180,12 +183,13 @@ def _intervals(runs: Sequence[Rejected]) -> list[list[int]]:
     return merged
 
 
-def write_rejected(output_dir: str, rejected: Sequence[Rejected]) -> str:
+def write_rejected(output_dir: str, rejected: Sequence[Rejected], guard: fence.Fence | None = None) -> str:
     """Write ``rejected.jsonl``, one line per rejected sample (``id``, ``file``, ``row``, ``reason``) in id
     order, files without ids first; empty when nothing was rejected. Returns its sha256."""
     ordered = sorted(rejected, key=lambda r: (r.start is not None, r.start or 0, r.file))
     text = "".join(json.dumps(line) + "\n" for run in ordered for line in run.lines())
-    storage.write_atomically(storage.join(output_dir, REJECTED_FILE), lambda temp: temp.write_text(text), "rejected")
+    storage.write_atomically(storage.join(output_dir, REJECTED_FILE), lambda temp: temp.write_text(text), "rejected",
+                             guard)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -221,6 +225,8 @@ def build_manifest(
         "engine": next((record.engine for record in records if record.engine), None),
         "run_key": spec.run_key,
         "run_identity": spec.identity,
+        # Where the folder was written: a copy of it (moved with its inputs) matches their paths by it.
+        "output_dir": spec.output_dir,
         "model_identity": spec.model_identity or None,
         "datasets": {name: {"shape": ["n", *shape], "dtype": dtype} for name, (shape, dtype) in fields.items()},
         "stored": _stored(spec),
@@ -231,6 +237,7 @@ def build_manifest(
                 "first_id": source.first_id,
                 "stop_id": source.stop_id,
                 "num_samples": source.num_samples,
+                **({"first_row": source.first_row} if source.first_row else {}),  # rows appended to a file
                 "dtype": source.dtype,
                 "data_sha256": source.data_sha256,
                 **({"stamp": source.stamp} if source.stamp else {}),
@@ -257,6 +264,9 @@ def build_manifest(
                 "rejected": rejected_in(record),
                 "nonfinite": record.nonfinite,
                 **record.checksums,  # crc32c; sha256 for a kept remote shard written before CRC32C
+                # The digest of its samples as read: with the inputs' stamps above, what tells a later run
+                # that this shard (not another under its name) is up to date (``pipeline.folder.stale_shards``).
+                **({"samples_sha256": record.samples_sha256} if record.samples_sha256 else {}),
                 "computed_in_this_run": record.computed,
                 **({"worker_pid": record.worker_pid, "engine_builds": record.engine_builds} if record.computed else {}),
                 **({"self_check": record.self_check["checked"]} if record.self_check else {}),
@@ -270,6 +280,7 @@ def build_manifest(
         "versions": model_identity.library_versions(),
         "tf_threads": spec.tf_threads,
         "run": {
+            "id": spec.run_id,  # its lease's holder: a run that lost the folder to this one names it
             "wall_seconds": round(wall, 3),
             "samples_computed": computed,
             "samples_kept": stored - computed,
@@ -334,19 +345,21 @@ def check_shards(records: Sequence[ShardRecord], spec: JobSpec) -> list[str]:
     return versions
 
 
-def remove_temp_files(output_dir: str, run_id: str | None = None) -> None:
+def remove_temp_files(output_dir: str, run_id: str | None = None, guard: fence.Fence | None = None) -> None:
     """Delete temporary files that killed writers left behind (only jacobeam's own names): every run's,
-    or with ``run_id`` only that run's."""
+    or with ``run_id`` only that run's. ``guard``: the run's fence."""
     shards = storage.join(output_dir, SHARDS_DIR)
     temps = [storage.join(shards, name) for name in storage.listdir(shards) if is_shard_temp(name)]
     temps += [storage.join(output_dir, name) for name in storage.listdir(output_dir) if is_folder_temp(name)]
     ours = [path for path in temps if run_id is None or temp_run(storage.name_of(path)) == run_id]
-    storage.delete(*ours)
+    if ours:
+        with fence.held(guard):
+            storage.delete(*ours)
 
 
-def write_manifest(output_dir: str, manifest: dict[str, Any]) -> None:
+def write_manifest(output_dir: str, manifest: dict[str, Any], guard: fence.Fence | None = None) -> None:
     text = json.dumps(manifest, indent=2) + "\n"
-    storage.write_atomically(storage.join(output_dir, MANIFEST), lambda temp: temp.write_text(text), "manifest")
+    storage.write_atomically(storage.join(output_dir, MANIFEST), lambda temp: temp.write_text(text), "manifest", guard)
 
 
 def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
@@ -374,15 +387,19 @@ def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
             + ", ".join(f"{w[:16]}…" for w in weights) + "): the model must load the same weights in every "
             "process (a factory: seed its initializers)"
         )
+    guard = fence.of(spec)
     summary = write_aggregates(combine_shards(spec, ordered), spec, ordered)
-    fields = write_virtual_view(spec.output_dir, stored)
-    rejected_sha256 = write_rejected(spec.output_dir, rejected)
+    fields = write_virtual_view(spec.output_dir, stored, guard)
+    rejected_sha256 = write_rejected(spec.output_dir, rejected, guard)
     # Its own only: at its end a run answers for its own files (the next run's start removes a killed run's).
-    remove_temp_files(spec.output_dir, spec.run_id)
+    remove_temp_files(spec.output_dir, spec.run_id, guard)
     manifest = build_manifest(spec, ordered, fields, rejected, rejected_sha256)
     manifest["aggregates"] = summary
-    write_manifest(spec.output_dir, manifest)
-    claim.release(spec.output_dir)  # a user's pipeline's lease (WriteShards); ``jacobeam run`` releases its own
+    write_manifest(spec.output_dir, manifest, guard)
+    if spec.obsolete:  # stale shards that no range of this run replaced: gone once no manifest names them
+        with fence.held(guard):
+            storage.delete(*(storage.join(spec.output_dir, file + suffix)
+                             for file in spec.obsolete for suffix in ("", *CHECKSUM_SUFFIXES)))
     return manifest
 
 

@@ -11,10 +11,18 @@ and listed in the shard (``input.on_bad_sample: skip``), or the first one stops 
 naming file and row (``error``; the shards already complete stay, and a rerun keeps them). A range
 whose shard is already complete on disk is not read: its shard is kept, after checking that this run
 wrote it.
+
+A stale shard (``JobSpec.stale``: computed from an input file whose stamp changed since) stays until
+its replacement is committed: its range's samples are read and hashed first (``_reads_as_before``), and
+where they are the samples it was computed from (its ``samples_sha256`` and rejected samples) it is kept
+as it is; else the range is computed and the commit replaces it in one rename. A run that stops before
+leaves the old shard, which the manifest and ``jacobians.h5`` still name.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -24,12 +32,13 @@ from apache_beam.typehints.decorators import no_annotations
 
 from jacobeam.transforms.compute import ComputeJacobiansFn, EngineFactory
 from jacobeam.transforms.errors import InputError
+from jacobeam.transforms.inputs.checks import Labels, RangeFindings, checked_slices
 from jacobeam.transforms.metrics import ShardMetrics
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import ENGINE_PLAN
-from jacobeam.transforms.output.shards import ShardRecord, proven_checksum, shard_path
+from jacobeam.transforms.output.layout import ENGINE_PLAN, INPUT_STAMPS, LABELS_SHA256, SAMPLES_SHA256, shard_name
+from jacobeam.transforms.output.shards import ShardRecord, proven_checksum, read_rejected, shard_path
 from jacobeam.transforms.read import range_findings, shard_batches
-from jacobeam.transforms.spec import JobSpec, ShardRange
+from jacobeam.transforms.spec import JobSpec, ShardRange, input_stamps
 from jacobeam.transforms.write import ShardOutput, kept_record
 
 
@@ -51,6 +60,7 @@ class ComputeShardFn(ComputeJacobiansFn):
             plan_cache=storage.join(spec.output_dir, ENGINE_PLAN),
         )
         self._spec, self._complete = spec, complete
+        self._stale = frozenset(spec.stale)
         self._shard_metrics = ShardMetrics()
 
     def setup(self) -> None:
@@ -68,16 +78,18 @@ class ComputeShardFn(ComputeJacobiansFn):
         committing: ShardOutput | None = None  # the shard whose commit is in flight
         try:
             for shard in [work] if isinstance(work, ShardRange) else work:
-                checksums = proven_checksum(shard_path(spec.output_dir, shard.start, shard.stop))
+                path = shard_path(spec.output_dir, shard.start, shard.stop)
+                stale = shard_name(shard.start, shard.stop) in self._stale
+                checksums = proven_checksum(path) if not stale or _reads_as_before(spec, shard, path) else None
                 if checksums is not None:
                     self._shard_metrics.kept.inc()
-                    yield _no_bad_samples(spec, kept_record(spec, shard, checksums))
+                    yield _no_bad_samples(spec, _as_now(spec, kept_record(spec, shard, checksums)))
                     continue
                 if self._engine is None:
                     super().setup()
                 outputs = getattr(self._engine, "output_shape", None)
                 findings = range_findings(spec, None if outputs is None else math.prod(outputs))
-                output = ShardOutput(spec, shard, self._shard_metrics)
+                output = ShardOutput(spec, shard, self._shard_metrics, replace=stale)
                 for samples in shard_batches(spec, shard, findings):
                     for jacobians in super().process(samples):
                         output.add(jacobians)
@@ -95,6 +107,54 @@ class ComputeShardFn(ComputeJacobiansFn):
             for left in (output, committing):
                 if left is not None:
                     left.__exit__(None, None, None)
+
+
+def _reads_as_before(spec: JobSpec, shard: ShardRange, path: str) -> bool:
+    """Whether a stale shard at ``path`` holds what this run would compute for ``shard``: it was computed
+    from the input files' current stamps (this run replaced it already: a retried bundle), or the range's
+    samples, read and hashed now (the one read of them), are those it was computed from (its
+    ``samples_sha256``, and the same samples rejected for the same reasons). Under ``outputs: label`` the
+    labels decide the values too: they are compared by their digest (``labels_sha256``; a shard written
+    before shards stored it is computed again)."""
+    try:
+        with storage.open_h5(path) as h5:
+            attrs, rejected = dict(h5.attrs), read_rejected(h5)
+    except (OSError, ValueError):
+        return False
+    if INPUT_STAMPS in attrs and json.loads(_text(attrs[INPUT_STAMPS])) == input_stamps(spec.files, shard.start, shard.stop):
+        return True
+    labels = spec.engine.outputs.rule == "label" and spec.label_key is not None
+    if SAMPLES_SHA256 not in attrs or (labels and (LABELS_SHA256 not in attrs or "output_shape" not in attrs)):
+        return False
+    # Labels are checked against the model's outputs, as the shard's worker did (its output shape).
+    checked = Labels(spec.label_key, math.prod(int(d) for d in attrs["output_shape"])) if labels else None
+    findings = RangeFindings(spec.files, "skip", checked)
+    for _ in checked_slices(spec.files, shard.start, shard.stop, spec.engine.batch_size, findings,
+                            spec.label_key if labels else None):
+        pass
+    return (
+        findings.samples_sha256 == _text(attrs[SAMPLES_SHA256])
+        and (not labels or findings.labels_sha256 == _text(attrs[LABELS_SHA256]))
+        and [(r.start, r.stop, r.reason) for r in findings.rejected] == [(r.start, r.stop, r.reason) for r in rejected]
+    )
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _as_now(spec: JobSpec, record: ShardRecord) -> ShardRecord:
+    """A kept shard's record with its rejected samples named by the input files as this run names them
+    (a copied or moved folder: the shard lists the paths of the run that computed it)."""
+    if not record.rejected:
+        return record
+    sources = [f for f in spec.files if f.num_samples]
+    named = tuple(
+        run if run.start is None else dataclasses.replace(
+            run, file=next((f.path for f in sources if f.first_id <= run.start < f.stop_id), run.file))
+        for run in record.rejected
+    )
+    return dataclasses.replace(record, rejected=named)
 
 
 def _no_bad_samples(spec: JobSpec, record: ShardRecord) -> ShardRecord:

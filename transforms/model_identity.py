@@ -1,23 +1,40 @@
-"""The model's identity: what of the model decides the numbers a run stores, read from the model's files
-without importing TensorFlow or loading the model, and the library versions that computed them.
+"""The model's identity: what of the model decides the numbers a run stores, and the library versions
+that computed them. A model file's is read from its files without importing TensorFlow or loading the
+model; a factory's is that of the model it builds.
 
 One identity serves the launcher's check of an output folder (``pipeline.folder``), the shards a run
 keeps (``transforms.write.kept_record``), the worker's check that it loaded the planned model, and the
-key of the engine's set-up decisions (``transforms.engine.decisions``).
+key of the engine's set-up decisions (``transforms.engine.decisions``). Launcher and worker compute it
+with the same function: ``transforms.engine.models.load`` passes the model it built to
+``model_identity``, in the launcher (``pipeline.checks``) as in every worker.
 
 ``model_identity(source)`` is a JSON-able dict:
 
 - ``kind``: ``keras`` (a ``.keras`` file), ``h5`` (a legacy Keras HDF5 file), ``saved_model``,
   ``factory`` or ``builtin``;
 - ``architecture``: sha256 of the model's configuration (``config.json`` of a ``.keras`` zip, the
-  ``model_config`` attribute of an ``.h5`` file) with every name replaced by the order it first appears
-  in (Keras numbers default names per process: ``dense_3`` says nothing of the model), the compile
-  configuration and object ids left out; None for other kinds;
+  ``model_config`` attribute of an ``.h5`` file, for a factory the built model's ``to_json()``: what a
+  ``.keras`` file of it would hold) with every name replaced by the order it first appears in (Keras
+  numbers default names per process: ``dense_3`` says nothing of the model), the compile configuration
+  and object ids left out; None for a SavedModel, a builtin, and a factory that builds no Keras model or
+  one Keras cannot serialize;
 - ``weights``: sha256 over the weight arrays' dtypes, shapes and values (for a SavedModel: over its
-  files, which hold graph and weights); None for a factory or builtin, whose code makes its weights;
-- ``code``: for a factory ``pkg.mod:fn``, sha256 of the module's source file (found, not executed) and
-  the callable's name; for a builtin, of its builder's source. Code the module imports from elsewhere is
-  not covered: the worker still compares the weights it loaded with those of the kept shards.
+  files, which hold graph and weights; for a factory: the built model's weights, in the model's order);
+  None for a builtin, whose code makes its weights;
+- ``code``: None but where the configuration does not list the model's layers. For a factory whose
+  model does not (a subclassed ``keras.Model``, whose layers live in its class's code; a ``tf.Module``),
+  sha256 of the factory module's source file, the callable's name and the source file of the built
+  model's class; for a builtin, of its builder's source (``engine/models.py``, jacobeam's own: all else
+  it runs is Keras and numpy, whose versions are compared). What a factory's model is made of is
+  therefore covered wherever its code lives (a helper module that defines its layers, a change of an
+  activation there), and a factory's module can change in ways that build the same model (a comment)
+  without changing it. Code that a configuration names but does not hold (the ``call`` of a custom
+  layer class) is not covered, for a factory as for a ``.keras`` file.
+
+A factory is run to know its identity: ``model_identity`` without the built model loads it (importing
+TensorFlow). A factory that draws its weights anew on each call builds another identity each time:
+refused beside a folder's shards (``the weights differ``) and by the worker whose model is not the
+planned one.
 
 The full configuration (``architecture_config``) is kept beside it so that a refusal can name the layer
 and key that changed (``differences``). ``library_versions`` are looked up in the packages' metadata.
@@ -27,15 +44,17 @@ from __future__ import annotations
 
 import ast
 import base64
+import dataclasses
 import functools
 import hashlib
 import io
 import json
 import os
 import platform
+import re
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from importlib import machinery, metadata
 from typing import Any
 
@@ -50,6 +69,8 @@ _DISTRIBUTIONS = {"tensorflow": "tensorflow", "keras": "keras", "numpy": "numpy"
 # Keys of a Keras configuration that do not decide the numbers: the optimizer and loss, and ids of
 # objects in the saving process.
 _IGNORED_KEYS = {"compile_config", "shared_object_id"}
+# Keys of a Keras configuration whose strings are layer names.
+_NAMING_KEYS = {"name", "keras_history", "input_layers", "output_layers"}
 
 # A shard's attributes (HDF5 keeps an attribute in its object header, at most 64 KiB: a large model's
 # configuration is stored compressed, and left out where it still does not fit; the manifest has it).
@@ -124,13 +145,18 @@ def versions_from_attrs(attrs: Mapping[str, Any]) -> dict[str, Any] | None:
     return json.loads(_text(attrs[VERSIONS_ATTR])) if VERSIONS_ATTR in attrs else None
 
 
-def model_identity(source: ModelSource) -> dict[str, Any]:
+def model_identity(source: ModelSource, built: Any = None) -> dict[str, Any]:
     """The identity of ``source`` (see the module docstring), with its ``architecture_config``; raises
-    ``ModelError`` for a model that cannot be read."""
+    ``ModelError`` for a model that cannot be read.
+
+    ``built``: for a factory, the ``LoadedModel`` it built (``transforms.engine.models.load`` passes
+    it); without, the factory is loaded here, which imports TensorFlow. Ignored for other sources."""
     if source.builtin is not None:
         return _identity("builtin", code=_builtin_code(source.builtin))
     if source.factory is not None:
-        return _identity("factory", code=_factory_code(source.factory))
+        if built is None:  # load() computes the identity of what it built, with ``built``
+            return dataclasses.replace(source, logits=False).load().identity
+        return built_identity(source.factory, built)
     path = source.path
     assert path is not None
     from jacobeam.transforms.output import storage
@@ -163,6 +189,94 @@ def model_identity(source: ModelSource) -> dict[str, Any]:
         raise ModelError(f"model.path {path}: cannot read the model's identity: {err}") from err
 
 
+def built_identity(factory: str, built: Any) -> dict[str, Any]:
+    """The identity of the model that ``factory`` built, ``built`` (a ``transforms.engine.models.LoadedModel``),
+    in the fields of a ``.keras`` file's: ``architecture`` from its Keras configuration (``to_json()``, what
+    a ``.keras`` file of it holds in ``config.json``, Keras' default names as ``default_names`` gives them:
+    the same digest as that file's), kept as ``architecture_config``; ``weights`` over the values of its
+    weights, in the model's order (``weights_digest``); ``code`` only where the configuration lists no
+    layers. Reads the model through its own methods: imports nothing of TensorFlow."""
+    keras_model = getattr(built, "keras_model", None)
+    config = None
+    if keras_model is not None:
+        try:
+            config = default_names(json.loads(keras_model.to_json()))
+        except Exception:  # noqa: BLE001 - a subclassed model or layer Keras cannot serialize (no get_config)
+            config = None
+    weights = weights_digest(variable.numpy() for variable in built.variables)
+    code = None
+    if _layers(config) is None:  # its layers are in code: the factory's module, the model's class's
+        classes = [type(keras_model).__module__] if keras_model is not None else []
+        code = _factory_code(factory, classes)
+    return _identity("factory", config=config, weights=weights, code=code)
+
+
+def default_names(config: Any) -> Any:
+    """``config`` with each name Keras gave by default (``dense_7``: its class's in snake case, numbered per
+    process) replaced by the one it gets in a process that builds only this model (``dense``, ``dense_1``,
+    in the order they appear), wherever the name appears: what a shard stores of a factory's model is the
+    same in every process that builds it (a resumed run writes the same bytes), and reads like the
+    ``config.json`` of a ``.keras`` file of it. Names given by the factory are kept."""
+    found: list[tuple[str, str | None]] = []  # (name, its class's prefix where Keras may have given it)
+
+    def collect(value: Any) -> None:
+        if isinstance(value, dict):
+            inner = value.get("config")
+            if isinstance(value.get("class_name"), str) and isinstance(inner, dict) and isinstance(inner.get("name"), str):
+                name, prefix = inner["name"], _snake_case(value["class_name"])
+                found.append((name, prefix if re.fullmatch(rf"{re.escape(prefix)}(_\d+)?", name) else None))
+            for item in value.values():
+                collect(item)
+        elif isinstance(value, list):
+            for item in value:
+                collect(item)
+
+    collect(config)
+    kept = {name for name, prefix in found if prefix is None}  # the factory's own: never given to another
+    given: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    for name, prefix in found:
+        if prefix is None or name in given:
+            continue
+        while True:
+            count = counts.get(prefix, 0)
+            counts[prefix] = count + 1
+            candidate = prefix if count == 0 else f"{prefix}_{count}"
+            if candidate not in kept:
+                break
+        given[name] = candidate
+
+    def renamed(value: Any, naming: bool = False) -> Any:
+        """Strings in name positions only (a layer's ``name``, the layers a tensor or the model's inputs
+        and outputs come from): an activation ``tanh`` stays, whatever a ``keras.ops.tanh`` is called."""
+        if isinstance(value, dict):
+            return {k: renamed(v, naming or k in _NAMING_KEYS) for k, v in value.items()}
+        if isinstance(value, list):
+            return [renamed(v, naming) for v in value]
+        return given.get(value, value) if naming and isinstance(value, str) else value
+
+    return renamed(config)
+
+
+def _snake_case(name: str) -> str:
+    """A class name as Keras names its instances by default (``keras.src.utils.naming.to_snake_case``)."""
+    name = re.sub(r"\W+", "", name)
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
+
+
+def weights_digest(arrays: Iterable[Any]) -> str:
+    """sha256 over arrays' dtypes, shapes and values, in their order (a built model's weights)."""
+    import numpy as np
+
+    digest_ = hashlib.sha256()
+    for array in arrays:
+        value = np.ascontiguousarray(array)
+        digest_.update(f"{value.dtype.str}{value.shape}".encode())
+        digest_.update(value.tobytes())
+    return digest_.hexdigest()
+
+
 def architecture_digest(config: Any) -> str:
     """sha256 of a Keras configuration, names replaced by their order and ignored keys left out."""
     return hashlib.sha256(json.dumps(_renamed(config), sort_keys=True).encode()).hexdigest()
@@ -190,6 +304,9 @@ def differences(theirs: Mapping[str, Any], ours: Mapping[str, Any]) -> list[str]
         return []
     if theirs.get("kind") != ours.get("kind"):
         return [f"a {theirs.get('kind')} model there, a {ours.get('kind')} model now"]
+    if _by_source_only(theirs) and not _by_source_only(ours):
+        return ["the factory's model was identified by its module's source file there (an earlier jacobeam), "
+                "by the model it builds now: the two cannot be compared"]
     found = []
     if theirs.get("architecture") != ours.get("architecture"):
         old, new = theirs.get("architecture_config"), ours.get("architecture_config")
@@ -202,6 +319,12 @@ def differences(theirs: Mapping[str, Any], ours: Mapping[str, Any]) -> list[str]
     if theirs.get("code") != ours.get("code"):
         found.append(f"the {ours.get('kind')}'s source code differs")
     return found
+
+
+def _by_source_only(identity: Mapping[str, Any]) -> bool:
+    """A factory's identity as jacobeam recorded it before it was that of the built model: its module's
+    source file alone."""
+    return identity.get("kind") == "factory" and identity.get("weights") is None
 
 
 def _renamed(config: Any) -> Any:
@@ -237,8 +360,19 @@ def _layers(config: Any) -> list[dict] | None:
 
 
 def _shown(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    text = _brief(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _brief(value: Any) -> str:
+    """A value of a configuration in words: a serialized Keras object (an initializer, a dtype policy) as
+    ``Class(key=value, ...)`` of the keys its config sets."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("class_name"), str) and isinstance(value.get("config"), dict):
+        args = ", ".join(f"{key}={_brief(item)}" for key, item in sorted(value["config"].items()) if item is not None)
+        return f"{value['class_name']}({args})"
+    return json.dumps(value, sort_keys=True)
 
 
 def _layer_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -325,13 +459,23 @@ def _module_file(module_name: str) -> str | None:
     return spec.origin if spec is not None and spec.has_location else None
 
 
-def _factory_code(factory: str) -> str:
+def _factory_code(factory: str, modules: Iterable[str] = ()) -> str:
+    """sha256 of the factory module's source file (found, not executed), the callable's name, and the
+    source files of ``modules`` found on ``sys.path`` (a built model's class's: others, Keras' say, are
+    left out)."""
     module_name, _, attr = factory.partition(":")
     origin = _module_file(module_name)
     if origin is None or not os.path.isfile(origin):
         raise ModelError(f"model.factory {factory!r}: cannot find the module {module_name!r} (on sys.path)")
+    digest_ = hashlib.sha256()
     with open(origin, "rb") as stream:
-        return hashlib.sha256(stream.read() + b"\0" + attr.encode()).hexdigest()
+        digest_.update(stream.read() + b"\0" + attr.encode())
+    for name in sorted(set(modules) - {module_name}):
+        found = None if name.split(".")[0] in ("keras", "tensorflow", "builtins", "__main__") else _module_file(name)
+        if found is not None and os.path.isfile(found):
+            with open(found, "rb") as stream:
+                digest_.update(b"\0" + name.encode() + b"\0" + stream.read())
+    return digest_.hexdigest()
 
 
 def _builtin_code(name: str) -> str:

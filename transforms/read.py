@@ -153,7 +153,7 @@ def _npy_segments(spec: JobSpec, shard: ShardRange) -> list[_Segment] | None:
         if source.key is not None or file_format(source.path) != "npy" or not storage.is_local(source.path):
             return None
         offset = arrays.npy_data_offset(source.path)
-        if offset is None or os.path.getsize(source.path) < offset + (stop - source.first_id) * row_bytes(source):
+        if offset is None or os.path.getsize(source.path) < offset + source.row(stop) * row_bytes(source):
             return None
         segments.append(_Segment(source, offset, start, stop))
     return segments
@@ -205,7 +205,7 @@ def _records(segment: _Segment, batch_size: int, head: int):
 
     source = segment.source
     row = row_bytes(source)
-    first, last = segment.start - source.first_id, segment.stop - source.first_id
+    first, last = source.row(segment.start), source.row(segment.stop)
     size = os.path.getsize(source.path)
     head = min(head, last - first)
     full, tail = divmod(last - first - head, batch_size)

@@ -201,8 +201,20 @@ class JobSpec:
     # This run's id (hex; its lease's), carried by its temporary files' names: at its end a run removes
     # only its own.
     run_id: str = ""
+    # Whether the run holds the output folder's lease under ``run_id``: then each of its commits proves
+    # it still does (``transforms.output.fence``).
+    fenced: bool = False
     # input.on_bad_sample: "skip" leaves bad samples out and lists them; "error" stops the job at the first.
     on_bad_sample: Literal["error", "skip"] = "error"
+    # Shards (names, ``layout.shard_name``) on disk computed from input files whose stamp changed since
+    # (``pipeline.folder.stale_shards``): each stays until its replacement is committed. The worker keeps
+    # one whose samples read as before (``samples_sha256``), else computes its range and the commit
+    # replaces it (``transforms.job``); one already computed from the current stamps (a retried bundle)
+    # is complete.
+    stale: tuple[str, ...] = ()
+    # Shard files (relative to the output folder) of this folder that no range of this run replaces:
+    # deleted only once the new manifest is in place (``transforms.finalize``).
+    obsolete: tuple[str, ...] = ()
 
     @property
     def sample_shape(self) -> Shape:
@@ -226,15 +238,17 @@ def _overlapping(files: tuple[SourceFile, ...] | list[SourceFile], start: int, s
 
 def shard_inputs(files: tuple[SourceFile, ...] | list[SourceFile], start: int, stop: int) -> list[list[Any]]:
     """The input files whose ids overlap ``[start, stop)``: ``[path, key, first_id, num_samples, data_sha256]``
-    (``data_sha256`` None since the plan reads headers only; a shard written before lists its file's).
+    (``data_sha256`` None since the plan reads headers only; a shard written before lists its file's), and
+    ``first_row`` after them for the rows appended to a file (``SourceFile.first_row``).
 
     A shard stores this, so that a later run can tell whether the shard's ids still mean the same samples.
     """
-    return [[f.path, f.key, f.first_id, f.num_samples, f.data_sha256] for f in _overlapping(files, start, stop)]
+    return [[f.path, f.key, f.first_id, f.num_samples, f.data_sha256, *([f.first_row] if f.first_row else [])]
+            for f in _overlapping(files, start, stop)]
 
 
 def input_stamps(files: tuple[SourceFile, ...] | list[SourceFile], start: int, stop: int) -> dict[str, str | None]:
     """The stamps (``SourceFile.stamp``: size and time of the last change) of the input files whose ids
     overlap ``[start, stop)``, by path: a shard stores them, and a later run that finds another stamp
-    computes the shard again."""
+    reads the shard's samples again (``JobSpec.stale``)."""
     return {f.path: f.stamp for f in _overlapping(files, start, stop)}

@@ -27,7 +27,16 @@ from jacobeam.transforms.elements import JacobianBatch
 from jacobeam.transforms.errors import OutputError, SelfCheckError
 from jacobeam.transforms.inputs.readers import shape_record
 from jacobeam.transforms.metrics import ShardMetrics, shard_rows
-from jacobeam.transforms.output.layout import INPUT_STAMPS, REJECTED_GROUP, SAMPLE_ID, SAMPLES_SHA256, SELF_CHECK, shard_file
+from jacobeam.transforms.output import fence
+from jacobeam.transforms.output.layout import (
+    INPUT_STAMPS,
+    LABELS_SHA256,
+    REJECTED_GROUP,
+    SAMPLE_ID,
+    SAMPLES_SHA256,
+    SELF_CHECK,
+    shard_file,
+)
 from jacobeam.transforms.output.shard_writer import ShardWriter
 from jacobeam.transforms.output.shards import ShardRecord, existing_record, read_attrs, rejected_record, shard_path
 from jacobeam.transforms.spec import JobSpec, Rejected, ShardRange, input_stamps, shard_inputs, version
@@ -49,8 +58,10 @@ class ShardOutput:
     to the commit) is stored too: the rejected samples and the digest of the stored ones.
     """
 
-    def __init__(self, spec: JobSpec, shard: ShardRange, metrics: ShardMetrics):
+    def __init__(self, spec: JobSpec, shard: ShardRange, metrics: ShardMetrics, replace: bool = False):
         self._spec, self._shard, self._metrics = spec, shard, metrics
+        self._replace = replace  # the commit replaces a stale shard of the range (``ShardWriter``'s ``replace``)
+        self._samples_sha256: str | None = None
         self._writer: ShardWriter | None = None
         self._closed = False
         self._began = 0.0  # perf_counter when the shard's first batch began computing
@@ -100,7 +111,10 @@ class ShardOutput:
         if self._rejected:
             writer.attach(REJECTED_GROUP, {"runs": rejected_record(self._rejected)})
         if findings is not None:
-            writer.set_attrs({SAMPLES_SHA256: findings.samples_sha256})
+            self._samples_sha256 = findings.samples_sha256
+            writer.set_attrs({SAMPLES_SHA256: self._samples_sha256})
+            if getattr(findings, "labels_sha256", None):  # outputs: label (a RangeRead has none)
+                writer.set_attrs({LABELS_SHA256: findings.labels_sha256})
         if self._checks:
             writer.set_attrs({SELF_CHECK: json.dumps(self._check_record(timing=False))})
         self._committing = writer.commit_later(rows)
@@ -134,6 +148,7 @@ class ShardOutput:
             nonfinite=writer.nonfinite,
             self_check=self._check_record(timing=True) if self._checks else None,
             rejected=self._rejected,
+            samples_sha256=self._samples_sha256,
         )
 
     def commit(self, findings=None) -> ShardRecord:
@@ -183,7 +198,7 @@ class ShardOutput:
     def _open(self, attrs: dict[str, Any], rows: int) -> None:
         spec, shard = self._spec, self._shard
         writer = ShardWriter(spec.output_dir, shard.start, shard.stop, attrs, spec.compression, rows=rows,
-                             run_id=spec.run_id)
+                             run_id=spec.run_id, fence=fence.of(spec), replace=self._replace)
         self._writer = writer.__enter__()
         if not self._began:
             self._began = time.perf_counter()
@@ -207,7 +222,7 @@ class ShardOutput:
 
     def _input_row(self, sample_id: int) -> dict[str, Any] | None:
         source = next((f for f in self._spec.files if f.num_samples and f.first_id <= sample_id < f.stop_id), None)
-        return None if source is None or self._spec.open_ended else {"file": source.path, "row": sample_id - source.first_id}
+        return None if source is None or self._spec.open_ended else {"file": source.path, "row": source.row(sample_id)}
 
     def _mismatch(self, check: dict[str, Any]) -> str:
         shard, where = self._shard, check.get("input")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import apache_beam as beam
@@ -25,8 +26,9 @@ from jacobeam.transforms.finalize import Finalize
 from jacobeam.transforms.inputs.readers import shape_from_record, shape_record
 from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.metrics import ShardMetrics
-from jacobeam.transforms.output.claim import claim
-from jacobeam.transforms.output.layout import PIPELINE_INPUT
+from jacobeam.transforms.output import lease
+from jacobeam.transforms.output.claim import claim, release
+from jacobeam.transforms.output.layout import PIPELINE_INPUT, shard_name
 from jacobeam.transforms.output.shards import ShardRecord
 from jacobeam.transforms.spec import (
     EngineOptions,
@@ -39,7 +41,7 @@ from jacobeam.transforms.spec import (
 from jacobeam.transforms.write import ShardOutput
 
 
-@beam.typehints.with_input_types(JacobianBatch)
+@beam.typehints.with_input_types(JacobianBatch, str)
 @beam.typehints.with_output_types(ShardRecord)
 class WriteShardFn(beam.DoFn):
     """``JacobianBatch`` holding every row of its shard (``batch.shard``) -> the shard's ``ShardRecord``,
@@ -50,10 +52,13 @@ class WriteShardFn(beam.DoFn):
         self._metrics = ShardMetrics()
 
     @no_annotations
-    def process(self, batch: JacobianBatch) -> Iterator[ShardRecord]:
+    def process(self, batch: JacobianBatch, claimed: str | None = None) -> Iterator[ShardRecord]:
+        """``claimed``: the run id ``WriteShards``' claim yields, a side input, so that no shard is written
+        before the folder is claimed."""
         if batch.shard is None:
             raise OutputError("WriteShards: a batch without its shard; ids must be grouped into shards first")
-        with ShardOutput(self._spec, batch.shard, self._metrics) as output:
+        stale = shard_name(batch.shard.start, batch.shard.stop) in self._spec.stale  # replaced by the commit
+        with ShardOutput(self._spec, batch.shard, self._metrics, replace=stale) as output:
             output.add(batch)
             yield output.commit(batch.read)
 
@@ -213,23 +218,33 @@ class WriteShards(beam.PTransform):
         A single-element ``PCollection`` holding the manifest (a dict, as written to
         ``manifest.json``).
 
-    Building the step takes the output folder's lease (``transforms.output.claim``; a local folder),
-    held until the manifest is written or the process ends.
+    Building the step reads and writes nothing. Its first step, when the pipeline runs, takes the
+    output folder's lease (``transforms.output.claim``; a local, S3 or GCS folder) and checks (or, with
+    ``replace``, removes) what the folder holds; every commit then proves the lease is still this run's
+    (``transforms.output.fence``), and the last step frees it, after the manifest.
 
-    Raises:
-        LeaseBusy: another run is writing the output folder (when the step is built).
-        OutputError: the output folder holds another run's result (when the step is built, unless
-            ``replace``); a shard cannot be written; the ids of a user's pipeline have gaps or repeats, or
+    Raises (when the pipeline runs):
+        LeaseBusy: another run is writing the output folder.
+        LostLeaseError: this run was paused past the lease's stale time and another run took the folder
+            over: it commits nothing more.
+        OutputError: the output folder holds another run's result (unless ``replace``); a shard cannot
+            be written; the ids of a user's pipeline have gaps or repeats, or
             keys that are not integers; a self-check mismatch under ``on_mismatch: fail``.
     """
 
     def __init__(self, spec: JobSpec, replace: bool = False):
         super().__init__()
+        if lease.supported(spec.output_dir):  # its commits prove the lease its first step takes
+            spec = dataclasses.replace(spec, run_id=spec.run_id or uuid.uuid4().hex[:12], fenced=True)
         self._spec, self._replace = spec, replace
 
     def expand(self, batches):
         spec = self._spec
-        claim(spec, self._replace)
+        claimed = (
+            batches.pipeline
+            | "Folder" >> beam.Create([None])
+            | "Claim" >> beam.ParDo(_ClaimFn(spec, self._replace))
+        )
         if spec.open_ended:
             keyed = batches | "ByShard" >> beam.FlatMap(_split_by_shard, spec.samples_per_shard)
             join = _join_shard
@@ -240,6 +255,35 @@ class WriteShards(beam.PTransform):
             keyed
             | "GroupShards" >> beam.GroupByKey()
             | "JoinShards" >> beam.Map(join)
-            | "Write" >> beam.ParDo(WriteShardFn(spec))
+            | "Write" >> beam.ParDo(WriteShardFn(spec), beam.pvalue.AsSingleton(claimed))
             | "Finalize" >> Finalize(spec)
+            | "Release" >> beam.Map(_release, spec)
         )
+
+
+class _ClaimFn(beam.DoFn):
+    """The folder claimed when the pipeline runs (``transforms.output.claim``), not when it is built: the
+    lease taken and another run's result checked (or removed, ``replace``). The lease's heartbeat runs in
+    this DoFn's process; ``_release`` frees the lease after the manifest, and ``teardown`` (the pipeline's
+    end, also a failed one's) stops the heartbeat and frees a lease still held."""
+
+    def __init__(self, spec: JobSpec, replace: bool):
+        self._spec, self._replace = spec, replace
+        self._lease = None
+
+    @no_annotations
+    def process(self, _: None) -> Iterator[str]:
+        self._lease = claim(self._spec, self._replace)
+        yield self._spec.run_id
+
+    def teardown(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+
+@no_annotations
+def _release(manifest: dict, spec: JobSpec) -> dict:
+    """The manifest, once the run's lease is freed: the run is over."""
+    release(spec)
+    return manifest

@@ -333,7 +333,8 @@ def load(
     from jacobeam.transforms.spec import ModelSource
 
     loaded = _load(path, factory, builtin)  # first: its errors name what is wrong with the file
-    identity = model_identity(ModelSource(path, factory, builtin, logits))
+    # A factory's: that of the model it built, as the launcher's (``pipeline.checks``) and every worker's.
+    identity = model_identity(ModelSource(path, factory, builtin, logits), built=loaded)
     loaded = dataclasses.replace(loaded, identity=identity)
     if not logits:
         return loaded

@@ -104,6 +104,7 @@ class RangeFindings:
     def __init__(self, files: Sequence[SourceFile], on_bad_sample: str = "skip", labels: Labels | None = None):
         self._files, self.policy, self.labels = files, on_bad_sample, labels
         self.digest = RowDigest()
+        self.labels_digest = hashlib.sha256() if labels is not None else None  # of the kept samples' labels
         self._bad: dict[int, str] = {}  # sample id -> reason
         self.error: InputError | None = None
 
@@ -115,7 +116,7 @@ class RangeFindings:
         if self.policy == "error" and self.error is None:
             source = self._source(sample_id)
             self.error = InputError(
-                f"{source.path}: row {sample_id - source.first_id}: {reason} (input.on_bad_sample is error; set it "
+                f"{source.path}: row {source.row(sample_id)}: {reason} (input.on_bad_sample is error; set it "
                 "to skip to leave bad samples out; the shards already complete are kept for the rerun)"
             )
 
@@ -123,6 +124,12 @@ class RangeFindings:
     def samples_sha256(self) -> str:
         """The digest of the samples kept so far."""
         return self.digest.hexdigest()
+
+    @property
+    def labels_sha256(self) -> str | None:
+        """The digest of the labels of the samples kept so far (their bytes as read, in id order); None
+        without labels."""
+        return None if self.labels_digest is None else self.labels_digest.hexdigest()
 
     @property
     def rejected(self) -> list[Rejected]:
@@ -135,7 +142,7 @@ class RangeFindings:
                 runs[-1] = dataclasses.replace(last, stop=sample_id + 1)
             else:
                 source = self._source(sample_id)
-                runs.append(Rejected(source.path, reason, sample_id - source.first_id, sample_id, sample_id + 1))
+                runs.append(Rejected(source.path, reason, source.row(sample_id), sample_id, sample_id + 1))
         return runs
 
     def keep(self, ids: np.ndarray, samples: Samples, labels: np.ndarray | None = None):
@@ -148,6 +155,8 @@ class RangeFindings:
             ids, samples = ids[good], take(samples, good)
             labels = None if labels is None else labels[good]
         self.digest.update(samples)
+        if self.labels_digest is not None and labels is not None:
+            self.labels_digest.update(np.ascontiguousarray(labels).tobytes())
         return ids, samples, labels
 
 
@@ -167,7 +176,7 @@ def _read_file(source: SourceFile, lo: int, hi: int, max_rows: int, label_key: s
             labels = stack.enter_context(open_rows(source.path, label_key, "jacobian.labels.key")) if label_key else None
 
             def read(first: int, last: int):
-                local = slice(first - source.first_id, last - source.first_id)
+                local = slice(source.row(first), source.row(last))
                 values = labels.read(local.start, local.stop).reshape(-1) if labels is not None else None
                 return rows.read(local.start, local.stop), values
 

@@ -146,7 +146,7 @@ def iter_slices(
             labels = stack.enter_context(open_rows(source.path, label_key, "jacobian.labels.key")) if label_key else None
             for first in range(lo, hi, max_rows):
                 last = min(first + max_rows, hi)
-                local = slice(first - source.first_id, last - source.first_id)
+                local = slice(source.row(first), source.row(last))
                 yield (
                     np.arange(first, last, dtype=np.int64),
                     rows.read(local.start, local.stop),
@@ -219,6 +219,7 @@ def manifest_sources(manifest: Mapping[str, Any]) -> list[SourceFile]:
             sample_shape=shape,
             dtype=entry["dtype"],
             first_id=entry["first_id"],
+            first_row=entry.get("first_row", 0),
             data_sha256=entry.get("data_sha256"),
             unreadable=entry.get("unreadable"),
             image=image if file_format(entry["path"]) == "image" else None,

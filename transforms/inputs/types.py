@@ -54,10 +54,13 @@ class ImageOptions:
 
 @dataclasses.dataclass(frozen=True)
 class SourceFile:
-    """One input file and the sample ids it covers: ``[first_id, first_id + num_samples)``.
+    """One input file and the sample ids it covers: ``[first_id, first_id + num_samples)``, rows
+    ``first_row ..`` of the file (``row``).
 
     When ``key`` is a mapping (a model with several inputs), ``sample_shape`` and ``dtype`` are
-    mappings by input name too.
+    mappings by input name too. A file that grew by appended rows since an output folder was computed
+    is placed in pieces (``pipeline.ids.place_files``): one ``SourceFile`` for its old rows, which keep
+    their ids, one for the rows appended (``first_row`` their first row), whose ids follow every old id.
     """
 
     path: str
@@ -71,14 +74,19 @@ class SourceFile:
     data_sha256: str | None = None
     # What the file system tells of the file without reading it ("size:modified"): the file's identity. A
     # later run that finds the same trusts the shards computed from it, as make and rsync do; another
-    # stamp makes it compute them again.
+    # stamp makes them stale: their samples are read again, and computed again where they differ.
     stamp: str | None = None
     unreadable: str | None = None  # why a file that cannot be opened holds no samples (on_bad_sample: skip)
     image: ImageOptions | None = None  # for an image file: how it is decoded
+    first_row: int = 0  # the file's row of id ``first_id`` (0 but for the rows appended to a file: see above)
 
     @property
     def stop_id(self) -> int:
         return self.first_id + self.num_samples
+
+    def row(self, sample_id: int) -> int:
+        """The file's row that holds sample ``sample_id`` (one of ``[first_id, stop_id)``)."""
+        return sample_id - self.first_id + self.first_row
 
 
 class SampleReader(Protocol):

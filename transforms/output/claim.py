@@ -1,5 +1,6 @@
-"""A pipeline of the user's own claiming its output folder (``WriteShards``): the folder's lease
-(``transforms.output.lease``), and a refusal to write into a folder holding another run's result unless
+"""A pipeline of the user's own claiming its output folder when it runs (``WriteShards``' first step): the
+folder's lease (``transforms.output.lease``), held under the spec's run id, whose commits prove it
+(``transforms.output.fence``), and a refusal to write into a folder holding another run's result unless
 told to replace it.
 
 ``jacobeam run`` does both in its planner (``pipeline.plan``, ``pipeline.folder``), which also resumes.
@@ -14,7 +15,7 @@ import json
 import logging
 
 from jacobeam.transforms.errors import OutputError
-from jacobeam.transforms.output import lease, storage
+from jacobeam.transforms.output import fence, lease, storage
 from jacobeam.transforms.output.layout import (
     AGGREGATES,
     MANIFEST,
@@ -31,19 +32,14 @@ from jacobeam.transforms.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
-_claimed: dict[str, lease.Lease] = {}  # the leases ``claim`` took in this process, by folder
 
-
-def claim(spec: JobSpec, replace: bool = False) -> None:
-    """Take ``spec.output_dir``'s lease (a local, S3 or GCS folder; ``LeaseBusy`` while another run holds
-    it) and check that it holds no other run's result; with ``replace``, remove that result (only files
-    with jacobeam's names) instead of refusing. The lease is held until ``release`` (``finalize`` calls it)
-    or the process ends; claiming a folder this process holds again keeps its lease."""
+def claim(spec: JobSpec, replace: bool = False) -> lease.Lease | None:
+    """Take ``spec.output_dir``'s lease as run ``spec.run_id`` (a local, S3 or GCS folder; ``LeaseBusy``
+    while another run holds it) and check that the folder holds no other run's result; with ``replace``,
+    remove that result (only files with jacobeam's names) instead of refusing. Returns the lease (None
+    where the folder has none), which the caller releases; ``release`` frees it from any process."""
     root = spec.output_dir
-    if lease.supported(root):
-        held = _claimed.get(root)
-        if held is None or not held.held:
-            _claimed[root] = lease.Lease(root).acquire()
+    held = lease.Lease(root, run_id=spec.run_id).acquire() if spec.fenced else None
     try:
         others = other_runs(spec)
         if others and not replace:
@@ -51,20 +47,26 @@ def claim(spec: JobSpec, replace: bool = False) -> None:
                 f"output folder {root} holds another run's result ({'; '.join(others)}): "
                 "WriteShards(spec, replace=True) replaces it (only files jacobeam wrote), or choose another output_dir"
             )
+        if others:
+            log.warning("WriteShards: replacing another run's result in %s", root)
+            with fence.held(fence.of(spec)):
+                storage.delete(*_owned_files(root))
     except BaseException:
-        release(root)
+        if held is not None:
+            held.release()
         raise
-    if not others:
+    return held
+
+
+def release(spec: JobSpec) -> None:
+    """Free the lease run ``spec.run_id`` holds on ``spec.output_dir``, from whichever process: its record
+    is removed if it still names this run (a request conditional on the record read, on S3 and GCS)."""
+    if not spec.fenced:
         return
-    log.warning("WriteShards: replacing another run's result in %s", root)
-    storage.delete(*_owned_files(root))
-
-
-def release(output_dir: str) -> None:
-    """Release the lease ``claim`` took for ``output_dir`` in this process, if any."""
-    held = _claimed.pop(output_dir, None)
-    if held is not None:
-        held.release()
+    file = lease.lease_file(spec.output_dir, spec.run_id)
+    found = file.read()
+    if found is not None and lease.parse(found[0]).get("holder") == spec.run_id:
+        file.take_over(found[1])  # only if it is still the record read
 
 
 def other_runs(spec: JobSpec) -> list[str]:

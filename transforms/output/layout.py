@@ -44,6 +44,7 @@ SELF_CHECK = "self_check"  # the shard's self-check, as JSON
 # one dataset, ``runs``, a JSON list of [file, reason, row, first id, stop id].
 REJECTED_GROUP = "rejected_samples"
 SAMPLES_SHA256 = "samples_sha256"  # attribute: sha256 of the stored samples' bytes as read, in id order
+LABELS_SHA256 = "labels_sha256"  # attribute (outputs: label): sha256 of the stored samples' labels as read
 INPUT_STAMPS = "input_stamps"  # attribute: {input path: stamp} of the files the shard's ids come from
 OUTPUT = "output"
 OUTPUT_INDEX = "output_index"

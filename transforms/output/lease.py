@@ -2,20 +2,28 @@
 touched, holding its holder's id, host, pid, start time and a heartbeat (JSON), removed when the run ends.
 
 A second writer finds the file and is refused (``LeaseBusy``: the command exits 75, for schedulers to
-retry), or waits (``wait=True``). A stale lease is taken over, with one warning: its process is gone on
-this host (a ``kill -9`` leaves the file), or its heartbeat, refreshed by the holder on a thread every
-``HEARTBEAT_SECONDS``, is older than ``STALE_SECONDS`` (a holder on another host that died).
+retry), or waits (``wait=True``). A lease is taken over, with one warning, only on evidence that its holder
+is gone:
+
+- its process is gone, where the taker can know: the same host, boot (``/proc/sys/kernel/random/boot_id``)
+  and PID namespace (``/proc/self/ns/pid``), and no process with that pid and start time;
+- or its heartbeat, which the holder rewrites every ``HEARTBEAT_SECONDS``, has not changed for
+  ``STALE_SECONDS`` as the taker watched it on its own monotonic clock (read, wait, read again). Two
+  machines' wall clocks are never compared: a heartbeat that looks old by them is only a reason to watch.
 
 Each change of the lease file is conditional on what its writer last saw, so that two runs can never
 both hold it: locally the create is a hard link of the complete record (``os.link``, which fails where
-the name exists) and a take-over moves the stale file aside first; on an object store each request is
-conditional, checked by the store: on S3 ``If-None-Match: *`` to create, ``If-Match: <ETag>`` to refresh,
-take over or remove; on GCS ``ifGenerationMatch=0`` to create, ``ifGenerationMatch=<generation>`` for the
-rest. Other remote file systems (HDFS, ...) take no lease: ``supported`` says which.
+the name exists), and a take-over, a heartbeat and every commit of the holder (``transforms.output.fence``)
+hold the folder's lock (``flock`` of the folder itself), so a take-over waits for a commit under way and a
+commit after a take-over sees it; on an object store each request is conditional, checked by the store:
+on S3 ``If-None-Match: *`` to create, ``If-Match: <ETag>`` to refresh, take over or remove; on GCS
+``ifGenerationMatch=0`` to create, ``ifGenerationMatch=<generation>`` for the rest. Other remote file
+systems (HDFS, ...) take no lease: ``supported`` says which.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -23,11 +31,11 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
 
-from jacobeam.transforms.errors import MissingExtra, OutputError, first_line
-from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import LEASE
+from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.output.lease_files import lease_file
+from jacobeam.transforms.output.lease_files import supported as supported  # where a lease can be held
+from jacobeam.transforms.testing import faults
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +57,33 @@ class LeaseBusy(OutputError):
     """Another live run holds the folder's lease (the command's exit status 75)."""
 
 
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as stream:
+            return stream.read().strip()
+    except OSError:
+        return None
+
+
+@functools.cache
+def _machine() -> dict[str, str | None]:
+    """This process's boot and PID namespace (None where the system does not say: not Linux)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = None
+    return {"boot_id": _read_text("/proc/sys/kernel/random/boot_id"), "pid_namespace": namespace}
+
+
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat``): with the pid, it names
+    one process, not a later one that reused the pid. None where it cannot be read."""
+    stat = _read_text(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]  # field 22; the command name before ")" may hold spaces
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -59,299 +94,129 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def stale_reason(record: dict, now: float | None = None, stale_seconds: float = STALE_SECONDS) -> str | None:
-    """Why a lease ``record`` no longer holds (None while it does)."""
-    now = time.time() if now is None else now
-    if record.get("host") == socket.gethostname() and not _alive(int(record.get("pid", 0))):
-        return f"its process {record.get('pid')} is gone"
-    age = now - float(record.get("heartbeat", 0))
-    if age > stale_seconds:
-        return f"no heartbeat for {age:.0f} s"
+def gone_reason(record: dict) -> str | None:
+    """Why the holder of lease ``record`` is known to be gone (None where this process cannot know): its
+    process is not running, and it ran on this host, boot and PID namespace, where its pid means what it
+    means here."""
+    machine = _machine()
+    if record.get("host") != socket.gethostname() or machine["boot_id"] is None or machine["pid_namespace"] is None:
+        return None
+    if record.get("boot_id") != machine["boot_id"] or record.get("pid_namespace") != machine["pid_namespace"]:
+        return None
+    pid = int(record.get("pid", 0))
+    if pid <= 0:
+        return None
+    if not _alive(pid):
+        return f"its process {pid} is gone"
+    started = record.get("process_start")
+    if started is not None and _process_start(pid) not in (None, started):
+        return f"its process {pid} is gone (the pid is another process's now)"
     return None
+
+
+def _now() -> float:
+    return time.time() + faults.clock_offset()
 
 
 def describe(record: dict) -> str:
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(record.get("started_at", 0))))
     return (f"run {record.get('holder')} ({record.get('host')}, pid {record.get('pid')}, since {started}, "
-            f"heartbeat {time.time() - float(record.get('heartbeat', 0)):.0f} s ago)")
+            f"heartbeat {_now() - float(record.get('heartbeat', 0)):.0f} s ago by this machine's clock)")
 
 
-class _LocalFile:
-    """The lease file of a local folder. ``token``: the bytes last read or written (no versions locally)."""
-
-    def __init__(self, folder: str, run_id: str):
-        self.path, self._run_id, self._mine = os.path.join(folder, LEASE), run_id, b""
-        os.makedirs(folder, exist_ok=True)
-
-    def _complete(self, data: bytes) -> str:
-        """``data`` in a file of its own, whole on disk: linked or renamed into place, so that a reader
-        never sees a lease half written."""
-        temp = f"{self.path}.{self._run_id}.new"
-        with open(temp, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            os.fsync(stream.fileno())
-        return temp
-
-    def create(self, data: bytes) -> bool:
-        temp = self._complete(data)
-        try:
-            os.link(temp, self.path)  # exclusive, as O_CREAT | O_EXCL, but of a complete file
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(temp)
-        self._mine = data
-        return True
-
-    def read(self) -> tuple[bytes, Any] | None:
-        try:
-            with open(self.path, "rb") as stream:
-                raw = stream.read()
-        except FileNotFoundError:
-            return None
-        return raw, raw
-
-    def modified(self) -> float | None:
-        try:
-            return os.path.getmtime(self.path)
-        except FileNotFoundError:
-            return None
-
-    def take_over(self, token: Any) -> None:
-        """Remove the lease, but only if it still holds ``token`` (the stale one): it is moved aside first,
-        and put back if what moved is not those bytes (another taker's fresh lease, or a heartbeat)."""
-        aside = f"{self.path}.stale-{self._run_id}"
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return
-        with open(aside, "rb") as stream:
-            moved = stream.read()
-        if moved != token:
-            try:
-                os.link(aside, self.path)  # no-replace: a lease created meanwhile stays
-            except FileExistsError:
-                pass
-        os.unlink(aside)
-
-    def refresh(self, data: bytes) -> bool:
-        found = self.read()
-        if found is None or found[0] != self._mine:
-            return False
-        os.replace(self._complete(data), self.path)
-        self._mine = data
-        return True
-
-    def remove(self) -> None:
-        found = self.read()
-        if found is not None and found[0] == self._mine:
-            os.unlink(self.path)
-
-
-class _StoreObject:
-    """The lease object of a folder on an object store. Every change is conditional on ``token``, the
-    object's version as its writer last saw it, and the store checks the condition: a subclass says how
-    (``_put``, ``take_over``)."""
-
-    def __init__(self, folder: str):
-        self.path = folder.rstrip("/") + "/" + LEASE
-        self._token: Any = None
-
-    def _put(self, data: bytes, token: Any) -> Any:
-        """Write ``data`` if the object is absent (``token`` None) or still at ``token``; the new token,
-        or None where the condition failed."""
-        raise NotImplementedError
-
-    def _write(self, data: bytes, token: Any) -> bool:
-        written = self._put(data, token)
-        if written is None:
-            return False
-        self._token = written
-        return True
-
-    def create(self, data: bytes) -> bool:
-        return self._write(data, None)
-
-    def modified(self) -> float | None:
-        return None  # every lease on an object store is one jacobeam wrote whole (one request)
-
-    def refresh(self, data: bytes) -> bool:
-        return self._token is not None and self._write(data, self._token)
-
-    def remove(self) -> None:
-        if self._token is not None:
-            self.take_over(self._token)
-
-
-class _S3Object(_StoreObject):
-    """The lease object of an S3 folder (``token``: the object's ETag)."""
-
-    def __init__(self, folder: str):
-        from apache_beam.io.aws import s3io
-
-        super().__init__(folder)
-        self._bucket, self._key = s3io.parse_s3_path(self.path)
-        self._client = storage.s3_client(self.path)
-
-    def _put(self, data: bytes, token: Any) -> Any:
-        from botocore.exceptions import ClientError
-
-        condition = {"IfNoneMatch": "*"} if token is None else {"IfMatch": token}
-        try:
-            reply = self._client.put_object(Bucket=self._bucket, Key=self._key, Body=data,
-                                            ContentType="application/json", **condition)
-        except ClientError as err:
-            # 412: the condition failed; 409: a concurrent conditional write to the key won.
-            if err.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
-                return None
-            raise
-        return reply["ETag"]
-
-    def read(self) -> tuple[bytes, Any] | None:
-        from botocore.exceptions import ClientError
-
-        try:
-            reply = self._client.get_object(Bucket=self._bucket, Key=self._key)
-        except ClientError as err:
-            if err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None
-            raise
-        return reply["Body"].read(), reply["ETag"]
-
-    def take_over(self, token: Any) -> None:
-        from botocore.exceptions import ClientError
-
-        try:
-            self._client.delete_object(Bucket=self._bucket, Key=self._key, IfMatch=token)
-        except ClientError as err:
-            if err.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "NoSuchKey", "404"):
-                raise
-
-
-class _GCSObject(_StoreObject):
-    """The lease object of a GCS folder (``token``: the object's generation, a new one for each write;
-    0 in a condition stands for no object)."""
-
-    def __init__(self, folder: str):
-        try:
-            from google.auth.exceptions import DefaultCredentialsError
-            from google.cloud import storage as gcs
-        except ImportError:
-            raise MissingExtra(f"the lease of output folder {folder} needs google-cloud-storage: "
-                               "pip install 'apache-beam[gcp]'") from None
-        super().__init__(folder)
-        bucket, _, self._key = self.path.removeprefix("gs://").partition("/")
-        # Application default credentials and project, as Beam's gs:// file system takes them unless its
-        # options say otherwise (they do not reach this client); STORAGE_EMULATOR_HOST: an emulator's.
-        try:
-            self._bucket = gcs.Client().bucket(bucket)
-        except DefaultCredentialsError as err:
-            raise OutputError(f"output folder {folder}: no Google Cloud credentials to take its lease: "
-                              f"{first_line(err)}") from err
-
-    def _put(self, data: bytes, token: Any) -> Any:
-        from google.api_core.exceptions import PreconditionFailed
-
-        blob = self._bucket.blob(self._key)
-        try:
-            blob.upload_from_string(data, content_type="application/json", if_generation_match=0 if token is None else token)
-        except PreconditionFailed:
-            return None
-        return blob.generation
-
-    def read(self) -> tuple[bytes, Any] | None:
-        from google.api_core.exceptions import NotFound
-
-        blob = self._bucket.blob(self._key)
-        try:
-            data = blob.download_as_bytes()  # sets the generation of the bytes read, from the reply's headers
-        except NotFound:
-            return None
-        return data, blob.generation
-
-    def take_over(self, token: Any) -> None:
-        from google.api_core.exceptions import NotFound, PreconditionFailed
-
-        try:
-            self._bucket.blob(self._key).delete(if_generation_match=token)
-        except (PreconditionFailed, NotFound):
-            pass
-
-
-_STORES = {"s3": _S3Object, "gs": _GCSObject}  # by scheme
-
-
-def _scheme(folder: str) -> str:
-    return folder.split("://", 1)[0]
-
-
-def supported(folder: str) -> bool:
-    """Whether a lease can be held on ``folder``: a local folder, or one on S3 or GCS."""
-    return "://" not in folder or _scheme(folder) in _STORES
+def parse(raw: bytes, modified: float | None = None) -> dict:
+    """A lease record from its bytes; one that is not a lease jacobeam wrote whole (it writes complete
+    files) stands for a holder that is judged by watching it."""
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        age = modified or 0.0
+        return {"holder": "?", "host": "?", "pid": 0, "started_at": age, "heartbeat": age}
+    return record
 
 
 class Lease:
     """The lease of ``folder`` (local, or on S3 or GCS: ``supported``), held from ``acquire`` until
-    ``release`` (or the ``with`` block's end)."""
+    ``release`` (or the ``with`` block's end). ``run_id``: the holder's id, a new one by default (a
+    pipeline's ``JobSpec.run_id``, which its commits prove, ``transforms.output.fence``)."""
 
-    def __init__(self, folder: str, stale_seconds: float = STALE_SECONDS):
+    def __init__(self, folder: str, stale_seconds: float | None = None, run_id: str = ""):
+        heartbeat, stale = faults.lease_seconds() or (HEARTBEAT_SECONDS, STALE_SECONDS)
         self.folder = folder
-        self.run_id = uuid.uuid4().hex[:12]
-        self._file = _LocalFile(folder, self.run_id) if "://" not in folder else _STORES[_scheme(folder)](folder)
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self._file = lease_file(folder, self.run_id)
         self.path = self._file.path
-        self._stale_seconds = stale_seconds
+        self._heartbeat_seconds = heartbeat
+        self._stale_seconds = stale if stale_seconds is None else stale_seconds
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = 0.0
         self.held = False
 
     def _record(self) -> bytes:
-        return json.dumps({"holder": self.run_id, "host": socket.gethostname(), "pid": os.getpid(),
-                           "started_at": self._started, "heartbeat": time.time()}).encode()
-
-    def _read(self) -> tuple[dict, Any] | None:
-        """The lease found (its record and the token a take-over needs), or None."""
-        found = self._file.read()
-        if found is None:
-            return None
-        raw, token = found
-        try:
-            return json.loads(raw), token
-        except ValueError:  # not a lease jacobeam wrote whole (it writes complete files): judged by its age
-            age = self._file.modified() or 0.0
-            return {"holder": "?", "host": "?", "pid": 0, "started_at": age, "heartbeat": age}, token
+        pid = os.getpid()
+        return json.dumps({"holder": self.run_id, "host": socket.gethostname(), "pid": pid,
+                           "started_at": self._started, "heartbeat": _now(), **_machine(),
+                           "process_start": _process_start(pid)}).encode()
 
     def acquire(self, wait: bool = False) -> Lease:
-        self._started = time.time()
-        waiting = False
+        """Create the lease; a holder found is waited for (``wait``) or refused (``LeaseBusy``) unless it
+        is gone (``gone_reason``) or its record does not change while watched for the stale time. A
+        record that looks stale by the clocks is watched before a refusal: it may be a dead holder's."""
+        self._started = _now()
+        seen: tuple[bytes, float] | None = None  # the record last read, and since when (monotonic) it has not changed
+        said = False
+        poll = min(WAIT_POLL_SECONDS, self._stale_seconds / 10)
         while not self._file.create(self._record()):
-            found = self._read()
+            found = self._file.read()
             if found is None:
                 continue
-            record, token = found
-            reason = stale_reason(record, stale_seconds=self._stale_seconds)
+            raw, token = found
+            record, now = parse(raw, self._file.modified()), time.monotonic()
+            if record.get("holder") == self.run_id:  # this run's own: a retried claim (``WriteShards``)
+                self._file.adopt(raw, token)
+                if self._file.refresh(self._record()):
+                    break
+                continue
+            changed = seen is not None and seen[0] != raw
+            if seen is None or changed:
+                seen = (raw, now)
+            reason = gone_reason(record)
+            if reason is None and now - seen[1] >= self._stale_seconds:
+                reason = f"its lease did not change for {now - seen[1]:.0f} s, watched from here"
             if reason is not None:
                 log.warning("output folder %s: taking over the lease of %s: %s", self.folder, describe(record), reason)
-                self._file.take_over(token)
+                if not self._file.take_over(token):  # a commit under way holds the folder: alive
+                    seen = None
+                    if not wait:
+                        raise self._busy(record)
                 continue
-            if not wait:
-                raise LeaseBusy(f"output folder {self.folder} is being written by {describe(record)}; "
-                                "retry later or pass --wait")
-            if not waiting:
-                log.warning("output folder %s is being written by %s: waiting", self.folder, describe(record))
-                waiting = True
-            time.sleep(WAIT_POLL_SECONDS)
+            looks_stale = _now() - float(record.get("heartbeat", 0)) > self._stale_seconds
+            if not wait and (changed or not looks_stale):
+                raise self._busy(record)
+            if not said:
+                doing = "waiting" if wait else (f"its heartbeat looks old by the clocks; watching it for "
+                                                f"{self._stale_seconds:.0f} s")
+                log.warning("output folder %s is being written by %s: %s", self.folder, describe(record), doing)
+                said = True
+            time.sleep(poll)
         self.held = True
         _held.add(self)
         self._thread = threading.Thread(target=self._beat, name="jacobeam lease heartbeat", daemon=True)
         self._thread.start()
         return self
 
+    def _busy(self, record: dict) -> LeaseBusy:
+        return LeaseBusy(f"output folder {self.folder} is being written by {describe(record)}; retry later or pass --wait")
+
     def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_SECONDS):
-            if not self._file.refresh(self._record()):  # taken over (this run was stale): never write another's
-                log.warning("output folder %s: this run's lease was taken over by another run", self.folder)
+        while not self._stop.wait(self._heartbeat_seconds):
+            if not self._file.refresh(self._record()):  # never write another's lease
+                if self._file.read() is not None:  # gone: released by the run's last step (claim.release)
+                    # Said at the run's next commit, which stops it (``transforms.output.fence``).
+                    log.info("output folder %s: this run's lease was taken over by another run", self.folder)
                 return
 
     def release(self) -> None:

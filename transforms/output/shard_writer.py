@@ -79,6 +79,10 @@ class ShardWriter:
     that many are queued, which bounds the memory held to ``pending`` batches). The arrays passed must not
     be changed afterwards. A failed write is raised, as an ``OutputError`` naming the shard, by the next
     ``write``, ``attach`` or ``commit``; ``commit`` waits for every queued write.
+
+    The commit never replaces a complete shard under the shard's name (``_kept_existing``), except with
+    ``replace``: a stale shard (computed from an input file changed since, ``JobSpec.stale``), which stays
+    and reads as it did until this one takes its name in one rename.
     """
 
     def __init__(
@@ -91,6 +95,8 @@ class ShardWriter:
         rows: int | None = None,
         pending: int = 2,
         run_id: str = "",
+        fence: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+        replace: bool = False,
     ):
         self.name = shard_name(start, stop)
         self.final_path = shard_path(output_dir, start, stop)
@@ -104,6 +110,8 @@ class ShardWriter:
         self._next_id = start
         self._attrs = attrs
         self._run_id = run_id
+        self._replace = replace
+        self._fence = fence or contextlib.nullcontext  # the run's proof that it still holds the folder's lease
         self._compression = None if compression == "none" else compression
         self._h5 = None
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=pending)
@@ -121,7 +129,8 @@ class ShardWriter:
         if not self._remote:
             os.makedirs(os.path.dirname(self.final_path), exist_ok=True)
         self._file = storage.IncompleteFile(
-            self.final_path, point="shard_commit", run_id=self._run_id, replace=False, complete=_proven
+            self.final_path, point="shard_commit", run_id=self._run_id, replace=self._replace, complete=_proven,
+            fence=self._fence,
         )
         self._h5 = h5py.File(self._file.local, "w")
         self._h5.attrs.update(self._attrs)
@@ -312,15 +321,17 @@ class ShardWriter:
         self._h5.attrs.update(num_rows=count, nonfinite_count=self.nonfinite)
         self._h5.close()
         self._h5 = None
-        checksum = storage.crc32c(self._file.local)
         try:
+            with self._file.explained():
+                checksum = storage.crc32c(self._file.local)
             self._file.commit()
         except storage.TargetExists:
             self._checksum = self._kept_existing()
             return
         if self._remote:
             faults.reached("shard_renamed")
-            storage.write_bytes(self.final_path + CRC32C_SUFFIX, checksum.encode())
+            with self._fence():
+                storage.write_bytes(self.final_path + CRC32C_SUFFIX, checksum.encode())
         faults.reached("shard_done")
         self._checksum = checksum
 

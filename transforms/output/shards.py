@@ -29,6 +29,7 @@ from jacobeam.transforms.output.layout import (
     CRC32C_SUFFIX,
     REJECTED_FILE,
     REJECTED_GROUP,
+    SAMPLES_SHA256,
     SELF_CHECK,
     SHARDS_DIR,
     shard_file,
@@ -58,6 +59,9 @@ class ShardRecord:
     self_check: dict[str, Any] | None = None
     crc32c: str | None = None  # the CRC32C of the shard's bytes (``storage.crc32c``), or None beside a sha256
     rejected: tuple[Rejected, ...] = ()  # the samples of the range that its worker rejected
+    # The shard's ``samples_sha256`` (the digest of its samples as read; None in a shard written before):
+    # the manifest lists it, so that a later run can tell the shard it vouched for from another.
+    samples_sha256: str | None = None
 
     @property
     def checksums(self) -> dict[str, str]:
@@ -149,4 +153,9 @@ def existing_record(
         if checked is None
         else json.loads(checked.decode() if isinstance(checked, bytes) else str(checked)),
         rejected=rejected,
+        samples_sha256=_text(attrs[SAMPLES_SHA256]) if SAMPLES_SHA256 in attrs else None,
     )
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -33,6 +33,9 @@ from jacobeam.transforms.errors import CorruptInputError
 from jacobeam.transforms.output import layout
 from jacobeam.transforms.testing import faults
 
+# A commit's guard: entered around the rename (``transforms.output.fence.Fence``).
+Fence = Callable[[], contextlib.AbstractContextManager[None]]
+
 _COPY_BYTES = 8 << 20
 
 
@@ -306,12 +309,14 @@ class IncompleteFile:
     writing run's, carried by the temporary name. ``replace=False``: the commit never replaces a
     complete file at ``path`` (``TargetExists`` instead; locally a hard link, which fails where the name
     exists; remotely ``complete(path)`` just before the rename, which narrows the race but cannot close
-    it without a conditional write).
+    it without a conditional write). ``fence``: entered around the rename, the run's proof that it still
+    holds the folder's lease (``transforms.output.fence``).
     """
 
     def __init__(self, path: str, point: str | None = None, run_id: str = "", replace: bool = True,
-                 complete: Callable[[str], bool] = exists):
+                 complete: Callable[[str], bool] = exists, fence: Fence | None = None):
         self.path, self._point, self._replace, self._complete = path, point, replace, complete
+        self._fence = fence or contextlib.nullcontext
         folder, name = (os.path.dirname(path), os.path.basename(path)) if is_local(path) else path.rsplit("/", 1)
         self._folder = folder
         self._temp = join(folder, layout.temp_name(name, uuid.uuid4().hex[:12], run_id))
@@ -324,22 +329,39 @@ class IncompleteFile:
         self.committed = self._discarded = False
 
     def commit(self) -> None:
+        with self.explained():
+            self._commit()
+
+    @contextlib.contextmanager
+    def explained(self) -> Iterator[None]:
+        """A temporary file gone before its commit: removed by a run that took this run's folder over (the
+        fence then says so, ``LostLeaseError``), or by hand (the error as it is)."""
+        try:
+            yield
+        except FileNotFoundError:
+            with self._fence():
+                pass
+            raise
+
+    def _commit(self) -> None:
         if is_local(self.path):
             durable(self.local)
             if self._point:
                 faults.reached(self._point)
-            if self._replace:
-                os.replace(self.local, self.path)
-            else:
-                self._link()
+            with self._fence():
+                if self._replace:
+                    os.replace(self.local, self.path)
+                else:
+                    self._link()
             durable(self._folder or ".")
         else:
             copy_from_local(self.local, self._temp)
             if self._point:
                 faults.reached(self._point)
-            if not self._replace and self._complete(self.path):
-                raise TargetExists(self.path)
-            rename(self._temp, self.path)
+            with self._fence():
+                if not self._replace and self._complete(self.path):
+                    raise TargetExists(self.path)
+                rename(self._temp, self.path)
         self.committed = True
         self.discard()
 
@@ -380,7 +402,8 @@ class IncompleteFile:
             self.discard()
 
 
-def write_atomically(path: str, write: Callable[[Path], None], point: str | None = None) -> None:
+def write_atomically(path: str, write: Callable[[Path], None], point: str | None = None,
+                     fence: Fence | None = None) -> None:
     """Write ``path`` whole or not at all: ``write(local_file)`` fills a local file (``IncompleteFile``)."""
-    with IncompleteFile(path, point) as temp:
+    with IncompleteFile(path, point, fence=fence) as temp:
         write(temp.local)

@@ -18,11 +18,17 @@ process die, or a shard fail, at named points:
     shards are under way.
 ``JACOBEAM_TEST_HOLD_AT=POINT:PATH``
     Wait at ``POINT`` until the file ``PATH`` exists (at most ``HOLD_LIMIT`` seconds): holds a run where
-    a test wants it (the lease taken, say) for exactly as long as the test needs, no sleep to guess.
+    a test wants it (the lease taken, say) for exactly as long as the test needs, no sleep to guess. The
+    process creates ``PATH.held`` when it begins to wait, so that the test knows it is there.
 ``JACOBEAM_TEST_FAIL_SHARD_ONCE=ID``
     Raise ``TransientFailure`` after part of the shard whose first id is ``ID`` has been written, once:
     the first process to fail creates the marker file ``JACOBEAM_TEST_FAIL_MARKER`` (default: a name in
     the temp folder), and later attempts (Beam's retries, or a rerun) find it and go on.
+
+``JACOBEAM_TEST_LEASE_SECONDS=HEARTBEAT:STALE``
+    The lease's heartbeat interval and stale time (``transforms.output.lease``), short for a test.
+``JACOBEAM_TEST_CLOCK_OFFSET=SECONDS``
+    Add SECONDS to this process's wall clock as the lease writes and reads it: a machine whose clock is off.
 
 Reading the environment costs nothing measurable next to writing a shard.
 """
@@ -41,6 +47,8 @@ HOLD_AT = "JACOBEAM_TEST_HOLD_AT"
 HOLD_LIMIT = 300.0
 FAIL_SHARD_ONCE = "JACOBEAM_TEST_FAIL_SHARD_ONCE"
 FAIL_MARKER = "JACOBEAM_TEST_FAIL_MARKER"
+LEASE_SECONDS = "JACOBEAM_TEST_LEASE_SECONDS"
+CLOCK_OFFSET = "JACOBEAM_TEST_CLOCK_OFFSET"
 
 _reached: collections.Counter[str] = collections.Counter()
 
@@ -63,6 +71,8 @@ def reached(point: str, shard: int | None = None) -> None:
     if hold:
         name, _, path = hold.partition(":")
         deadline = time.monotonic() + HOLD_LIMIT
+        if name == point and not os.path.exists(path):
+            open(f"{path}.held", "w").close()
         while name == point and not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.05)
     wanted = os.environ.get(KILL_AT)
@@ -90,3 +100,17 @@ def _fail_shard_once(first_id: int) -> None:
     except FileExistsError:
         return  # failed once already
     raise TransientFailure(f"injected transient failure while writing the shard starting at id {first_id}")
+
+
+def lease_seconds() -> tuple[float, float] | None:
+    """``(heartbeat, stale)`` seconds of the lease where ``JACOBEAM_TEST_LEASE_SECONDS`` sets them."""
+    found = os.environ.get(LEASE_SECONDS)
+    if not found:
+        return None
+    heartbeat, _, stale = found.partition(":")
+    return float(heartbeat), float(stale)
+
+
+def clock_offset() -> float:
+    """Seconds added to the wall clock the lease reads (``JACOBEAM_TEST_CLOCK_OFFSET``; 0 in normal use)."""
+    return float(os.environ.get(CLOCK_OFFSET) or 0.0)
