@@ -11,6 +11,7 @@ from typing import Any
 from jacobeam.pipeline.identity import identity_differences, run_identity
 from jacobeam.pipeline.ids import path_mapper
 from jacobeam.transforms import model_identity
+from jacobeam.transforms.model_differences import differences as model_changes
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import (
     AGGREGATES,
@@ -199,7 +200,7 @@ def folder_differences(
 
     def model_differences(theirs: dict[str, Any] | None, stored: str | None) -> list[str]:
         if theirs is not None and ours:
-            return [f"model: {d}" for d in model_identity.differences(theirs, ours)]
+            return [f"model: {d}" for d in model_changes(theirs, ours)]
         if fingerprint and stored and stored != fingerprint:
             return [f"model weights differ (fingerprint {stored[:16]}… there, {fingerprint[:16]}… in this run)"]
         return []

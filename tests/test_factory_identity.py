@@ -16,7 +16,7 @@ import pytest
 
 from jacobeam.pipeline import cli, runner
 from jacobeam.pipeline.config import validate
-from jacobeam.transforms import model_identity
+from jacobeam.transforms import model_differences, model_identity
 from jacobeam.transforms.model_identity import IDENTITY_ATTR
 from jacobeam.transforms.spec import ModelSource
 from tests.reference import assert_close, tape_loop
@@ -221,14 +221,14 @@ def test_a_subclassed_models_layers_are_in_its_class_code(tmp_path, monkeypatch)
     (code / "fidsub.py").write_text((code / "fidsub.py").read_text().replace('"tanh"', '"relu"'))
     again = model_identity.built_identity("fidsubfactory:build", built)
     assert again["code"] != first["code"]
-    assert model_identity.differences(first, again) == ["the factory's source code differs"]
+    assert model_differences.differences(first, again) == ["the factory's source code differs"]
 
 
 def test_a_factory_identity_recorded_by_an_earlier_jacobeam_is_named_as_such():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     now = model_identity.built_identity("tests.models:small_mlp", SimpleNamespace(keras_model=model, variables=model.weights))
     before = {"kind": "factory", "architecture": None, "weights": None, "code": "c0de", "architecture_config": None}
-    assert model_identity.differences(before, now) == [
+    assert model_differences.differences(before, now) == [
         "the factory's model was identified by its module's source file there (an earlier jacobeam), by the "
         "model it builds now: the two cannot be compared"
     ]

@@ -14,7 +14,7 @@ import pytest
 
 from jacobeam.pipeline import cli, runner
 from jacobeam.pipeline.config import validate
-from jacobeam.transforms import model_identity
+from jacobeam.transforms import model_differences, model_identity
 from jacobeam.transforms.model_identity import IDENTITY_ATTR, VERSIONS_ATTR
 from jacobeam.transforms.spec import ModelSource
 from tests.test_pipeline import folder_state
@@ -216,7 +216,7 @@ def test_differences_name_layers_by_position_not_by_default_names():
         return {"kind": "keras", "architecture": model_identity.architecture_digest(config(activation, name)),
                 "weights": "w", "code": None, "architecture_config": config(activation, name)}
 
-    assert model_identity.differences(identity("tanh", "dense"), identity("tanh", "dense_7")) == []
-    assert model_identity.differences(identity("tanh", "dense"), identity("relu", "dense_7")) == [
+    assert model_differences.differences(identity("tanh", "dense"), identity("tanh", "dense_7")) == []
+    assert model_differences.differences(identity("tanh", "dense"), identity("relu", "dense_7")) == [
         "layer 'dense_7': activation tanh there, relu now"
     ]

@@ -37,7 +37,8 @@ refused beside a folder's shards (``the weights differ``) and by the worker whos
 planned one.
 
 The full configuration (``architecture_config``) is kept beside it so that a refusal can name the layer
-and key that changed (``differences``). ``library_versions`` are looked up in the packages' metadata.
+and key that changed (``transforms.model_differences``). ``library_versions`` are looked up in the
+packages' metadata.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def built_identity(factory: str, built: Any) -> dict[str, Any]:
             config = None
     weights = weights_digest(variable.numpy() for variable in built.variables)
     code = None
-    if _layers(config) is None:  # its layers are in code: the factory's module, the model's class's
+    if layers_of(config) is None:  # its layers are in code: the factory's module, the model's class's
         classes = [type(keras_model).__module__] if keras_model is not None else []
         code = _factory_code(factory, classes)
     return _identity("factory", config=config, weights=weights, code=code)
@@ -279,7 +280,7 @@ def weights_digest(arrays: Iterable[Any]) -> str:
 
 def architecture_digest(config: Any) -> str:
     """sha256 of a Keras configuration, names replaced by their order and ignored keys left out."""
-    return hashlib.sha256(json.dumps(_renamed(config), sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(without_names(config), sort_keys=True).encode()).hexdigest()
 
 
 def _identity(kind: str, config: Any = None, weights: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -297,37 +298,7 @@ def digest(identity: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(stored(identity), sort_keys=True).encode()).hexdigest()
 
 
-def differences(theirs: Mapping[str, Any], ours: Mapping[str, Any]) -> list[str]:
-    """What changed between two identities, in words: the layers and keys of the architecture, weights,
-    code. Empty when they are the same model."""
-    if stored(theirs) == stored(ours):
-        return []
-    if theirs.get("kind") != ours.get("kind"):
-        return [f"a {theirs.get('kind')} model there, a {ours.get('kind')} model now"]
-    if _by_source_only(theirs) and not _by_source_only(ours):
-        return ["the factory's model was identified by its module's source file there (an earlier jacobeam), "
-                "by the model it builds now: the two cannot be compared"]
-    found = []
-    if theirs.get("architecture") != ours.get("architecture"):
-        old, new = theirs.get("architecture_config"), ours.get("architecture_config")
-        layers = _layer_differences(old, new) if old is not None and new is not None else []
-        found += layers[:3] or ["the architecture differs"]
-        if len(layers) > 3:
-            found.append(f"... and {len(layers) - 3} more changes of the architecture")
-    if theirs.get("weights") != ours.get("weights"):
-        found.append("the model's files differ" if ours.get("kind") == "saved_model" else "the weights differ")
-    if theirs.get("code") != ours.get("code"):
-        found.append(f"the {ours.get('kind')}'s source code differs")
-    return found
-
-
-def _by_source_only(identity: Mapping[str, Any]) -> bool:
-    """A factory's identity as jacobeam recorded it before it was that of the built model: its module's
-    source file alone."""
-    return identity.get("kind") == "factory" and identity.get("weights") is None
-
-
-def _renamed(config: Any) -> Any:
+def without_names(config: Any) -> Any:
     """``config`` with every name replaced by ``#k``, the order it first appears in, and the keys that do
     not decide the numbers left out."""
     names: dict[str, str] = {}
@@ -353,53 +324,11 @@ def _renamed(config: Any) -> Any:
     return renamed(config)
 
 
-def _layers(config: Any) -> list[dict] | None:
+def layers_of(config: Any) -> list[dict] | None:
+    """The layers a model configuration lists (None for a subclassed model's, whose layers are in code)."""
     inner = config.get("config") if isinstance(config, dict) else None
     layers = inner.get("layers") if isinstance(inner, dict) else None
     return layers if isinstance(layers, list) else None
-
-
-def _shown(value: Any) -> str:
-    text = _brief(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _brief(value: Any) -> str:
-    """A value of a configuration in words: a serialized Keras object (an initializer, a dtype policy) as
-    ``Class(key=value, ...)`` of the keys its config sets."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("class_name"), str) and isinstance(value.get("config"), dict):
-        args = ", ".join(f"{key}={_brief(item)}" for key, item in sorted(value["config"].items()) if item is not None)
-        return f"{value['class_name']}({args})"
-    return json.dumps(value, sort_keys=True)
-
-
-def _layer_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Layer by layer (in order, names aside): ``layer 'd': activation tanh there, relu now``."""
-    old_layers, new_layers = _layers(old), _layers(new)
-    if old_layers is None or new_layers is None:
-        return []
-    found = []
-    if len(old_layers) != len(new_layers):
-        found.append(f"{prefix}{len(old_layers)} layers there, {len(new_layers)} now")
-    for there, now in zip(old_layers, new_layers):
-        name = (now.get("config") or {}).get("name", "?")
-        where = f"{prefix}layer {name!r}"
-        if there.get("class_name") != now.get("class_name"):
-            found.append(f"{where}: {there.get('class_name')} there, {now.get('class_name')} now")
-            continue
-        if _layers(there) is not None and _layers(now) is not None:  # a model inside the model
-            found += _layer_differences(there, now, f"{where} > ")
-            continue
-        old_config, new_config = _renamed(there.get("config") or {}), _renamed(now.get("config") or {})
-        for key in sorted(set(old_config) | set(new_config)):
-            if key != "name" and old_config.get(key) != new_config.get(key):
-                found.append(f"{where}: {key} {_shown(there['config'].get(key))} there, {_shown(now['config'].get(key))} now")
-        for key in ("build_config", "inbound_nodes"):
-            if _renamed(there.get(key)) != _renamed(now.get(key)):
-                found.append(f"{where}: its {key.replace('_', ' ')} differs")
-    return found
 
 
 def _hash_h5_arrays(digest_: Any, data: bytes) -> None:
