@@ -187,11 +187,12 @@ class Lease:
             if reason is None and now - seen[1] >= self._stale_seconds:
                 reason = f"its lease did not change for {now - seen[1]:.0f} s, watched from here"
             if reason is not None:
-                log.warning("output folder %s: taking over the lease of %s: %s", self.folder, describe(record), reason)
-                if not self._file.take_over(token):  # a commit under way holds the folder: alive
-                    seen = None
-                    if not wait:
-                        raise self._busy(record)
+                if self._file.take_over(token):
+                    log.warning("output folder %s: taking over the lease of %s: %s", self.folder, describe(record), reason)
+                    continue
+                seen = None  # a commit under way holds the folder: its holder is alive
+                if not wait:
+                    raise self._busy(record)
                 continue
             looks_stale = _now() - float(record.get("heartbeat", 0)) > self._stale_seconds
             if not wait and (changed or not looks_stale):
@@ -214,8 +215,9 @@ class Lease:
     def _beat(self) -> None:
         while not self._stop.wait(self._heartbeat_seconds):
             if not self._file.refresh(self._record()):  # never write another's lease
-                if self._file.read() is not None:  # gone: released by the run's last step (claim.release)
-                    # Said at the run's next commit, which stops it (``transforms.output.fence``).
+                # None: freed by the run's own last step (``claim.release``). Another run's record is said
+                # at this run's next commit, which stops it (``transforms.output.fence``).
+                if self._file.read() is not None:
                     log.info("output folder %s: this run's lease was taken over by another run", self.folder)
                 return
 
