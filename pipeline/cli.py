@@ -30,6 +30,7 @@ from jacobeam.pipeline.interrupt import CtrlC
 from jacobeam.pipeline.summary import run_summary
 from jacobeam.transforms.errors import JacobeamError, MissingExtra
 from jacobeam.transforms.output import storage
+from jacobeam.transforms.spec import version
 
 log = logging.getLogger("jacobeam")
 
@@ -67,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         "file systems' Beam options after the folder (e.g. --s3_endpoint_url URL).\n\n" + EXIT_STATUSES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"jacobeam {version()}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and the final summary")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="also the log messages of Beam, TensorFlow and their native code, and tracebacks")

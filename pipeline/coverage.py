@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jacobeam.transforms.errors import span
 from jacobeam.transforms.finalize import missing_sources
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import MANIFEST, NONFINITE, REJECTED_FILE, SAMPLE_ID, SAMPLES_SHA256, VIEW
@@ -24,7 +25,7 @@ def check_structure(root: str, manifest: dict[str, Any], report: Report) -> list
     num_samples = int(manifest["num_samples"])
     inputs_stop = max((entry["stop_id"] for entry in manifest["inputs"]), default=0)
     if inputs_stop != num_samples:
-        report.problems.append(f"{MANIFEST}: inputs cover ids 0..{inputs_stop}, num_samples is {num_samples}")
+        report.problems.append(f"{MANIFEST}: inputs cover {span(0, inputs_stop)}, num_samples is {num_samples}")
     seen = np.zeros(num_samples, np.int64)
     where: list[tuple[str, np.ndarray]] = []
     column = []
@@ -47,7 +48,7 @@ def check_structure(root: str, manifest: dict[str, Any], report: Report) -> list
         if len(ids) != shard["num_samples"]:
             report.problems.append(f"{shard['file']}: {len(ids)} rows, the manifest says {shard['num_samples']}")
         if len(ids) and (ids.min() < shard["start"] or ids.max() >= shard["stop"] or np.any(np.diff(ids) <= 0)):
-            report.problems.append(f"{shard['file']}: sample ids not increasing within {shard['start']}..{shard['stop']}")
+            report.problems.append(f"{shard['file']}: sample ids not increasing within {span(shard['start'], shard['stop'])}")
             continue
         if int(mask.sum()) != shard.get("nonfinite", 0):
             report.problems.append(
@@ -62,6 +63,7 @@ def check_structure(root: str, manifest: dict[str, Any], report: Report) -> list
     for count, what in ((0, "missing (neither stored nor rejected)"), (2, "present more than once")):
         bad = np.flatnonzero(seen == 0) if count == 0 else np.flatnonzero(seen >= 2)
         if len(bad):
+            report.ids_wrong += len(bad)
             report.problems.append(f"ids {what}: {len(bad)}, first {bad[:5].tolist()}")
     _check_view(root, np.concatenate(column) if column else np.zeros(0, np.int64), report)
     return where

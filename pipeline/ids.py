@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from jacobeam.transforms.errors import span
 from jacobeam.transforms.inputs.readers import assign_ids, shape_record
 from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.output.storage import absolute, is_local
@@ -90,7 +91,7 @@ def place_files(
         end = max(end, old_stop)
         now = current.get(path)
         if now is None:
-            differences.append(f"input file {absolute(entry['path'])} (ids {entry['first_id']}..{old_stop} there) "
+            differences.append(f"input file {absolute(entry['path'])} ({span(entry['first_id'], old_stop)} there) "
                                "is not among this run's inputs")
             continue
         changed = [

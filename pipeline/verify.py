@@ -52,6 +52,7 @@ class Report:
     notes: list[str] = dataclasses.field(default_factory=list)
     shards_checked: int = 0
     ids_checked: int = 0
+    ids_wrong: int = 0  # of them, missing or present more than once (each kind a problem line)
     samples: list[int] = dataclasses.field(default_factory=list)  # ids recomputed
     # Per stored dataset: the largest error of the recomputed samples, the (smallest) bound, how many.
     checked: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -145,7 +146,11 @@ def record(folder: str | Path, report: Report, guard: Fence | None = None) -> di
 def format_report(report: Report) -> str:
     lines = [f"{report.folder}: {'verified' if report.ok else 'VERIFICATION FAILED'}"]
     lines.append(f"  shards      {report.shards_checked} checked against the manifest's checksums")
-    lines.append(f"  ids         {report.ids_checked:,} checked: each stored or rejected exactly once")
+    if report.ids_wrong:
+        lines.append(f"  ids         {report.ids_checked:,} checked: {report.ids_wrong:,} not stored or rejected exactly "
+                     "once (the problems below)")
+    else:
+        lines.append(f"  ids         {report.ids_checked:,} checked: each stored or rejected exactly once")
     if report.samples:
         lines.append(f"  recomputed  {len(report.samples)} sample(s): {report.method}")
         for name, seen in report.checked.items():

@@ -127,7 +127,7 @@ def test_old_files_keep_their_ids_and_new_files_go_after_them():
     changed = [_source("/d/b", 4), _source("/d/a", 2)]
     _, _, differences = ids.place_files(changed, previous)
     assert differences == [
-        "input file /d/c (ids 5..9 there) is not among this run's inputs",
+        "input file /d/c (ids 5 to 8 there) is not among this run's inputs",
         "input file /d/b changed: samples 5 there, 4 now",
     ]
 

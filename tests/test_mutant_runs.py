@@ -59,7 +59,7 @@ def test_the_quickstart_scaled_stops_the_run_in_one_line_naming_shard_sample_and
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jacobeam: error:")]
     assert len(lines) == 1
     chosen = int(self_check.chosen_ids(ShardRange(0, 120), CHECKED)[0])
-    assert re.match(rf"jacobeam: error: self-check failed: shards/shard-000000000000-000000000120.h5 \(ids 0..119\), "
+    assert re.match(rf"jacobeam: error: self-check failed: shards/shard-000000000000-000000000120.h5 \(ids 0 to 119\), "
                     rf"sample {chosen} \(input \S+/bars.npz row {chosen}\): jacobian differs from the reference .* by max "
                     r"relative error 0.5, bound 0.0001 ", lines[0]), lines[0]
     assert not (tmp_path / "out" / "manifest.json").exists()

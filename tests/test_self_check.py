@@ -187,7 +187,7 @@ def test_a_corrupted_result_fails_the_run_in_one_line_naming_shard_and_sample(cl
     chosen = int(self_check.chosen_ids(ShardRange(16, 32), 4)[0])
     file, row = ("b.npy", chosen - 7) if chosen < 20 else ("c.npy", chosen - 20)
     assert re.match(
-        rf"jacobeam: error: self-check failed: shards/{SHARDS[1]} \(ids 16..31\), sample {chosen} "
+        rf"jacobeam: error: self-check failed: shards/{SHARDS[1]} \(ids 16 to 31\), sample {chosen} "
         rf"\(input \S+/{file} row {row}\): jacobian differs from the reference \(tf.GradientTape gradient of one "
         r"sample, one output row per copy, float64 copy of the model\) by max relative error 0.5, bound 0.0001 "
         r"\(tolerance 0.0001, or 4x the error of an independent per-sample computation\); "

@@ -131,3 +131,16 @@ def test_without_a_float64_copy_the_truth_is_the_compute_dtype_reference_and_the
     assert wrong["verdict"] == "mismatch" and wrong["max_rel_error"] == pytest.approx(0.01, rel=0.05)
     line = self_check_report.precision_line({"precision": self_check.precision([record])}, "float32")
     assert line.startswith("jacobian: float32 error against the float32 per-sample reference (no float64 copy:")
+
+
+def test_the_precision_line_says_identical_where_there_is_no_error():
+    """A float64 run stores what the float64 copy computes, once both are rounded to the stored dtype: the
+    line says so rather than "median 0, max 0"."""
+    exact = {"median": 0.0, "max": 0.0}
+    summary = {"precision": {"against": self_check_report.TRUTH_FLOAT64, "samples": 3, "datasets": {
+        "jacobian": {"error": exact, "noise": exact, "passed_max": 0.0},
+        "output": {"error": exact, "noise": exact, "passed_max": 0.0},
+    }}}
+    line = self_check_report.precision_line(summary, "float64")
+    assert line == (f"jacobian: float64 values identical, as stored, to those of a "
+                    f"{self_check_report.TRUTH_FLOAT64} on 3 checked sample(s)")

@@ -401,3 +401,14 @@ def test_native_error_lines_reach_the_user_and_only_known_noise_is_dropped(line,
     from jacobeam.pipeline.quiet import is_noise
 
     assert is_noise(line) is noise
+
+
+def test_version_names_the_installed_package(capsys):
+    from importlib import metadata
+
+    from jacobeam.pipeline import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"jacobeam {metadata.version('jacobeam')}\n"

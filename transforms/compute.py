@@ -30,7 +30,7 @@ from apache_beam.utils import shared
 from jacobeam.transforms import aggregates
 from jacobeam.transforms.elements import JacobianBatch, SampleBatch, stack_samples, take
 from jacobeam.transforms.engine.threads import configure_tf_threads
-from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.errors import ModelError, span
 from jacobeam.transforms.metrics import ComputeMetrics
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.self_check import SelfChecker, chosen_ids
@@ -185,7 +185,7 @@ class ComputeJacobiansFn(beam.DoFn):
             try:
                 datasets, full = engine.compute(part.inputs, part.labels)
             except ModelError as err:
-                raise ModelError(f"samples {_span(part.ids)}: {err}") from err
+                raise ModelError(f"{_samples(part.ids)}: {err}") from err
             seconds = time.perf_counter() - tick
             described = engine.describe()
             self._metrics.batch_done(len(part), seconds, described)
@@ -225,8 +225,12 @@ class ComputeJacobiansFn(beam.DoFn):
         return checks
 
 
-def _span(ids) -> str:
-    return f"{ids[0]}..{ids[-1]}" if len(ids) else "(none)"
+def _samples(ids) -> str:
+    """A batch's sample ids in words: ``samples 8 to 15`` (``errors.span``), or listed where not consecutive."""
+    ids = [int(i) for i in ids]
+    if not ids or ids == list(range(ids[0], ids[-1] + 1)):
+        return span(ids[0] if ids else 0, ids[-1] + 1 if ids else 0, "sample")
+    return "samples " + ", ".join(map(str, ids[:5])) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
 
 
 @beam.typehints.with_input_types(list[Any])

@@ -54,3 +54,13 @@ class SelfCheckError(JacobeamError, RuntimeError):
 class LostLeaseError(OutputError):
     """This run no longer holds its output folder's lease (it was paused past the stale time and another
     run took the folder over): it commits nothing more (the command's exit status 76)."""
+
+
+def span(start: int, stop: int, noun: str = "id") -> str:
+    """The ids (or rows, records) ``start`` up to ``stop``, ``stop`` excluded, in words, as every message
+    writes them: ``ids 8 to 15``, ``id 8`` for one, ``no ids`` for none (never ``8..9`` or ``11..11``)."""
+    if stop <= start:
+        return f"no {noun}s"
+    if stop - start == 1:
+        return f"{noun} {start}"
+    return f"{noun}s {start} to {stop - 1}"

@@ -29,7 +29,7 @@ from apache_beam.typehints.decorators import no_annotations
 
 from jacobeam.transforms import model_identity, self_check
 from jacobeam.transforms.aggregates import PARTIALS, combine_shards, write_aggregates
-from jacobeam.transforms.errors import InputError, OutputError
+from jacobeam.transforms.errors import InputError, OutputError, span
 from jacobeam.transforms.inputs.readers import shape_record
 from jacobeam.transforms.output import fence, storage
 from jacobeam.transforms.output.layout import (
@@ -62,7 +62,7 @@ def check_coverage(
     runs = sorted((r for r in rejected if r.start is not None), key=lambda r: r.start)
     for before, after in zip(runs, runs[1:]):
         if after.start < before.stop:
-            raise OutputError(f"rejected samples overlap at ids {after.start}..{before.stop}")
+            raise OutputError(f"rejected samples overlap at {span(after.start, before.stop)}")
     starts = [record.start for record in ordered]
     inside = [0] * len(ordered)  # rejected ids within each shard's range
     spans = [(record.start, record.stop) for record in ordered]
@@ -75,10 +75,11 @@ def check_coverage(
     expected = 0
     for start, stop in sorted(spans):
         if start != expected:
-            raise OutputError(f"shards and rejected samples leave ids {expected}..{start} uncovered or overlap there")
+            where = f"leave {span(expected, start)} uncovered" if start > expected else f"overlap at {span(start, expected)}"
+            raise OutputError(f"shards and rejected samples {where}")
         expected = stop
     if expected != num_samples:
-        raise OutputError(f"shards and rejected samples cover ids 0..{expected}, expected 0..{num_samples}")
+        raise OutputError(f"shards and rejected samples cover {span(0, expected)}, expected {span(0, num_samples)}")
     for record, rejected_inside in zip(ordered, inside):
         if record.num_samples + rejected_inside != record.stop - record.start:
             raise OutputError(

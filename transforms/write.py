@@ -24,7 +24,7 @@ from typing import Any
 
 from jacobeam.transforms import aggregates, model_identity, self_check
 from jacobeam.transforms.elements import JacobianBatch
-from jacobeam.transforms.errors import OutputError, SelfCheckError
+from jacobeam.transforms.errors import OutputError, SelfCheckError, span
 from jacobeam.transforms.inputs.readers import shape_record
 from jacobeam.transforms.metrics import ShardMetrics, shard_rows
 from jacobeam.transforms.output import fence
@@ -228,7 +228,7 @@ class ShardOutput:
         shard, where = self._shard, check.get("input")
         row = f" (input {where['file']} row {where['row']})" if where else ""
         return (
-            f"self-check failed: {shard_file(shard.start, shard.stop)} (ids {shard.start}..{shard.stop - 1}), sample "
+            f"self-check failed: {shard_file(shard.start, shard.stop)} ({span(shard.start, shard.stop)}), sample "
             f"{check['id']}{row}: {self_check.mismatch_text(check)}"
         )
 

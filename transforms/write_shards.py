@@ -21,7 +21,7 @@ from apache_beam.typehints.decorators import no_annotations
 
 from jacobeam.transforms import aggregates
 from jacobeam.transforms.elements import JacobianBatch
-from jacobeam.transforms.errors import OutputError
+from jacobeam.transforms.errors import OutputError, span
 from jacobeam.transforms.finalize import Finalize
 from jacobeam.transforms.inputs.readers import shape_from_record, shape_record
 from jacobeam.transforms.inputs.types import SourceFile
@@ -117,7 +117,7 @@ def _join_shard(element: tuple[int, Sequence[JacobianBatch]]) -> JacobianBatch:
     if len(ids) != stop - start or (len(ids) > 1 and (np.diff(ids) != 1).any()):
         repeated = ids[1:][np.diff(ids) == 0]
         problem = f"id {int(repeated[0])} twice" if len(repeated) else "a gap in the ids"
-        raise OutputError(f"WriteShards: shard of ids {start}..{stop - 1} holds {problem}; ids must be 0..n-1, each once")
+        raise OutputError(f"WriteShards: the shard of {span(start, stop)} holds {problem}; ids must be 0 to n-1, each once")
     datasets = {name: values[order] for name, values in joined.datasets.items()}
     return dataclasses.replace(joined, ids=ids, datasets=datasets, shard=ShardRange(start, stop))
 

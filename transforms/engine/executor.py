@@ -18,6 +18,7 @@ import tensorflow as tf
 from jacobeam.transforms.engine.blocks import BlockCache, Path
 from jacobeam.transforms.engine.budget import Sizes
 from jacobeam.transforms.engine.operands import Operands
+from jacobeam.transforms.errors import span
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +91,10 @@ def join(pieces: list[tuple[int, int, Piece]], n: int) -> Piece:
     expected = 0
     for lo, hi, _ in pieces:
         if lo != expected:
-            raise RuntimeError(f"engine bug: samples {expected}..{lo} were never computed")
+            raise RuntimeError(f"engine bug: {span(expected, lo, 'sample')} never computed")
         expected = hi
     if expected != n:
-        raise RuntimeError(f"engine bug: samples {expected}..{n} were never computed")
+        raise RuntimeError(f"engine bug: {span(expected, n, 'sample')} never computed")
     if len(pieces) == 1:
         return pieces[0][2]
     return {key: np.concatenate([piece[key] for _, _, piece in pieces]) for key in pieces[0][2]}

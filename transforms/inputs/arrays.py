@@ -20,7 +20,7 @@ from typing import IO, Protocol
 
 import numpy as np
 
-from jacobeam.transforms.errors import CorruptInputError, InputError
+from jacobeam.transforms.errors import CorruptInputError, InputError, span
 from jacobeam.transforms.inputs.types import ImageOptions, Key, Shape, SourceFile
 from jacobeam.transforms.output import storage
 
@@ -102,11 +102,11 @@ class _NpyRows:
             data = self._stream.read(count * self._row_bytes)
         except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:  # e.g. a corrupt .npz member
             raise CorruptInputError(
-                f"{self._name}: rows {start}..{stop} cannot be read: {err}", reason=f"corrupt: {err}"
+                f"{self._name}: {span(start, stop, 'row')} cannot be read: {err}", reason=f"corrupt: {err}"
             ) from err
         if len(data) != count * self._row_bytes:
             raise CorruptInputError(
-                f"{self._name}: truncated: rows {start}..{stop} are past the end of the data",
+                f"{self._name}: truncated: {span(start, stop, 'row')} past the end of the data",
                 reason="truncated: the row is past the end of the data",
             )
         return np.frombuffer(data, dtype=self.dtype).reshape((count, *self.shape[1:]))
@@ -130,7 +130,7 @@ class _H5Rows:
             return self._dataset[start:stop]
         except OSError as err:  # a damaged chunk (failed filter or checksum), a short file
             raise CorruptInputError(
-                f"{self._name}: rows {start}..{stop} cannot be read: {err}", reason=f"corrupt: {err}"
+                f"{self._name}: {span(start, stop, 'row')} cannot be read: {err}", reason=f"corrupt: {err}"
             ) from err
 
 

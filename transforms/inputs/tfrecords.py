@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from jacobeam.transforms.errors import CorruptInputError, InputError, first_line
+from jacobeam.transforms.errors import CorruptInputError, InputError, first_line, span
 from jacobeam.transforms.inputs.types import ImageOptions, Key, Samples, Shape, SourceFile
 from jacobeam.transforms.output import storage
 
@@ -93,7 +93,7 @@ class TFRecords:
         except StopIteration:
             self._stream = None
             raise CorruptInputError(
-                f"{self._path}: truncated: records {self._next}..{stop} are past the end of the file",
+                f"{self._path}: truncated: {span(self._next, stop, 'record')} past the end of the file",
                 reason="truncated: the record is past the end of the file",
             ) from None
         except tf.errors.OpError as err:  # a damaged record (DataLossError), a read error
