@@ -1,4 +1,5 @@
-"""The README's commands run as written, in order, on a fresh copy of the repository after the set-up.
+"""The README's commands run as written, in order, on a fresh copy of the repository after the set-up,
+and then the Python snippets of ``docs/beam-api.md`` (which use the files the README's quickstart writes).
 
 Every ```sh block is run with bash (``make test`` excepted: it is what runs this), every ```python
 block with the virtualenv's Python, in a copy of the tracked files whose ``.venv`` is this checkout's.
@@ -21,6 +22,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"^```(\w+)\n(.*?)^```$", README, re.M | re.S)
+BEAM_API = re.findall(r"^```python\n(.*?)^```$", (ROOT / "docs" / "beam-api.md").read_text(), re.M | re.S)
 
 
 def test_the_readme_has_the_blocks_this_test_runs():
@@ -74,3 +76,11 @@ def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
     assert (copy / "saliency.png").stat().st_size > 0
     with h5py.File(copy / "out" / "own" / "jacobians.h5") as f:
         assert f["jacobian"].shape == (1000, 10, 28, 28, 1)
+    assert len(BEAM_API) == 2
+    for body in BEAM_API:  # a pipeline of your own, then RunInference
+        done = subprocess.run([str(copy / ".venv" / "bin" / "python"), "-c", body], cwd=copy, capture_output=True,
+                              text=True, timeout=900)
+        assert done.returncode == 0, f"docs/beam-api.md block failed ({done.returncode}):\n{body}\n{done.stderr[-3000:]}"
+    with h5py.File(copy / "out" / "own_pipeline" / "jacobians.h5") as f, h5py.File(copy / "out" / "own" / "jacobians.h5") as own:
+        assert f["jacobian"].shape == (64, 10, 28, 28, 1) and np.isfinite(f["jacobian"][:]).all()
+        np.testing.assert_allclose(f["output"][:], own["output"][:64], rtol=1e-4, atol=1e-6)  # the same samples
