@@ -226,10 +226,11 @@ class ComputeJacobiansFn(beam.DoFn):
 
 
 def _samples(ids) -> str:
-    """A batch's sample ids in words: ``samples 8 to 15`` (``errors.span``), or listed where not consecutive."""
-    ids = [int(i) for i in ids]
-    if not ids or ids == list(range(ids[0], ids[-1] + 1)):
-        return span(ids[0] if ids else 0, ids[-1] + 1 if ids else 0, "sample")
+    """A batch's sample ids (or a pipeline's own keys) in words: ``samples 8 to 15`` (``errors.span``), or
+    listed where they are not consecutive integers."""
+    ids = list(ids)
+    if all(isinstance(i, (int, np.integer)) for i in ids) and ids == list(range(ids[0], ids[-1] + 1) if ids else []):
+        return span(int(ids[0]), int(ids[-1]) + 1, "sample") if ids else "no samples"
     return "samples " + ", ".join(map(str, ids[:5])) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
 
 
