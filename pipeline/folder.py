@@ -29,7 +29,7 @@ from jacobeam.transforms.output.layout import (
     is_shard_temp,
     shard_ids,
 )
-from jacobeam.transforms.output.shards import read_attrs
+from jacobeam.transforms.output.shards import attr_text, read_attrs
 from jacobeam.transforms.spec import JobSpec, ShardRange, shard_inputs
 
 log = logging.getLogger(__name__)
@@ -145,10 +145,6 @@ def read_folder(output_dir: str) -> Folder:
     return folder
 
 
-def _attr_str(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _absolute_paths(inputs: list[list[Any]], as_now: Callable[[str], str] = storage.absolute) -> list[list[Any]]:
     """A shard's ``inputs`` attribute with local paths as this run names the files (``as_now``;
     absolute: older shards list them relative)."""
@@ -173,15 +169,15 @@ def recorded_run_key(folder: Folder, identity: dict[str, Any]) -> str | None:
         recorded = [(folder.manifest.get("run_identity") or run_identity(folder.manifest["config"]),
                      folder.manifest["run_key"])]
     else:
-        recorded = [(json.loads(_attr_str(attrs["run_identity"])), _attr_str(attrs["run_key"]))
+        recorded = [(json.loads(attr_text(attrs["run_identity"])), attr_text(attrs["run_key"]))
                     for _, attrs in sorted(folder.shards.items()) if "run_identity" in attrs][:1]
     return next((key for theirs, key in recorded if not identity_differences(theirs, identity)), None)
 
 
 def stored_fingerprint(folder: Folder) -> str | None:
     """The loaded weights' fingerprint the folder's shards recorded (the first, by name), or None."""
-    return next((_attr_str(attrs["model_fingerprint"]) for _, attrs in sorted(folder.shards.items())
-                 if _attr_str(attrs.get("model_fingerprint", ""))), None)
+    return next((attr_text(attrs["model_fingerprint"]) for _, attrs in sorted(folder.shards.items())
+                 if attr_text(attrs.get("model_fingerprint", ""))), None)
 
 
 def folder_differences(
@@ -230,17 +226,17 @@ def folder_differences(
                                 "samples_per_shard)", []).append(where)
             continue
         if "run_identity" in attrs:
-            found = identity_differences(json.loads(_attr_str(attrs["run_identity"])), spec.identity)
+            found = identity_differences(json.loads(attr_text(attrs["run_identity"])), spec.identity)
         else:
-            theirs = _attr_str(attrs["run_key"])
+            theirs = attr_text(attrs["run_key"])
             found = [] if theirs == spec.run_key else [f"run key {theirs}, this run {spec.run_key}"]
         found = [f"written by a different run: {d}" for d in found]
-        found += model_differences(model_identity.from_attrs(attrs), _attr_str(attrs.get("model_fingerprint", "")))
+        found += model_differences(model_identity.from_attrs(attrs), attr_text(attrs.get("model_fingerprint", "")))
         if folder.manifest is None:
             found += version_differences(model_identity.versions_from_attrs(attrs))
         # Path, key, first id and samples of each file (not the data sha256 that shards written before
         # planning read headers only list: a changed file is told by its stamp, stale_shards).
-        if "inputs" in attrs and [entry[:4] for entry in _absolute_paths(json.loads(_attr_str(attrs["inputs"])), as_now)] != [
+        if "inputs" in attrs and [entry[:4] for entry in _absolute_paths(json.loads(attr_text(attrs["inputs"])), as_now)] != [
             entry[:4] for entry in shard_inputs(spec.files, shard.start, shard.stop)
         ]:
             found.append("computed from other input data (its ids now mean other samples)")
@@ -283,13 +279,13 @@ def stale_names(folder: Folder, now: dict[str, str | None], as_now: Callable[[st
     stale = []
     for name, attrs in folder.shards.items():
         if INPUT_STAMPS in attrs:
-            stamps = {as_now(path): stamp for path, stamp in json.loads(_attr_str(attrs[INPUT_STAMPS])).items()}
+            stamps = {as_now(path): stamp for path, stamp in json.loads(attr_text(attrs[INPUT_STAMPS])).items()}
         else:
-            paths = [as_now(entry[0]) for entry in json.loads(_attr_str(attrs.get("inputs", "[]")))]
+            paths = [as_now(entry[0]) for entry in json.loads(attr_text(attrs.get("inputs", "[]")))]
             stamps = {path: listed.get(path) for path in paths}
         if current(stamps):
             continue
-        digest = _attr_str(attrs[SAMPLES_SHA256]) if SAMPLES_SHA256 in attrs else None
+        digest = attr_text(attrs[SAMPLES_SHA256]) if SAMPLES_SHA256 in attrs else None
         if digest is not None and vouched.get(name) == digest and current({path: listed.get(path) for path in stamps}):
             continue
         stale.append(name)

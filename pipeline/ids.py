@@ -13,6 +13,7 @@ copied or moved together with its inputs, is the same file).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -34,15 +35,19 @@ def path_mapper(previous: dict[str, Any] | None, files: list[SourceFile], output
     file at the same place relative to the output folder as the recorded one is that file. A path that
     is none of this run's files is returned absolute, as it is."""
     current = {f.path for f in files}
-    real = {os.path.realpath(path): path for path in current if is_local(path)}
     old_root = _recorded_root(previous)
     new_root = os.path.realpath(output_dir) if output_dir and is_local(output_dir) else None
+
+    @functools.cache
+    def real_paths() -> dict[str, str]:  # resolved only once a recorded path is not one of this run's as it is
+        return {os.path.realpath(path): path for path in current if is_local(path)}
 
     def as_now(path: str) -> str:
         path = absolute(path)
         if path in current or not is_local(path):
             return path
         resolved = os.path.realpath(path)
+        real = real_paths()
         if resolved in real:
             return real[resolved]
         if old_root is not None and new_root is not None:

@@ -36,7 +36,7 @@ from jacobeam.transforms.inputs.checks import Labels, RangeFindings, checked_sli
 from jacobeam.transforms.metrics import ShardMetrics
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import ENGINE_PLAN, INPUT_STAMPS, LABELS_SHA256, SAMPLES_SHA256, shard_name
-from jacobeam.transforms.output.shards import ShardRecord, proven_checksum, read_rejected, shard_path
+from jacobeam.transforms.output.shards import ShardRecord, attr_text, proven_checksum, read_rejected, shard_path
 from jacobeam.transforms.read import range_findings, shard_batches
 from jacobeam.transforms.spec import JobSpec, ShardRange, input_stamps
 from jacobeam.transforms.write import ShardOutput, kept_record
@@ -121,7 +121,7 @@ def _reads_as_before(spec: JobSpec, shard: ShardRange, path: str) -> bool:
             attrs, rejected = dict(h5.attrs), read_rejected(h5)
     except (OSError, ValueError):
         return False
-    if INPUT_STAMPS in attrs and json.loads(_text(attrs[INPUT_STAMPS])) == input_stamps(spec.files, shard.start, shard.stop):
+    if INPUT_STAMPS in attrs and json.loads(attr_text(attrs[INPUT_STAMPS])) == input_stamps(spec.files, shard.start, shard.stop):
         return True
     labels = spec.engine.outputs.rule == "label" and spec.label_key is not None
     if SAMPLES_SHA256 not in attrs or (labels and (LABELS_SHA256 not in attrs or "output_shape" not in attrs)):
@@ -133,14 +133,10 @@ def _reads_as_before(spec: JobSpec, shard: ShardRange, path: str) -> bool:
                             spec.label_key if labels else None):
         pass
     return (
-        findings.samples_sha256 == _text(attrs[SAMPLES_SHA256])
-        and (not labels or findings.labels_sha256 == _text(attrs[LABELS_SHA256]))
+        findings.samples_sha256 == attr_text(attrs[SAMPLES_SHA256])
+        and (not labels or findings.labels_sha256 == attr_text(attrs[LABELS_SHA256]))
         and [(r.start, r.stop, r.reason) for r in findings.rejected] == [(r.start, r.stop, r.reason) for r in rejected]
     )
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _as_now(spec: JobSpec, record: ShardRecord) -> ShardRecord:

@@ -153,9 +153,10 @@ def existing_record(
         if checked is None
         else json.loads(checked.decode() if isinstance(checked, bytes) else str(checked)),
         rejected=rejected,
-        samples_sha256=_text(attrs[SAMPLES_SHA256]) if SAMPLES_SHA256 in attrs else None,
+        samples_sha256=attr_text(attrs[SAMPLES_SHA256]) if SAMPLES_SHA256 in attrs else None,
     )
 
 
-def _text(value: Any) -> str:
+def attr_text(value: Any) -> str:
+    """An HDF5 string attribute as ``str`` (h5py gives ``bytes`` for some)."""
     return value.decode() if isinstance(value, bytes) else str(value)
