@@ -26,6 +26,9 @@ the ratio measured, the goal and whether it is met.
    TensorFlow and each worker process imports its own).
 5. **self-check** (W1, 20,480 samples): the checks' own time inside a run (the manifest's
    ``self_check.seconds``) as a share of the run's wall time.
+6. **small files** (100,000 samples, ``.npy`` and PNG): ``runner.run`` from one file per sample against
+   the same samples in one ``.npy`` (``benchmarks.small_files``: W2 ``cnn``, ``outputs: argmax``),
+   samples/s end to end, planning included.
 """
 
 from __future__ import annotations
@@ -145,6 +148,17 @@ def peers(workload: str, samples: int, repeats: int) -> list[Result]:
     return [Result("2 engine vs best peer", workload, 1 / best["ratio"], 1.0, True, "x", detail)]
 
 
+def small_files(fmt: str, samples: int) -> list[Result]:
+    from benchmarks import small_files as measured
+
+    found = measured.measure(fmt, samples, repeats=2)  # each side first once
+    detail = (
+        f"{samples:,} one-sample .{fmt} files {found['files']:,.0f}/s against one .npy {found['one']:,.0f}/s "
+        f"(W2 argmax; runs alone {found['files_run'] / found['one_run']:.2f}x; planning the files {found['planning']:.1f} s)"
+    )
+    return [Result("6 small files", fmt, found["files"] / found["one"], 0.8, True, "x", detail)]
+
+
 def setup(workload: str, repeats: int) -> list[Result]:
     """Engine construction plus the first call's excess over a steady batch, in steady batches."""
     from benchmarks.workloads import WORKLOADS
@@ -242,14 +256,15 @@ class Sizes:
     peer_samples: int
     process_samples: int
     self_check_samples: int
+    small_files_samples: int
 
     @classmethod
     def full(cls) -> Sizes:
-        return cls(3, 20_480, 1_024, 48, 2_048, 20_000, 20_480)
+        return cls(3, 20_480, 1_024, 48, 2_048, 20_000, 20_480, 100_000)
 
     @classmethod
     def quick(cls) -> Sizes:
-        return cls(2, 8_192, 512, 24, 1_024, 20_000, 8_192)
+        return cls(2, 8_192, 512, 24, 1_024, 20_000, 8_192, 10_000)
 
 
 def tasks(sizes: Sizes, only: set[str]) -> list[str]:
@@ -260,6 +275,7 @@ def tasks(sizes: Sizes, only: set[str]) -> list[str]:
         "first_shard": ["first_shard:cnn"],
         "processes": ["processes:mlp"],
         "self_check": ["self_check:mlp"],
+        "small_files": ["small_files:npy", "small_files:png"],
     }
     return [task for kind, found in kinds.items() for task in found if kind in only or task in only]
 
@@ -285,6 +301,8 @@ def run_task(task: str, sizes: Sizes) -> list[Result]:
         return processes(sizes.process_samples, sizes.repeats)
     if kind == "self_check":
         return self_check(sizes.self_check_samples, sizes.repeats)
+    if kind == "small_files":
+        return small_files(workload, sizes.small_files_samples)
     raise ValueError(f"unknown task {task!r}")
 
 
@@ -316,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (about half the time)")
     parser.add_argument(
         "--only",
-        default="end_to_end,peers,setup,first_shard,processes,self_check",
+        default="end_to_end,peers,setup,first_shard,processes,self_check,small_files",
         help="kinds to run, or single tasks (KIND:WORKLOAD)",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")

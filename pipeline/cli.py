@@ -37,18 +37,19 @@ log = logging.getLogger("jacobeam")
 # Exit statuses (the epilog of ``jacobeam --help`` lists them). USAGE is kept for what the command line
 # or config must change, so that a script can tell it from a run that failed (FAILED).
 OK, FAILED, USAGE, MISSING_EXTRA, BUSY, LOST, INTERRUPTED = 0, 1, 2, 3, 75, 76, 130
-EXIT_STATUSES = """exit status:
+EXIT_STATUSES = """exit status (retry: whether the same command, run again unchanged, can succeed):
   0    done
   1    failed: an error during the run (inputs, model, output folder, self-check), or inspect: the folder
-       is incomplete, or verify (or run --verify): a mismatch, or a folder that cannot be read
+       is incomplete, or verify (or run --verify): a mismatch, or a folder that cannot be read.
+       Retry: no; fix what the message names first (complete shards are kept for that rerun)
   2    usage: a command line or config to fix (an unknown option or config key, a malformed --set,
-       a config file that cannot be read)
+       a config file that cannot be read). Retry: no
   3    an optional package is missing (inspect --plot needs matplotlib, a gs:// output folder
-       google-cloud-storage)
-  75   busy: another run holds the output folder (retry later, or --wait)
+       google-cloud-storage). Retry: no; install it
+  75   busy: another run holds the output folder. Retry: yes, later (or --wait)
   76   lost: this run was paused past the lease's stale time and another run took the output folder
-       over; this run committed nothing after that
-  130  interrupted (Ctrl-C): complete shards are kept, the same command finishes the run
+       over; this run committed nothing after that. Retry: yes, a rerun resumes the folder
+  130  interrupted (Ctrl-C): complete shards are kept. Retry: yes, the same command finishes the run
 """
 
 _ctrl_c = CtrlC(INTERRUPTED)
@@ -96,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--wait", action="store_true",
                      help="when another run is writing output.path, wait for it to end instead of exiting with status 75")
     run.add_argument("--verify", type=_count, default=0, metavar="K",
-                     help="verify the output at the end, recomputing K random samples; the result goes into the manifest")
+                     help="verify the output at the end, recomputing K random samples and re-hashing their shards' input "
+                     "samples (verify --inputs sampled); the result goes into the manifest")
 
     demo = commands.add_parser("demo", help="generate seeded inputs and run the built-in CNN end to end",
                                parents=[beam])
@@ -121,6 +123,10 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--samples", type=_count, default=8, metavar="K",
                         help="random samples to recompute (default 8; 0: checksums and ids only)")
     verify.add_argument("--seed", type=int, default=0, help="seed for choosing the samples (default 0)")
+    verify.add_argument("--inputs", choices=("sampled", "all", "none"), default="sampled",
+                        help="whose samples to read again from the input files and compare with the digest their worker "
+                        "recorded: the shards holding the recomputed samples (default; none with --samples 0), every "
+                        "shard (a full pass over the inputs), or none")
     verify.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 
@@ -163,7 +169,7 @@ def _demo(args, beam_args: list[str]) -> int:
 def _verify(args) -> int:
     from jacobeam.pipeline.verify import format_report, verify
 
-    report = verify(args.folder, samples=args.samples, seed=args.seed)
+    report = verify(args.folder, samples=args.samples, seed=args.seed, inputs=args.inputs)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return OK if report.ok else FAILED
 

@@ -13,11 +13,34 @@ import numpy as np
 
 from jacobeam.transforms.errors import span
 from jacobeam.transforms.finalize import missing_sources
-from jacobeam.transforms.output import storage
+from jacobeam.transforms.output import inputs_table, storage
 from jacobeam.transforms.output.layout import MANIFEST, NONFINITE, REJECTED_FILE, SAMPLE_ID, SAMPLES_SHA256, VIEW
 
 if TYPE_CHECKING:
     from jacobeam.pipeline.verify import Report
+
+
+def with_checked_inputs(root: str, manifest: dict[str, Any], report: Report) -> dict[str, Any] | None:
+    """The manifest with its input files' rows (``inputs_table.with_inputs``), after checking the table it
+    points at (``input_files``: there, with the manifest's sha256 and row count; a manifest written before
+    lists the files itself). None when the table cannot be read."""
+    pointer = manifest.get("input_files")
+    if pointer is None or "inputs" in manifest:
+        return manifest
+    path = storage.join(root, pointer["file"])
+    if not storage.exists(path):
+        report.problems.append(f"{pointer['file']}: missing (the manifest lists the input files there)")
+        return None
+    if storage.sha256(path) != pointer["sha256"]:
+        report.problems.append(f"{pointer['file']}: sha256 differs from the manifest's (the file was changed)")
+    try:
+        rows = inputs_table.read_table(path)
+    except (OSError, ValueError, KeyError) as err:
+        report.problems.append(f"{pointer['file']}: cannot be read ({err})")
+        return None
+    if len(rows) != pointer["count"]:
+        report.problems.append(f"{pointer['file']}: {len(rows)} input files, the manifest says {pointer['count']}")
+    return {**manifest, "inputs": rows}
 
 
 def check_structure(root: str, manifest: dict[str, Any], report: Report) -> list[tuple[str, np.ndarray]]:
@@ -59,8 +82,10 @@ def check_structure(root: str, manifest: dict[str, Any], report: Report) -> list
         where.append((shard["file"], ids))
     rejected_ids = _rejected_ids(root, manifest, report)
     np.add.at(seen, rejected_ids[(rejected_ids >= 0) & (rejected_ids < num_samples)], 1)
+    for start, stop in (manifest.get("removed") or {}).get("ids", []):  # of input files gone: neither row nor rejected
+        seen[max(0, start):min(stop, num_samples)] += 1
     report.ids_checked = num_samples
-    for count, what in ((0, "missing (neither stored nor rejected)"), (2, "present more than once")):
+    for count, what in ((0, "missing (neither stored, rejected nor removed)"), (2, "present more than once")):
         bad = np.flatnonzero(seen == 0) if count == 0 else np.flatnonzero(seen >= 2)
         if len(bad):
             report.ids_wrong += len(bad)
@@ -101,17 +126,22 @@ def _check_view(root: str, column: np.ndarray, report: Report) -> None:
             report.problems.append(f"{VIEW}: its sample_id column differs from the shards'")
 
 
-def check_inputs(manifest: dict[str, Any], report: Report) -> bool:
+def check_inputs(manifest: dict[str, Any], report: Report, ids: np.ndarray | None = None) -> bool:
+    """The input files still hold the samples the manifest lists: every file, or (``ids``) those holding
+    these sample ids, the files verify reads."""
     from jacobeam.transforms.errors import InputError
     from jacobeam.transforms.inputs.readers import describe, manifest_sources
 
     fine = True
     rows: dict[str, int] = {}  # each file's rows, over its pieces (a file that grew: ``SourceFile.first_row``)
     sources = {}
-    for source in manifest_sources(manifest):
+    listed = manifest_sources(manifest)
+    wanted = None if ids is None else {source.path for source in _Pieces(listed).holding(ids)}
+    for source in listed:
         if not source.unreadable:
             rows[source.path] = max(rows.get(source.path, 0), source.first_row + source.num_samples)
-            sources.setdefault(source.path, source)
+            if wanted is None or source.path in wanted:
+                sources.setdefault(source.path, source)
     for path, source in sources.items():
         try:
             found = describe(source.path, source.key, source.sample_shape, source.image).num_samples
@@ -125,22 +155,47 @@ def check_inputs(manifest: dict[str, Any], report: Report) -> bool:
     return fine
 
 
+class _Pieces:
+    """The manifest's input pieces in id order, found by id without a pass over all of them per id (a
+    million one-sample files)."""
+
+    def __init__(self, sources: list):
+        self.sources = sorted(sources, key=lambda source: (source.first_id, source.stop_id))
+        self._stops = np.array([source.stop_id for source in self.sources], np.int64)
+
+    def overlapping(self, start: int, stop: int) -> list:
+        """The pieces holding ids in ``[start, stop)``."""
+        index = int(np.searchsorted(self._stops, start, side="right"))
+        found = []
+        while index < len(self.sources) and self.sources[index].first_id < stop:
+            found.append(self.sources[index])
+            index += 1
+        return found
+
+    def holding(self, ids: np.ndarray) -> list:
+        """The pieces holding any of ``ids``."""
+        indices = np.unique(np.searchsorted(self._stops, np.asarray(ids, np.int64), side="right"))
+        return [self.sources[i] for i in indices[indices < len(self.sources)]]
+
+
 def _intervals(ids: np.ndarray) -> list[tuple[int, int]]:
     """Increasing ids as ``[start, stop)`` runs of consecutive ones."""
     breaks = np.flatnonzero(np.diff(ids) != 1) + 1
     return [(int(run[0]), int(run[-1]) + 1) for run in np.split(ids, breaks) if len(run)]
 
 
-def check_digests(root: str, manifest: dict[str, Any], where: list[tuple[str, np.ndarray]], report: Report) -> None:
-    """Each shard's samples read again from the input files and hashed (``checks.RowDigest``, as its
-    worker did while reading them): the digest its ``samples_sha256`` attribute holds, or a problem
-    (the inputs changed since, or the shard holds other samples). Shards written before they stored a
-    digest are not checked; input files that cannot be read any more leave a note."""
+def check_digests(root: str, manifest: dict[str, Any], where: list[tuple[str, np.ndarray]], report: Report) -> list[str]:
+    """The samples of the shards ``where`` lists read again from the input files and hashed
+    (``checks.RowDigest``, as each shard's worker did while reading them): the digest its
+    ``samples_sha256`` attribute holds, or a problem (the inputs changed since, or the shard holds other
+    samples). Shards written before they stored a digest are not checked; input files that cannot be
+    read any more leave a note. Returns the shards whose digests were compared."""
     from jacobeam.transforms.errors import JacobeamError
     from jacobeam.transforms.inputs.checks import RowDigest
     from jacobeam.transforms.inputs.readers import iter_slices, manifest_sources
 
-    sources = manifest_sources(manifest)
+    pieces = _Pieces(manifest_sources(manifest)) if where else None
+    compared = []
     for file, ids in where:
         with storage.open_h5(storage.join(root, file)) as h5:
             stored = h5.attrs.get(SAMPLES_SHA256)
@@ -149,11 +204,13 @@ def check_digests(root: str, manifest: dict[str, Any], where: list[tuple[str, np
         digest = RowDigest()
         try:
             for lo, hi in _intervals(ids):
-                for _, samples, _ in iter_slices(sources, lo, hi, 4096):
+                for _, samples, _ in iter_slices(pieces.overlapping(lo, hi), lo, hi, 4096):
                     digest.update(samples)
         except (JacobeamError, OSError) as err:
             report.notes.append(f"input samples not compared with the shards' digests: {err}")
-            return
+            return compared
+        compared.append(file)
         if digest.hexdigest() != (stored.decode() if isinstance(stored, bytes) else str(stored)):
             report.problems.append(f"{file}: its samples, read again from the input files, differ from those its worker "
                                    f"read ({SAMPLES_SHA256}): the inputs changed since")
+    return compared

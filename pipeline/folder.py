@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -11,13 +12,15 @@ from typing import Any
 from jacobeam.pipeline.identity import identity_differences, run_identity
 from jacobeam.pipeline.ids import path_mapper
 from jacobeam.transforms import model_identity
+from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.model_differences import differences as model_changes
-from jacobeam.transforms.output import storage
+from jacobeam.transforms.output import inputs_table, storage
 from jacobeam.transforms.output.layout import (
     AGGREGATES,
     CHECKSUM_SUFFIXES,
     ENGINE_PLAN,
     INPUT_STAMPS,
+    INPUTS_TABLE,
     MANIFEST,
     REJECTED_FILE,
     SAMPLES_SHA256,
@@ -67,6 +70,21 @@ def _is_aggregates(path: str) -> bool:
         return "count" in h5 and set(h5) <= {"count", "mean", "mean_abs", "jtj"}
 
 
+def _is_inputs_table(path: str) -> bool:
+    with storage.open_h5(path) as h5:
+        return {"count", "keys"} <= set(h5.attrs) and set(h5) <= {inputs_table.COLUMNS}
+
+
+def _with_inputs(root: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest with its input files' rows (``inputs_table.with_inputs``); a table that cannot be read
+    is the folder's problem, named, not a reason to call the manifest another program's."""
+    try:
+        return inputs_table.with_inputs(root, manifest)
+    except (OSError, ValueError, KeyError) as err:
+        raise OutputError(f"output folder {root}: {MANIFEST} lists its input files in {INPUTS_TABLE}, which cannot be "
+                          f"read ({err}); use --overwrite to replace the folder's result") from err
+
+
 def _is_rejected_list(path: str) -> bool:
     for line in storage.read_text(path).splitlines():
         record = json.loads(line)
@@ -102,13 +120,16 @@ def read_folder(output_dir: str) -> Folder:
             if _is_engine_plan(path):
                 folder.owned.append(path)
             continue
-        if name not in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES) or not storage.is_file(path):
+        if name not in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES, INPUTS_TABLE) or not storage.is_file(path):
             continue
         try:
             if name == MANIFEST:
                 manifest = json.loads(storage.read_text(path))
-                ours = isinstance(manifest, dict) and {"jacobeam_version", "run_key", "inputs"} <= set(manifest)
-                folder.manifest = manifest if ours else None
+                ours = isinstance(manifest, dict) and {"jacobeam_version", "run_key"} <= set(manifest) and (
+                    "inputs" in manifest or "input_files" in manifest)
+                folder.manifest = _with_inputs(root, manifest) if ours else None
+            elif name == INPUTS_TABLE:
+                ours = _is_inputs_table(path)
             elif name == VIEW:
                 ours = _is_jacobeam_view(path)
             elif name == AGGREGATES:
@@ -218,6 +239,7 @@ def folder_differences(
             by_place.setdefault(difference, []).append(MANIFEST)
     expected = set(spec.ranges()) if folder.shards else set()  # planning costs in the folder's shards, not all ids
     as_now = path_mapper(folder.manifest, list(spec.files), spec.output_dir)
+    removed = _removed_pieces(spec)
     for name, attrs in folder.shards.items():
         where = f"{SHARDS_DIR}/{name}"
         shard = ShardRange(*shard_ids(name))
@@ -235,10 +257,12 @@ def folder_differences(
         if folder.manifest is None:
             found += version_differences(model_identity.versions_from_attrs(attrs))
         # Path, key, first id and samples of each file (not the data sha256 that shards written before
-        # planning read headers only list: a changed file is told by its stamp, stale_shards).
-        if "inputs" in attrs and [entry[:4] for entry in _absolute_paths(json.loads(attr_text(attrs["inputs"])), as_now)] != [
-            entry[:4] for entry in shard_inputs(spec.files, shard.start, shard.stop)
-        ]:
+        # planning read headers only list: a changed file is told by its stamp, stale_shards), but for
+        # files removed since (``holding_removed``: such a shard is written again without them).
+        if "inputs" in attrs and [
+            entry[:4] for entry in _absolute_paths(json.loads(attr_text(attrs["inputs"])), as_now)
+            if (entry[2], entry[3]) not in removed
+        ] != [entry[:4] for entry in shard_inputs(spec.files, shard.start, shard.stop)]:
             found.append("computed from other input data (its ids now mean other samples)")
         for difference in found:
             by_place.setdefault(difference, []).append(where)
@@ -248,6 +272,23 @@ def folder_differences(
         others = f" (so do {shards}{more} shards)" if shards else ""
         differences.append(f"{places[0]}: {difference}{others}")
     return differences
+
+
+def _removed_pieces(spec: JobSpec) -> set[tuple[int, int]]:
+    """The removed pieces (``JobSpec.removed``) by first id and samples: what a shard's ``inputs`` lists of
+    each piece besides its path (which a moved folder spells otherwise)."""
+    return {(f.first_id, f.num_samples) for f in spec.removed}
+
+
+def holding_removed(folder: Folder, spec: JobSpec) -> list[str]:
+    """The folder's shards (names) computed with samples of input files removed since (their ``inputs``
+    list a piece of ``JobSpec.removed``): each is written again without them (``transforms.trim``), as a
+    stale shard is, and replaces the old one once committed. A shard written again lists them no more."""
+    removed = _removed_pieces(spec)
+    if not removed:
+        return []
+    return sorted(name for name, attrs in folder.shards.items()
+                  if any((entry[2], entry[3]) in removed for entry in json.loads(attr_text(attrs.get("inputs", "[]")))))
 
 
 def stale_shards(folder: Folder, spec: JobSpec) -> list[str]:
@@ -270,7 +311,11 @@ def stale_names(folder: Folder, now: dict[str, str | None], as_now: Callable[[st
     stamps alone, and is stale when there is none to compare. A file absent from ``now`` (gone: what
     ``inspect`` cannot judge) makes no shard stale."""
     manifest = folder.manifest or {}
-    listed = {as_now(entry["path"]): entry.get("stamp") for entry in manifest.get("inputs", [])}
+
+    @functools.cache
+    def listed() -> dict[str, str | None]:  # the manifest's stamps: only where a shard's own are not current
+        return {as_now(entry["path"]): entry.get("stamp") for entry in manifest.get("inputs", [])}
+
     vouched = {storage.name_of(entry["file"]): entry.get("samples_sha256") for entry in manifest.get("shards", [])}
 
     def current(stamps: dict[str, str | None]) -> bool:
@@ -282,11 +327,11 @@ def stale_names(folder: Folder, now: dict[str, str | None], as_now: Callable[[st
             stamps = {as_now(path): stamp for path, stamp in json.loads(attr_text(attrs[INPUT_STAMPS])).items()}
         else:
             paths = [as_now(entry[0]) for entry in json.loads(attr_text(attrs.get("inputs", "[]")))]
-            stamps = {path: listed.get(path) for path in paths}
+            stamps = {path: listed().get(path) for path in paths}
         if current(stamps):
             continue
         digest = attr_text(attrs[SAMPLES_SHA256]) if SAMPLES_SHA256 in attrs else None
-        if digest is not None and vouched.get(name) == digest and current({path: listed.get(path) for path in stamps}):
+        if digest is not None and vouched.get(name) == digest and current({path: listed().get(path) for path in stamps}):
             continue
         stale.append(name)
     return sorted(stale)

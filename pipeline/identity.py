@@ -17,7 +17,7 @@ from typing import Any
 # and each shard record apart (``model_identity``), not by where the file is or how its path is spelled.
 MODEL_FILE = "(a model file: compared by its content)"
 # The identity's keys naming a file other than the model's: compared by path, ``spelled``.
-_PATH_KEYS = ("jacobian.vectors", "jacobian.basis.input", "jacobian.basis.output")
+_PATH_KEYS = ("jacobian.vectors", "jacobian.basis.input", "jacobian.basis.output", "jacobian.labels.table")
 
 
 def spelled(path: str) -> str:

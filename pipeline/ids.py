@@ -6,6 +6,7 @@ are new are sorted among themselves and placed after the old ones: ids never mov
 stay valid and only the new samples are computed (incremental runs). Each run that adds files adds an
 "id segment"; shard ranges tile each segment from its start in steps of ``samples_per_shard``. A file
 that grew by appended rows keeps its old ids, and its new rows are numbered as a new file's would be.
+A file gone keeps its ids too, marked removed: they stay taken, holding no sample.
 Files are matched with the manifest's by path, resolved (``path_mapper``: another spelling, or a folder
 copied or moved together with its inputs, is the same file).
 """
@@ -15,15 +16,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
-from jacobeam.transforms.errors import span
-from jacobeam.transforms.inputs.readers import assign_ids, shape_record
+from jacobeam.transforms.inputs.readers import assign_ids, shape_from_record, shape_record
 from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.output.storage import absolute, is_local
 from jacobeam.transforms.spec import ShardRange
+
+log = logging.getLogger(__name__)
 
 
 def path_mapper(previous: dict[str, Any] | None, files: list[SourceFile], output_dir: str | None = None
@@ -43,6 +46,8 @@ def path_mapper(previous: dict[str, Any] | None, files: list[SourceFile], output
         return {os.path.realpath(path): path for path in current if is_local(path)}
 
     def as_now(path: str) -> str:
+        if path in current:  # as this run names it: most paths, a million in a large folder
+            return path
         path = absolute(path)
         if path in current or not is_local(path):
             return path
@@ -75,9 +80,12 @@ def place_files(
     """Give each file its ids: kept from the previous manifest, new files after the old ones.
 
     Returns the placed files (in id order), the id segments, and how the inputs differ from the
-    previous run's (a file gone, holding fewer samples or another kind of them), which makes the folder
-    another run's result. The previous manifest's paths are matched with this run's as ``path_mapper``
-    does (``output_dir``: where the folder is now). A file whose stamp changed keeps its ids: the shards
+    previous run's (a file holding fewer samples or another kind of them), which makes the folder
+    another run's result. A file gone (or removed before) is placed as its pieces, marked removed
+    (``SourceFile.removed``): their ids stay taken, their samples leave the result (``JobSpec.removed``);
+    a file of that path found again later is a new file, its samples new ids after the old ones. The
+    previous manifest's paths are matched with this run's as ``path_mapper`` does (``output_dir``: where
+    the folder is now). A file whose stamp changed keeps its ids: the shards
     it feeds are stale (``pipeline.folder.stale_shards``), read again and computed again where their
     samples differ. A file that grew (rows appended) keeps the ids of its old rows and is placed a
     second time, as a piece of its own (``SourceFile.first_row``), for the rows appended: their ids come
@@ -90,14 +98,21 @@ def place_files(
     current = {f.path: f for f in files}
     placed, differences, end = [], [], 0
     covered: dict[str, int] = {}  # rows of each file that the previous run's pieces hold
+    gone = [0, 0]  # files newly gone, and their samples: for the log
     for entry in previous["inputs"]:
         # Folders written before paths were made absolute list them relative to the working directory.
         path, old_stop = as_now(entry["path"]), entry["first_id"] + entry["num_samples"]
         end = max(end, old_stop)
         now = current.get(path)
-        if now is None:
-            differences.append(f"input file {absolute(entry['path'])} ({span(entry['first_id'], old_stop)} there) "
-                               "is not among this run's inputs")
+        if now is None or entry.get("removed"):
+            # A file gone keeps its ids, marked removed: its samples leave the result, the others stay
+            # where they are. One without ids (unreadable) just goes. A file of that path found again
+            # (re-added) is a new file: placed after the old ids, below.
+            if entry["num_samples"]:
+                placed.append(_removed_piece(entry, path, previous))
+                if not entry.get("removed"):
+                    gone[0] += 1
+                    gone[1] += entry["num_samples"]
             continue
         changed = [
             f"{what} {json.dumps(before)} there, {json.dumps(after)} now"
@@ -109,8 +124,9 @@ def place_files(
         first_row = entry.get("first_row", 0)
         covered[path] = max(covered.get(path, 0), first_row + entry["num_samples"])
         if entry["num_samples"] or now.num_samples == 0:  # a file unreadable then, readable now: all appended
-            placed.append(dataclasses.replace(now, first_id=entry["first_id"], num_samples=entry["num_samples"],
-                                              first_row=first_row))
+            same = (now.first_id, now.num_samples, now.first_row) == (entry["first_id"], entry["num_samples"], first_row)
+            placed.append(now if same else dataclasses.replace(now, first_id=entry["first_id"],
+                                                               num_samples=entry["num_samples"], first_row=first_row))
     segments = [tuple(s) for s in previous.get("id_segments") or [[0, end]]]
     appended = []  # new files, and the rows appended to old ones
     for path in sorted(current):
@@ -127,12 +143,26 @@ def place_files(
         next_id += piece.num_samples
     if next_id > end:
         segments.append((end, next_id))
-    if previous.get("input_shape") is not None and any(f.unreadable is None for f in placed):
-        shape = shape_record(next(f.sample_shape for f in placed if f.unreadable is None))
+    if gone[0]:
+        log.info("%d input file(s) gone since the last run: their %d sample(s) leave the result (their ids stay "
+                 "taken, marked removed)", *gone)
+    if previous.get("input_shape") is not None and any(f.unreadable is None and not f.removed for f in placed):
+        shape = shape_record(next(f.sample_shape for f in placed if f.unreadable is None and not f.removed))
         if shape != previous["input_shape"]:
             differences.append(f"samples of shape {json.dumps(previous['input_shape'])} there, {json.dumps(shape)} now")
     placed.sort(key=lambda f: (f.first_id, f.path))
     return placed, segments, differences
+
+
+def _removed_piece(entry: dict[str, Any], path: str, previous: dict[str, Any]) -> SourceFile:
+    """The piece of a gone file that a previous manifest's ``entry`` lists, marked removed."""
+    shape = previous.get("input_shape")
+    return SourceFile(
+        path=path, key=entry.get("key"), num_samples=entry["num_samples"],
+        sample_shape=shape_from_record(shape) if shape is not None else (), dtype=entry.get("dtype"),
+        first_id=entry["first_id"], data_sha256=entry.get("data_sha256"), stamp=entry.get("stamp"),
+        first_row=entry.get("first_row", 0), removed=True,
+    )
 
 
 def shard_ranges(segments: list[tuple[int, int]], step: int) -> list[ShardRange]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from jacobeam.pipeline.self_check_report import checks_line, precision_line
 from jacobeam.transforms.engine.reductions import DESCRIPTIONS
+from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.finalize import missing_sources, view_datasets
 from jacobeam.transforms.model_identity import COMPARED_LIBRARIES
 from jacobeam.transforms.output import storage
@@ -61,9 +62,12 @@ def _check_view(root: str, report: Report) -> None:
     if not storage.exists(path):
         report.problems.append(f"{VIEW} is missing")
         return
+    import h5py
+
     with storage.open_h5(path) as view:  # only its layout is read: remote sources need not resolve
         for name, dataset in view_datasets(view).items():
-            report.view[name] = {"shape": list(dataset.shape), "dtype": dataset.dtype.name}
+            text = h5py.check_string_dtype(dataset.dtype) is not None  # source_files: "str", not numpy's "object"
+            report.view[name] = {"shape": list(dataset.shape), "dtype": "str" if text else dataset.dtype.name}
         report.problems.extend(missing_sources(root, view))
 
 
@@ -73,8 +77,7 @@ def inspect(folder: str) -> Report:
     if not storage.is_folder(root):
         raise FileNotFoundError(f"{folder}: no such output folder")
     names = storage.listdir(storage.join(root, SHARDS_DIR))
-    manifest_path = storage.join(root, MANIFEST)
-    manifest = json.loads(storage.read_text(manifest_path)) if MANIFEST in top else None
+    manifest = json.loads(storage.read_text(storage.join(root, MANIFEST))) if MANIFEST in top else None
     report = Report(
         folder=root,
         manifest=manifest,
@@ -92,12 +95,18 @@ def inspect(folder: str) -> Report:
             report.problems.append(f"{shard['file']} is listed in the manifest but missing")
     if "rejected" in manifest and REJECTED_FILE not in top:
         report.problems.append(f"{REJECTED_FILE} is missing")
+    if "input_files" in manifest and manifest["input_files"]["file"] not in top:
+        report.problems.append(f"{manifest['input_files']['file']} is missing")
+        return report
     _check_view(root, report)
-    report.stale = _stale(root, manifest)
+    try:
+        report.stale = _stale(root)
+    except OutputError as err:  # its input files' table cannot be read
+        report.problems.append(str(err))
     return report
 
 
-def _stale(root: str, manifest: dict[str, Any]) -> list[str]:
+def _stale(root: str) -> list[str]:
     """The shards on disk computed from input files whose stamp changed since (files gone are not judged):
     their results may no longer be those of their inputs. Reads the inputs' listing and the shards'
     attributes only."""
@@ -105,10 +114,11 @@ def _stale(root: str, manifest: dict[str, Any]) -> list[str]:
     from jacobeam.pipeline.folder import read_folder, stale_names
     from jacobeam.transforms.inputs.readers import from_a_pipeline
 
-    if from_a_pipeline(manifest):
+    folder = read_folder(root)  # the manifest with its input files (inputs.h5)
+    if folder.manifest is None or from_a_pipeline(folder.manifest):
         return []
-    paths = sorted({storage.absolute(entry["path"]) for entry in manifest["inputs"] if not entry.get("unreadable")})
-    return [f"{SHARDS_DIR}/{name}" for name in stale_names(read_folder(root), stamps(paths))]
+    paths = sorted({storage.absolute(entry["path"]) for entry in folder.manifest["inputs"] if not entry.get("unreadable")})
+    return [f"{SHARDS_DIR}/{name}" for name in stale_names(folder, stamps(paths))]
 
 
 def _inputs(shape: list[int] | dict[str, list[int]]) -> str:
@@ -123,7 +133,8 @@ def _input_files(manifest: dict[str, Any]) -> str:
 
     if from_a_pipeline(manifest):
         return "none on disk: a pipeline of your own wrote this folder (WriteShards)"
-    return f"{len(manifest['inputs'])} file(s)"
+    listed = manifest["input_files"]["count"] if "input_files" in manifest else len(manifest["inputs"])
+    return f"{listed} file(s)"
 
 
 def _model_source(model: dict[str, str | None]) -> str:
@@ -167,7 +178,21 @@ def _result(manifest: dict[str, Any]) -> str | None:
     stored = manifest.get("stored") or {}
     kind = stored.get("reduce", "none")
     selected = "" if stored.get("outputs", "all") == "all" else f"; outputs {_selection(stored)}, listed in output_index"
-    return f"{shown}: {DESCRIPTIONS.get(kind, kind)} (reduce: {kind}{selected})"
+    return f"{shown}: {DESCRIPTIONS.get(kind, kind)} (reduce: {kind}{selected}){_classes(manifest.get('labels'))}"
+
+
+_CLASSES_SHOWN = 8
+
+
+def _classes(labels: dict[str, Any] | None) -> str:
+    """The classes of labels per file (``jacobian.labels`` folders or table) by index, the first few."""
+    names = (labels or {}).get("class_names")
+    if not names:
+        return ""
+    shown = ", ".join(f"{i} {name}" for i, name in enumerate(names[:_CLASSES_SHOWN]))
+    more = f", ... ({len(names)} classes)" if len(names) > _CLASSES_SHOWN else ""
+    return f"; labels from {labels['source']}: {shown}{more}"
+
 
 
 def _precision(manifest: dict[str, Any]) -> str | None:
@@ -216,6 +241,12 @@ def format_report(report: Report) -> str:
                     f"{len(manifest['rejected']['unreadable_files'])} unreadable file(s): see {REJECTED_FILE}"
                 ]
                 if manifest.get("rejected", {}).get("count") or manifest.get("rejected", {}).get("unreadable_files")
+                else []
+            ),
+            *(
+                [f"  removed     {manifest['removed']['count']:,} sample(s) of {manifest['removed']['files']:,} input "
+                 "file(s) deleted since they were computed: no rows, their ids stay taken"]
+                if (manifest.get("removed") or {}).get("count")
                 else []
             ),
             *(

@@ -26,16 +26,18 @@ import time
 import uuid
 
 from jacobeam.pipeline.config import Config, to_dict
-from jacobeam.pipeline.discover import resolve_inputs
+from jacobeam.pipeline.discover import recorded_descriptions, resolve_inputs
 from jacobeam.pipeline.folder import (
     folder_differences,
+    holding_removed,
     read_folder,
     recorded_run_key,
     stale_shards,
     stored_fingerprint,
 )
 from jacobeam.pipeline.identity import run_identity
-from jacobeam.pipeline.ids import place_files, shard_ranges
+from jacobeam.pipeline.ids import path_mapper, place_files, shard_ranges
+from jacobeam.pipeline.labels import file_labels, relabelled_shards
 from jacobeam.transforms.errors import ModelError, OutputError
 from jacobeam.transforms.finalize import remove_temp_files
 from jacobeam.transforms.inputs.readers import check_labels
@@ -86,7 +88,7 @@ def _recorded_config(config: Config) -> dict:
     recorded = to_dict(config)
     jacobian = recorded["jacobian"]
     for section, key in ((recorded["model"], "path"), (jacobian, "vectors"), (jacobian["basis"], "input"),
-                         (jacobian["basis"], "output")):
+                         (jacobian["basis"], "output"), (jacobian["labels"] or {}, "table")):
         if section.get(key):
             section[key] = storage.absolute(section[key])
     return recorded
@@ -106,7 +108,8 @@ def _label_key(config: Config) -> str | None:
 def _build_spec(config: Config, files, segments, identity, tf_threads, fingerprint, model, key=None) -> JobSpec:
     return JobSpec(
         model=ModelSource(**to_dict(config)["model"]),
-        files=tuple(files),
+        files=tuple(f for f in files if not f.removed),
+        removed=tuple(f for f in files if f.removed),
         output_dir=storage.normalize(config.output.path),
         run_key=key or run_key(identity),
         engine=config.jacobian.engine_options(),
@@ -149,8 +152,11 @@ def make_job(
         from jacobeam.transforms.engine.threads import configure_tf_threads
 
         configure_tf_threads(tf_threads, warn=False)  # before reading inputs, which may run TensorFlow ops
+    folder = read_folder(config.output.path)
+    # Files whose stamp the folder's manifest recorded keep the description it recorded (no header read).
+    known = recorded_descriptions(folder.manifest, to_dict(config)["input"])
     files = resolve_inputs(
-        config.input.paths, config.input.key, policy, config.input.shape(), config.input.image_options()
+        config.input.paths, config.input.key, policy, config.input.shape(), config.input.image_options(), known
     )
     _check_files_named(config)
     label_key = _label_key(config)
@@ -158,7 +164,8 @@ def make_job(
     if floats:
         log.warning("jacobian.labels.key %r: floating-point labels in %d file(s) (%s%s); each must be a whole "
                     "output index", label_key, len(floats), floats[0], ", ..." if len(floats) > 1 else "")
-    folder = read_folder(config.output.path)
+    # jacobian.labels folders or table: each file's label; classes that would renumber the folder's differ.
+    files, labels, differences = file_labels(config, files, folder.manifest)
     fingerprint, output_shape, loaded = _checked_model(config, files) if check_model else (None, None, None)
     identity = run_identity(to_dict(config))
     # The model's identity: the loaded model's where it was loaded (a factory is not built twice); a
@@ -169,13 +176,15 @@ def make_job(
             f"output folder {folder.root}: " + "; ".join(folder.alien[:_MAX_LISTED])
             + " — jacobeam uses these names, but did not write these files; move them away or choose another output.path"
         )
-    placed, segments, differences = place_files(files, folder.manifest, folder.root)
+    placed, segments, placing = place_files(files, folder.manifest, folder.root)
+    differences += placing
     # Without loading the model, the weights the kept shards were computed with: a worker that loads
     # others (a factory that draws them) refuses to write a shard beside them.
     kept_weights = fingerprint or stored_fingerprint(folder)
     # The folder's own key where it recorded this identity (another spelling of a path, or an older key).
     key = recorded_run_key(folder, identity)
     spec = _build_spec(config, placed, segments, identity, tf_threads, kept_weights, model, key)
+    spec = dataclasses.replace(spec, labels=labels)
     differences += folder_differences(folder, spec, fingerprint, accept_library_versions)
     remove: list[str] = list(folder.unproven)
     if differences:
@@ -188,8 +197,10 @@ def make_job(
             )
         log.warning("--overwrite: replacing the different run in %s", folder.root)
         remove = list(folder.owned)
+        files, labels, _ = file_labels(config, files, None)
         placed, segments, _ = place_files(files, None)
         spec = _build_spec(config, placed, segments, identity, tf_threads, fingerprint, model)
+        spec = dataclasses.replace(spec, labels=labels)
         already_done, complete = 0, False
     else:
         # A stale shard stays until its replacement is committed (or, where no range of this run is its,
@@ -198,6 +209,17 @@ def make_job(
         if stale:
             log.info("%d shard(s) computed from input files changed since (another stamp): their samples are "
                      "read again, and those that differ computed again", len(stale))
+        trimmed = [name for name in holding_removed(folder, spec) if name not in stale]
+        if trimmed:
+            log.info("%d shard(s) hold samples of input files gone: each is written again without them, its "
+                     "other rows copied (not computed)", len(trimmed))
+            stale = sorted([*stale, *trimmed])
+        relabelled = [name for name in relabelled_shards(folder, spec, path_mapper(folder.manifest, list(spec.files),
+                                                                                    spec.output_dir)) if name not in stale]
+        if relabelled:
+            log.info("%d shard(s) computed with other labels of their files (jacobian.labels): their samples are "
+                     "read again, and computed again where their labels differ", len(relabelled))
+            stale = sorted([*stale, *relabelled])
         names = {shard_name(r.start, r.stop) for r in spec.ranges()}
         spec = dataclasses.replace(
             spec, stale=tuple(name for name in stale if name in names),

@@ -10,6 +10,8 @@ What is drawn follows the datasets ``jacobian.reduce`` stored in ``jacobians.h5`
     channels; ``max_abs_over_outputs``, the stored saliency's maximum over channels (``max |J|`` over
     outputs and channels); ``sum_abs_over_channels``, the stored saliency summed over the output rows;
     ``vjp``, ``|u_k^T J|`` summed over the channels, one map per vector (the first ``MAX_VECTOR_MAPS``);
+    where several output rows were selected (``top_k``, ``indices``), also a map of each row (the first
+    ``MAX_ROW_MAPS``), titled by its output index (and rank): a class's own saliency;
   - other inputs: each stored matrix as a heatmap (white is zero): the Jacobian's rows (the selected
     ones, named by ``output_index``) by flattened input entries, one per input for a model with several;
     ``vjp`` vectors by inputs, ``jvp`` vectors by outputs, ``projection`` rows by columns of ``P``,
@@ -23,7 +25,9 @@ What is drawn follows the datasets ``jacobian.reduce`` stored in ``jacobians.h5`
   reductions to one number per sample (``frobenius``, ``trace``, ``slogdet``) the histogram is the
   picture; dashed lines mark the chosen samples. Non-finite values are left out (the title says how many).
 
-The input images are read from the input files the manifest lists. A folder written by a pipeline of the
+Each sample is titled by its id; the first picture of its row also by its input file's name and its
+row in that file (``source_file``, ``source_row`` of ``jacobians.h5``; an image, a file of one sample, by
+its name alone). The input images are read from the input files the manifest lists. A folder written by a pipeline of the
 user's own (``WriteShards``) lists none, and a moved or changed input file cannot be read: the maps are
 then drawn beside a line saying so, and ``draw`` returns a one-line note saying why. Uses matplotlib (the ``plot`` extra),
 imported only here.
@@ -44,11 +48,23 @@ from jacobeam.transforms.engine.reductions import DESCRIPTIONS
 from jacobeam.transforms.errors import JacobeamError
 from jacobeam.transforms.finalize import view_datasets
 from jacobeam.transforms.inputs.readers import from_a_pipeline, iter_slices, manifest_sources
-from jacobeam.transforms.output.layout import OUTPUT_INDEX, SAMPLE_ID, VIEW, jacobian_dataset, result_datasets
+from jacobeam.transforms.inputs.registry import IMAGE_SUFFIXES
+from jacobeam.transforms.output.layout import (
+    OUTPUT_INDEX,
+    PIPELINE_INPUT,
+    SAMPLE_ID,
+    SOURCE_FILE,
+    SOURCE_FILES,
+    SOURCE_ROW,
+    VIEW,
+    jacobian_dataset,
+    result_datasets,
+)
 
 _CHUNK = 256  # samples read at a time for the histogram
 TITLE_CHARS = 44  # characters per title line in a 4-inch column at matplotlib's default title size
 MAX_VECTOR_MAPS = 4  # vjp: maps of the first vectors only (a figure of dozens of columns cannot be read)
+MAX_ROW_MAPS = 4  # selected output rows (top_k, indices): a map of each of the first rows, for the same reason
 
 
 @dataclasses.dataclass
@@ -77,6 +93,21 @@ def _input_samples(manifest: dict[str, Any], ids: Sequence[int]) -> np.ndarray:
         (_, sample, _), = iter_slices(files, i, i + 1, 1)
         rows.append(sample[0])
     return np.stack(rows)
+
+
+def _sources(view, rows: Sequence[int]) -> list[str]:
+    """Where each chosen row came from, for its titles (``source_file``, ``source_row``): ``digits.npy
+    row 7``, or ``cat_001.png`` for an image (a file of one sample); empty in a view written before rows
+    named their source, and for a pipeline of the user's own (no file to name)."""
+    if SOURCE_FILE not in view:
+        return ["" for _ in rows]
+    files = view[SOURCE_FILES].asstr()[:]
+    found = []
+    for row in rows:
+        path, within = str(files[int(view[SOURCE_FILE][row])]), int(view[SOURCE_ROW][row])
+        name = path.rsplit("/", 1)[-1] + ("" if path.lower().endswith(IMAGE_SUFFIXES) else f" row {within}")
+        found.append("" if path == PIPELINE_INPUT else name)
+    return found
 
 
 def _per_sample(view, names: Sequence[str], value: Callable[[list[np.ndarray]], np.ndarray]) -> np.ndarray:
@@ -196,12 +227,26 @@ class _Contents:
             also = f" and the {channels} channels" if channels > 1 else ""
             titles = [f"|J| summed over {self.rows_text(k)}{also}" for k in range(len(self.rows))]
             self.panels.append(_Panel(titles, list(full.sum(axis=(1, 4))), "map"))
+            self._row_maps(full.sum(axis=4), f"summed over the {channels} channels" if channels > 1 else "")
             return
         rows = self.outputs if self.index is None else self.index.shape[1]
         for name in names:
             what = "Jacobian" if name == "jacobian" else f"d output / d {name.split('/', 1)[1]}"
             self.matrices(name, lambda k, m, what=what: f"{what} ({self._rows_of_matrix(k, len(m))} x {m.shape[1]} inputs)",
                           rows, output_rows=True)
+
+    def _row_maps(self, maps: np.ndarray, how: str) -> None:
+        """Where outputs were selected (``top_k``, ``indices``) and a sample has several rows, a map of each
+        (the first ``MAX_ROW_MAPS``): a class's own saliency, which the sum over the rows hides. ``maps``:
+        ``(samples, rows, H, W)``, already ``|J|`` over the pixels."""
+        if self.index is None or maps.shape[1] < 2:
+            return
+        top_k = (self.manifest.get("stored") or {}).get("outputs") == "top_k"
+        for r in range(min(maps.shape[1], MAX_ROW_MAPS)):
+            rank = f" (rank {r + 1} of {maps.shape[1]})" if top_k else ""
+            titles = [f"|J| of output {int(self.index[k][r])}{rank}" + (f", {how}" if how else "")
+                      for k in range(len(self.rows))]
+            self.panels.append(_Panel(titles, list(maps[:, r]), "map"))
 
     def _rows_of_matrix(self, k: int, rows: int) -> str:
         return self.rows_text(k) if self.index is not None else f"{rows} output rows"
@@ -224,6 +269,7 @@ class _Contents:
             maps = stored.reshape(len(stored), -1, height, width).sum(axis=1)
             titles = [f"|J| summed over channels and {self.rows_text(k)}" for k in range(len(stored))]
             self.panels.append(_Panel(titles, list(maps), "map"))
+            self._row_maps(stored.reshape(len(stored), -1, height, width), "summed over channels")
             return
         entries = math.prod(self.input_shape[:-1])
         if entries * self.outputs and stored[0].size > 1:
@@ -260,6 +306,11 @@ def draw(folder: str, manifest: dict[str, Any], ids: Sequence[int] | None = None
         ValueError: an id has no stored row, or the folder holds nothing to draw (the message says why).
     """
     import h5py
+
+    from jacobeam.transforms.output import storage
+    from jacobeam.transforms.output.inputs_table import with_inputs
+
+    manifest = with_inputs(storage.normalize(folder), manifest)  # its input files, from inputs.h5
     import matplotlib
 
     matplotlib.use("Agg")
@@ -279,6 +330,7 @@ def draw(folder: str, manifest: dict[str, Any], ids: Sequence[int] | None = None
             raise ValueError(f"--samples {bad}: ids run from {stored_ids[0]} to {stored_ids[-1]}{gaps}")
         contents = _Contents(view, manifest, [row_of[i] for i in ids])
         contents.collect()
+        sources = _sources(view, contents.rows)
     panels, histograms = contents.panels, contents.histograms
     if not panels and not histograms:
         raise ValueError(f"{folder}: holds no dataset of the Jacobian to plot (reduce: {contents.kind})")
@@ -295,11 +347,13 @@ def draw(folder: str, manifest: dict[str, Any], ids: Sequence[int] | None = None
     figure = plt.figure(figsize=(4 * width, 3 * sample_rows + (3 if sample_rows else 3.5)), constrained_layout=True)
     grid = figure.add_gridspec(sample_rows + (1 if histograms else 0), width)
     for k, sample_id in enumerate(ids[:sample_rows]):
+        # The row's first column names the sample's input file and row (the input's title, or the first panel's).
+        named = f"sample {sample_id}" + (f" ({sources[k]})" if sources[k] else "")
         column = 0
         if input_column and images is None:
             axis = figure.add_subplot(grid[k, 0])
             axis.axis("off")
-            axis.text(0.5, 0.5, f"sample {sample_id}: input not drawn\n({why.split(',')[0]})", ha="center", va="center",
+            axis.text(0.5, 0.5, f"{named}: input not drawn\n({why.split(',')[0]})", ha="center", va="center",
                       wrap=True, transform=axis.transAxes)
             column = 1
         elif images is not None:
@@ -308,11 +362,13 @@ def draw(folder: str, manifest: dict[str, Any], ids: Sequence[int] | None = None
             channels = image.shape[-1]
             shown = image[..., 0] if channels == 1 else _unit(image) if channels == 3 else image.mean(axis=-1)
             axis.imshow(shown, cmap="gray")
-            axis.set_title(f"sample {sample_id}: input" + ("" if channels in (1, 3) else f" (mean of {channels} channels)"))
+            channels_text = "" if channels in (1, 3) else f" (mean of {channels} channels)"
+            axis.set_title(_wrapped(f"sample {sample_id}: input{channels_text}" + (f", {sources[k]}" if sources[k] else "")))
             column = 1
         for panel in panels:
             span = grid[k, :] if columns == 1 else grid[k, column]
-            _draw_panel(figure, figure.add_subplot(span), panel, k, sample_id)
+            where = sources[k] if column == 0 else ""
+            _draw_panel(figure, figure.add_subplot(span), panel, k, sample_id, where)
             column += 1
     for k, histogram in enumerate(histograms):
         span = grid[sample_rows, :] if len(histograms) == 1 else grid[sample_rows, k % width]
@@ -336,9 +392,9 @@ def _wrapped(title: str) -> str:
     return textwrap.fill(title, TITLE_CHARS, break_long_words=False, break_on_hyphens=False)
 
 
-def _draw_panel(figure, axis, panel: _Panel, k: int, sample_id: int) -> None:
+def _draw_panel(figure, axis, panel: _Panel, k: int, sample_id: int, where: str = "") -> None:
     picture = panel.pictures[k]
-    axis.set_title(_wrapped(f"sample {sample_id}: {panel.titles[k]}"))
+    axis.set_title(_wrapped(f"sample {sample_id}: {panel.titles[k]}" + (f", {where}" if where else "")))
     if panel.style == "curve":
         axis.plot(np.arange(len(picture)), picture, marker=".")
         axis.axhline(0.0, color="gray", linewidth=0.5)

@@ -69,26 +69,35 @@ def load_model(manifest: dict[str, Any]):
     return load(**model)
 
 
-def recompute(
-    root: str, manifest: dict[str, Any], shards: list[tuple[str, np.ndarray]], samples: int, seed: int, report: Report
-) -> None:
-    """Recompute ``samples`` seeded random stored samples and judge every stored dataset of each."""
-    from jacobeam.transforms.inputs.readers import manifest_sources, open_samples
-    from jacobeam.transforms.output.shards import read_attrs
-    from jacobeam.transforms.self_check import KINK, MISMATCH, SelfChecker, mismatch_text
-    from jacobeam.transforms.spec import SelfCheck
-
+def choose_samples(shards: list[tuple[str, np.ndarray]], samples: int, seed: int) -> dict[int, tuple[str, int]]:
+    """``samples`` stored samples drawn at random (seeded), uniformly over the stored rows: ``{sample id:
+    (shard file, row)}``. Verify re-hashes the inputs of these samples' shards (``--inputs sampled``)."""
     ends = np.cumsum([len(ids) for _, ids in shards])
-    if not len(ends) or not ends[-1]:
-        return
+    if not samples or not len(ends) or not ends[-1]:
+        return {}
     rng = np.random.default_rng(seed)
     positions = np.sort(rng.choice(int(ends[-1]), size=min(samples, int(ends[-1])), replace=False))
-    where = {}  # sample id -> (shard file, row)
+    where = {}
     for position in positions:
         index = int(np.searchsorted(ends, position, side="right"))
         file, ids = shards[index]
         row = int(position - (ends[index - 1] if index else 0))
         where[int(ids[row])] = (file, row)
+    return where
+
+
+def recompute(
+    root: str, manifest: dict[str, Any], shards: list[tuple[str, np.ndarray]], where: dict[int, tuple[str, int]],
+    report: Report,
+) -> None:
+    """Recompute the stored samples ``where`` names (``choose_samples``) and judge every stored dataset of each."""
+    from jacobeam.transforms.inputs.readers import manifest_sources, open_samples
+    from jacobeam.transforms.output.shards import read_attrs
+    from jacobeam.transforms.self_check import KINK, MISMATCH, SelfChecker, mismatch_text
+    from jacobeam.transforms.spec import SelfCheck
+
+    if not where:
+        return
     report.samples = sorted(where)
     loaded = load_model(manifest)
     if loaded.fingerprint() != manifest["model_fingerprint"]:
@@ -106,7 +115,9 @@ def recompute(
         source = next(s for s in sources if s.first_id <= sample_id < s.stop_id)
         with open_samples(source) as rows:
             read = rows.read(source.row(sample_id), source.row(sample_id) + 1)
-        label = _label(source, sample_id, engine.label_key) if engine.label_key else None
+        # jacobian.labels folders or table: the file's label, as the manifest's table of input files records it.
+        label = source.label if source.label is not None else (
+            _label(source, sample_id, engine.label_key) if engine.label_key else None)
         xs = [np.asarray(read[n] if several else read) for n in engine.input_names]
         file, row = where[sample_id]
         with storage.open_h5(storage.join(root, file)) as h5:

@@ -8,7 +8,15 @@ import time
 
 from jacobeam.pipeline.self_check_report import checks_line, precision_line
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import JACOBIAN, SAMPLE_ID, VIEW, result_datasets
+from jacobeam.transforms.output.layout import (
+    JACOBIAN,
+    SAMPLE_ID,
+    SOURCE_FILE,
+    SOURCE_FILES,
+    SOURCE_ROW,
+    VIEW,
+    result_datasets,
+)
 
 # The command's first moments (cli.py imports this module at its top), where the process's start time is
 # not known.
@@ -30,7 +38,8 @@ def process_started_at() -> float:
 
 def _reads(manifest) -> list[tuple[str, str]]:
     """The "read it" lines, as (code, comment): each dataset the run stored of the Jacobian (``jacobian``,
-    ``jacobian/<input>`` per input, or what ``reduce`` kept instead) with its shape, then the ids."""
+    ``jacobian/<input>`` per input, or what ``reduce`` kept instead) with its shape, then the ids and
+    the rows' sources (input file and row)."""
     rows = min(8, manifest.get("num_rows", manifest["num_samples"]))
     reads = []
     for name in result_datasets(manifest["datasets"]):
@@ -39,7 +48,11 @@ def _reads(manifest) -> list[tuple[str, str]]:
         reads.append((f"{variable if variable.isidentifier() else 'data'} = f[{name!r}][:8]", str(shape)))
     if not reads:  # a manifest without the list of datasets
         reads.append((f"jac = f[{JACOBIAN!r}][:8]", "(8, *output_shape, *input_shape)"))
-    return [*reads, (f"ids = f[{SAMPLE_ID!r}][:8]", "their sample ids")]
+    reads.append((f"ids = f[{SAMPLE_ID!r}][:8]", "their sample ids"))
+    if SOURCE_FILE in manifest["datasets"]:  # older folders' views do not name their rows' sources
+        reads += [(f"files = f[{SOURCE_FILES!r}].asstr()[:][f[{SOURCE_FILE!r}][:8]]", "their input files, relative paths"),
+                  (f"rows = f[{SOURCE_ROW!r}][:8]", "and their rows within those files")]
+    return reads
 
 
 def run_summary(result) -> str:
@@ -58,6 +71,10 @@ def run_summary(result) -> str:
             f"rejected: {rejected['count']:,} bad sample(s), {len(rejected['unreadable_files'])} unreadable file(s); "
             f"listed in {storage.join(out, rejected['file'])}"
         )
+    removed = manifest.get("removed") or {}
+    if removed.get("count"):
+        warnings.append(f"removed: {removed['count']:,} sample(s) of {removed['files']:,} input file(s) gone since they "
+                        "were computed: no rows (their ids stay taken; the manifest's 'removed' lists them)")
     if nonfinite:
         warnings.append(f"nonfinite: {nonfinite:,} sample(s) with NaN/Inf results (the 'nonfinite' dataset flags them)")
     precision = precision_line(manifest.get("self_check") or {}, manifest["config"]["jacobian"].get("compute_dtype", "float32"))
@@ -65,6 +82,7 @@ def run_summary(result) -> str:
     width = max(len(code) for code, _ in reads)
     total = time.time() - process_started_at()
     rejected_part = f", {rejected['count']:,} rejected" if rejected["count"] else ""
+    rejected_part += f", {removed['count']:,} removed" if removed.get("count") else ""
     rate = f", {run['samples_per_second']:,.0f} samples/s" if run["samples_computed"] and run["samples_per_second"] else ""
     return "\n".join(
         [

@@ -14,6 +14,7 @@ import pytest
 
 from jacobeam.pipeline import cli, config, runner
 from jacobeam.pipeline.verify import verify
+from jacobeam.transforms.output.inputs_table import folder_inputs
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
 from tests.test_pipeline import folder_state
@@ -91,17 +92,16 @@ def _config(data, out, policy, **output):
 
 @pytest.fixture
 def unreadable_b(monkeypatch):
-    """Make opening any file named b.npy fail as a failing disk does (EIO), through Beam's file system."""
-    from apache_beam.io.filesystems import FileSystems
-
-    real_open = FileSystems.open
+    """Make opening any file named b.npy fail as a failing disk does (EIO), where input files are opened
+    (``storage.open_input``: a local one with ``open``, as Beam's local file system does)."""
+    from jacobeam.transforms.output import storage
 
     def flaky_open(path, *args, **kwargs):
-        if path.endswith("/b.npy"):
+        if str(path).endswith("/b.npy"):
             raise OSError(errno.EIO, "Input/output error", path)
-        return real_open(path, *args, **kwargs)
+        return open(path, *args, **kwargs)
 
-    monkeypatch.setattr(FileSystems, "open", staticmethod(flaky_open))
+    monkeypatch.setattr(storage, "open", flaky_open, raising=False)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -155,7 +155,7 @@ def test_bad_data_under_skip_is_left_out_listed_and_ids_stay(case, tmp_path, rng
     b_has_ids = expected[0][0] is not None
     # Ids: positions in a, b, c; a file that cannot be opened at all holds no samples, hence no ids.
     b_len = SIZES["b"] if b_has_ids else 0
-    inputs = {entry["path"].rsplit("/", 1)[1]: (entry["first_id"], entry["stop_id"]) for entry in manifest["inputs"]}
+    inputs = {entry["path"].rsplit("/", 1)[1]: (entry["first_id"], entry["stop_id"]) for entry in folder_inputs(out)}
     assert inputs["a.npy"] == (0, 7) and inputs["c.npy"] == (7 + b_len, 27 + b_len)
     num_samples = 27 + b_len
     assert manifest["num_samples"] == num_samples

@@ -43,7 +43,8 @@ def test_the_reference_shows_types_defaults_and_choices():
     keys = {key.dotted: key for key in config_reference.keys()}
     assert keys["output.path"].default == "required"
     assert keys["jacobian.labels"].default == "`null`"  # no default key: labels are given, or absent
-    assert keys["jacobian.labels.key"].default == "required"
+    assert keys["jacobian.labels.key"].default == "`null`"  # one of key, folders and table is given
+    assert keys["jacobian.labels.folders"].type == "bool"
     assert keys["jacobian.memory_budget"].default == "`2GiB`"
     assert keys["input.image.scale"].default == "`1/255`"
     assert keys["jacobian.jit_compile"].type == "bool or `auto`"

@@ -297,6 +297,8 @@ def check_run_output(run: RunCase, out: Path) -> None:
         view.visititems(lambda name, item: datasets.update({name: item[()]}) if isinstance(item, h5py.Dataset) else None)
     np.testing.assert_array_equal(datasets.pop("sample_id"), np.arange(n))
     assert not datasets.pop("nonfinite").any()
+    files = datasets.pop("source_files")  # each row names its own input file and row
+    assert len(set(zip(files[datasets.pop("source_file")].tolist(), datasets.pop("source_row").tolist()))) == n
     index = datasets.get("output_index")
     if case.outputs.rule != "all":
         problems = expect.check_selection(case, s, 0, index)

@@ -90,7 +90,7 @@ def assert_same_as(out: Path, clean: Path) -> None:
     manifest, reference = (json.loads((d / "manifest.json").read_text()) for d in (out, clean))
     assert [(s["file"], s["crc32c"]) for s in manifest["shards"]] == [(s["file"], s["crc32c"]) for s in reference["shards"]]
     assert manifest["rejected"] == reference["rejected"]
-    report = verify(out, samples=0)
+    report = verify(out, samples=0, inputs="all")  # every shard's samples against the inputs too
     assert report.ok, report.problems
 
 

@@ -125,10 +125,11 @@ def test_old_files_keep_their_ids_and_new_files_go_after_them():
     assert segments == [(0, 9), (9, 14)] and differences == []
 
     changed = [_source("/d/b", 4), _source("/d/a", 2)]
-    _, _, differences = ids.place_files(changed, previous)
-    assert differences == [
-        "input file /d/c (ids 5 to 8 there) is not among this run's inputs",
-        "input file /d/b changed: samples 5 there, 4 now",
+    placed, _, differences = ids.place_files(changed, previous)
+    # /d/c is gone: no difference, its ids stay taken, marked removed (issue 37); /d/b shrank: refused
+    assert differences == ["input file /d/b changed: samples 5 there, 4 now"]
+    assert [(f.path, f.first_id, f.stop_id, f.removed) for f in placed] == [
+        ("/d/b", 0, 5, False), ("/d/c", 5, 9, True), ("/d/a", 9, 11, False),
     ]
 
 

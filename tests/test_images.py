@@ -17,6 +17,7 @@ from jacobeam.transforms.errors import InputError
 from jacobeam.transforms.inputs import images
 from jacobeam.transforms.inputs.readers import assign_ids, describe, iter_slices, open_samples
 from jacobeam.transforms.inputs.types import ImageOptions
+from jacobeam.transforms.output.inputs_table import folder_inputs
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
 from tests.test_more_inputs import cli_error, job, run, view
@@ -63,7 +64,7 @@ def test_a_folder_of_png_images_end_to_end(image_run):
     assert_close(stored["jacobian"], tape_loop(test_models.small_cnn(), samples), rtol=1e-5)
     assert_close(stored["output"], test_models.small_cnn()(samples).numpy(), rtol=1e-5)
     # ids: sorted path order over the folder and its sub-folders; every image is one sample
-    assert [(Path(f["path"]).relative_to(root / "images").as_posix(), f["first_id"]) for f in manifest["inputs"]] == [
+    assert [(Path(f["path"]).relative_to(root / "images").as_posix(), f["first_id"]) for f in folder_inputs(root / "out")] == [
         ("a.png", 0),
         ("b.png", 1),
         ("sub/c.png", 2),

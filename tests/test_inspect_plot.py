@@ -26,6 +26,8 @@ RUNS = {
     "gray-max": ("tests.models:small_cnn", (8, 8, 1), {"reduce": "max_abs_over_outputs"}),
     "gray-sum": ("tests.models:small_cnn", (8, 8, 1), {"reduce": "sum_abs_over_channels"}),
     "gray-top2": ("tests.models:small_cnn", (8, 8, 1), {"outputs": {"top_k": 2}}),
+    "rgb-top2-sum": ("tests.first_hour_models:rgb_cnn", (5, 5, 3),
+                     {"outputs": {"top_k": 2}, "reduce": "sum_abs_over_channels"}),
     "rgb-none": ("tests.first_hour_models:rgb_cnn", (5, 5, 3), {}),
     "rgb-max": ("tests.first_hour_models:rgb_cnn", (5, 5, 3), {"reduce": "max_abs_over_outputs"}),
     "rgb-sum": ("tests.first_hour_models:rgb_cnn", (5, 5, 3), {"reduce": "sum_abs_over_channels"}),
@@ -193,6 +195,26 @@ def test_full_jacobian_saliency_is_drawn_as_stored(folder, tmp_path, drawn, name
             assert "the 3 outputs" in title
 
 
+@pytest.mark.parametrize("name", ["gray-top2", "rgb-top2-sum"])
+def test_top_k_draws_a_map_of_each_class(folder, tmp_path, drawn, name):
+    """Each of a sample's k classes gets its own map (the sum over them hides which pixels speak for which)."""
+    out = folder(name)
+    view = _view(out)
+    index = view["output_index"]  # (n, 2): each sample's two largest outputs, largest first
+    outputs = view["output"]
+    np.testing.assert_array_equal(index, np.argsort(-outputs, axis=1, kind="stable")[:, :2])
+    # per row: |J| over the pixels, summed over the channels (reduce: none) or as stored (summed over them)
+    rows = (np.abs(view["jacobian"].astype(np.float64)).sum(axis=-1) if "jacobian" in view
+            else view["saliency"].astype(np.float64))
+    assert rows.shape[1] == 2
+    maps = _maps(_plot(out, tmp_path, drawn, "1,4"))
+    for sample in (1, 4):
+        for rank in (0, 1):
+            _, picture = _one(maps, f"sample {sample}: |J| of output {index[sample, rank]} (rank {rank + 1} of 2)")
+            np.testing.assert_allclose(picture, rows[sample, rank], rtol=1e-6)
+        assert not np.allclose(rows[sample, 0], rows[sample, 1])  # two classes, two different maps
+
+
 # --- 2. every reduction draws what it holds -----------------------------------------------------------
 
 
@@ -321,7 +343,8 @@ def test_inspect_names_every_dataset_of_a_reduced_folder(folder, capsys):
         assert re.search(rf"jacobians.h5:{name} +shape {re.escape(str(shape))}", printed), printed
     assert re.search(r"result +saliency \(6, 5, 5, 3\) float32: max \|J\| over outputs", printed), printed
     assert cli.main(["inspect", "--json", str(out)]) == 0
-    assert set(json.loads(capsys.readouterr().out)["view"]) == {"saliency", "output", "sample_id", "nonfinite"}
+    assert set(json.loads(capsys.readouterr().out)["view"]) == {"saliency", "output", "sample_id", "nonfinite",
+                                                                      "source_file", "source_row", "source_files"}
 
 
 def test_inspect_into_a_reader_that_stopped_ends_without_a_traceback(folder, monkeypatch, capsys):

@@ -16,6 +16,7 @@ from jacobeam.pipeline import cli, config, runner
 from jacobeam.pipeline.verify import verify
 from jacobeam.transforms.inputs import tfrecords
 from jacobeam.transforms.inputs.readers import describe, open_samples
+from jacobeam.transforms.output.inputs_table import folder_inputs
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop, tape_loop_inputs
 from tests.test_pipeline import folder_state
@@ -84,7 +85,7 @@ def test_tfrecord_files_end_to_end(tmp_path, suffix):
     stored = view(tmp_path / "out")
     np.testing.assert_array_equal(stored["sample_id"], np.arange(40))
     assert_close(stored["jacobian"], tape_loop(test_models.small_cnn(), samples), rtol=1e-5)
-    assert [(Path(f["path"]).name, f["first_id"], f["stop_id"]) for f in manifest["inputs"]] == [
+    assert [(Path(f["path"]).name, f["first_id"], f["stop_id"]) for f in folder_inputs(manifest["output_dir"])] == [
         (f"a{suffix}", 0, 7), (f"b{suffix}", 7, 20), (f"c{suffix}", 20, 40)
     ]
     assert manifest["input_shape"] == [8, 8, 1] and manifest["run_identity"]["input.sample_shape"] == [8, 8, 1]

@@ -17,6 +17,7 @@ from jacobeam.pipeline.verify import verify
 from jacobeam.transforms.errors import InputError
 from jacobeam.transforms.inputs.checks import RangeFindings, checked_slices
 from jacobeam.transforms.inputs.readers import assign_ids, describe, iter_slices, manifest_sources, open_samples
+from jacobeam.transforms.output.inputs_table import folder_inputs, with_inputs
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop_inputs
 from tests.test_pipeline import folder_state
@@ -161,9 +162,10 @@ def test_two_inputs_from_npz_equal_the_reference(npz_run):
         model = test_models.two_inputs("float64")
         assert_close(view["output"][:], model([samples["image"], samples["meta"]]).numpy(), rtol=1e-5)
     assert manifest["input_shape"] == {"image": [4, 4, 1], "meta": [3]}
-    assert set(manifest["datasets"]) == {"jacobian/image", "jacobian/meta", "output", "sample_id", "nonfinite"}
-    assert manifest["inputs"][0]["key"] == _key(".npz")
-    assert manifest["inputs"][0]["dtype"] == {"image": "float32", "meta": "float64"}
+    assert set(manifest["datasets"]) == {"jacobian/image", "jacobian/meta", "output", "sample_id", "nonfinite",
+                                         "source_file", "source_row"}
+    assert folder_inputs(manifest["output_dir"])[0]["key"] == _key(".npz")
+    assert folder_inputs(manifest["output_dir"])[0]["dtype"] == {"image": "float32", "meta": "float64"}
     with h5py.File(root / "out" / manifest["shards"][1]["file"]) as shard:
         assert json.loads(shard.attrs["input_shape"]) == {"image": [4, 4, 1], "meta": [3]}
         assert shard["jacobian/meta"].shape == (16, 5, 3)
@@ -216,7 +218,7 @@ def test_two_inputs_from_h5_with_wrt_a_subset(tmp_path):
     with h5py.File(tmp_path / "out" / "jacobians.h5") as view:
         assert "jacobian/image" not in view
         assert_close(view["jacobian/meta"][:], reference(samples)["meta"], rtol=1e-5)
-    assert manifest["inputs"][0]["key"] == KEY
+    assert folder_inputs(manifest["output_dir"])[0]["key"] == KEY
     assert verify(tmp_path / "out", samples=3).ok
 
 
@@ -313,7 +315,7 @@ def test_inputs_that_do_not_fit_the_model_are_clear_errors_and_nothing_is_writte
 
 def test_open_samples_reads_one_row_as_verify_does(npz_run):
     root, samples, manifest = npz_run
-    source = manifest_sources(manifest)[1]  # b.npz: ids 7..20
+    source = manifest_sources(with_inputs(str(root / "out"), manifest))[1]  # b.npz: ids 7..20
     with open_samples(source) as rows:
         row = rows.read(3, 4)
     np.testing.assert_array_equal(row["meta"], samples["meta"][10:11])

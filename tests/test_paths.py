@@ -17,6 +17,7 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing import test_pipeline
 
 from jacobeam.pipeline import config, plan, runner
+from jacobeam.transforms.output.inputs_table import folder_inputs
 from jacobeam.transforms.output.layout import MANIFEST, SHARDS_DIR
 from jacobeam.transforms.testing.fake_engine import FakeEngineFactory
 
@@ -77,13 +78,15 @@ def test_a_folder_written_with_relative_paths_is_resumed_not_refused(tmp_path, m
     monkeypatch.chdir(tmp_path)
     cfg = _config(["data/*.npy"], "out")
     first = _run(cfg)
-    assert first["num_samples"] == 21 and all(Path(e["path"]).is_absolute() for e in first["inputs"])
+    assert first["num_samples"] == 21 and all(Path(e["path"]).is_absolute() for e in folder_inputs(first["output_dir"]))
 
     # Make the folder what an older jacobeam wrote: relative paths.
     manifest_path = tmp_path / "out" / MANIFEST
     manifest = json.loads(manifest_path.read_text())
-    for entry in manifest["inputs"]:
-        entry["path"] = str(Path(entry["path"]).relative_to(tmp_path))
+    manifest["inputs"] = [{**entry, "path": str(Path(entry["path"]).relative_to(tmp_path))}
+                          for entry in folder_inputs(tmp_path / "out")]
+    del manifest["input_files"]  # and the files listed in the manifest itself, before inputs.h5
+    (tmp_path / "out" / "inputs.h5").unlink()
     manifest_path.write_text(json.dumps(manifest))
     before = {}
     for shard in sorted((tmp_path / "out" / SHARDS_DIR).glob("shard-*.h5")):
@@ -95,7 +98,7 @@ def test_a_folder_written_with_relative_paths_is_resumed_not_refused(tmp_path, m
     job = plan.make_job(cfg, check_model=False, identify_model=False)
     assert job.already_done == 21 and job.remove == []
     again = _run(cfg)
-    assert [e["path"] for e in again["inputs"]] == [str(tmp_path / "data" / "a.npy"), str(tmp_path / "data" / "b.npy")]
+    assert [e["path"] for e in folder_inputs(tmp_path / "out")] == [str(tmp_path / "data" / n) for n in ("a.npy", "b.npy")]
     assert again["run"]["samples_computed"] == 0 and again["run"]["samples_kept"] == 21
     for name, jacobian in before.items():
         with h5py.File(tmp_path / "out" / SHARDS_DIR / name) as h5:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jacobeam.pipeline import cli, config, runner
+from jacobeam.transforms.output.inputs_table import folder_inputs
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
 
@@ -83,7 +84,7 @@ def test_end_to_end_per_format(tmp_path, suffix, key, factory, compression):
         np.testing.assert_array_equal(view["sample_id"][:], np.arange(40))
         assert_close(view["output"][:], model(samples).numpy(), rtol=1e-6)
         assert_close(view["jacobian"][:], tape_loop(model, samples), rtol=1e-5)
-    assert [(f["path"].rsplit("/", 1)[1], f["first_id"], f["stop_id"]) for f in manifest["inputs"]] == [
+    assert [(f["path"].rsplit("/", 1)[1], f["first_id"], f["stop_id"]) for f in folder_inputs(manifest["output_dir"])] == [
         (f"a{suffix}", 0, 7), (f"b{suffix}", 7, 20), (f"c{suffix}", 20, 40)
     ]
     assert [(s["start"], s["stop"]) for s in manifest["shards"]] == [(0, 16), (16, 32), (32, 40)]

@@ -1,5 +1,6 @@
 """The README's commands run as written, in order, on a fresh copy of the repository after the set-up,
-and then the Python snippets of ``docs/beam-api.md`` (which use the files the README's quickstart writes).
+and then the docs' ```python and ```sh blocks that run here (``tests/docs_snippets.py``: the others say
+what they need), page by page, which use the files the README's quickstart writes.
 
 Every ```sh block is run with bash (``make test`` excepted: it is what runs this), every ```python
 block with the virtualenv's Python, in a copy of the tracked files whose ``.venv`` is this checkout's.
@@ -8,6 +9,7 @@ The YAML block is the config file it says it is.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -19,10 +21,12 @@ import numpy as np
 import pytest
 import yaml
 
+from tests.docs_snippets import snippets
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"^```(\w+)\n(.*?)^```$", README, re.M | re.S)
-BEAM_API = re.findall(r"^```python\n(.*?)^```$", (ROOT / "docs" / "beam-api.md").read_text(), re.M | re.S)
+DOCS = [s for s in snippets() if s.page != "README.md" and s.how == "run" and s.kind in ("python", "sh")]
 
 
 def test_the_readme_has_the_blocks_this_test_runs():
@@ -76,11 +80,17 @@ def test_every_readme_command_runs_as_written_on_a_fresh_copy(tmp_path):
     assert (copy / "saliency.png").stat().st_size > 0
     with h5py.File(copy / "out" / "own" / "jacobians.h5") as f:
         assert f["jacobian"].shape == (1000, 10, 28, 28, 1)
-    assert len(BEAM_API) == 2
-    for body in BEAM_API:  # a pipeline of your own, then RunInference
-        done = subprocess.run([str(copy / ".venv" / "bin" / "python"), "-c", body], cwd=copy, capture_output=True,
-                              text=True, timeout=900)
-        assert done.returncode == 0, f"docs/beam-api.md block failed ({done.returncode}):\n{body}\n{done.stderr[-3000:]}"
+    assert {s.page for s in DOCS} >= {"docs/beam-api.md", "docs/output.md", "docs/usage.md"}
+    env = {**os.environ, "PATH": f"{copy / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"}  # `jacobeam ...` as installed
+    for snippet in DOCS:
+        command = ([str(copy / ".venv" / "bin" / "python"), "-c", snippet.body] if snippet.kind == "python"
+                   else ["bash", "-euo", "pipefail", "-c", snippet.body])
+        done = subprocess.run(command, cwd=copy, capture_output=True, text=True, timeout=900, env=env)
+        assert done.returncode == 0, f"{snippet.name} failed ({done.returncode}):\n{snippet.body}\n{done.stderr[-3000:]}"
     with h5py.File(copy / "out" / "own_pipeline" / "jacobians.h5") as f, h5py.File(copy / "out" / "own" / "jacobians.h5") as own:
         assert f["jacobian"].shape == (64, 10, 28, 28, 1) and np.isfinite(f["jacobian"][:]).all()
         np.testing.assert_allclose(f["output"][:], own["output"][:64], rtol=1e-4, atol=1e-6)  # the same samples
+    # docs/usage.md's commands: a multi-process run, replaced by an argmax run (--overwrite), and its picture
+    with h5py.File(copy / "out" / "usage" / "jacobians.h5") as f:
+        assert f["jacobian"].shape == (1000, 1, 28, 28, 1) and f["output_index"].shape == (1000, 1)
+    assert (copy / "usage.png").stat().st_size > 0

@@ -16,6 +16,7 @@ import pytest
 
 from jacobeam.pipeline import cli, runner
 from jacobeam.transforms.output import storage
+from jacobeam.transforms.output.inputs_table import folder_inputs
 from jacobeam.transforms.output.layout import CRC32C_SUFFIX
 from tests import remote_fs
 from tests.models import small_cnn
@@ -104,7 +105,7 @@ def test_remote_output_equals_a_local_run_bit_for_bit(remote_and_local):
         assert f"{google_crc32c.value(data):08x}" == mine["crc32c"] == theirs["crc32c"]
         assert _remote_bytes(f"{OUT}/{mine['file']}{CRC32C_SUFFIX}").decode() == mine["crc32c"]
     # Nothing temporary is left, and the folder holds exactly what jacobeam writes.
-    assert storage.listdir(OUT) == ["engine-plan.json", "jacobians.h5", "manifest.json", "rejected.jsonl"]
+    assert storage.listdir(OUT) == ["engine-plan.json", "inputs.h5", "jacobians.h5", "manifest.json", "rejected.jsonl"]
     assert not [n for n in storage.listdir(f"{OUT}/shards") if n.startswith(".")]
 
     copied = tmp_path / "copied"
@@ -282,8 +283,9 @@ def test_npz_and_h5_inputs_are_read_through_file_objects(tmp_path, store, suffix
     local = run(job_config(str(tmp_path / "data" / f"*{suffix}"), tmp_path / "local", f"tests.models:{factory}", key))
     remote = run(job_config(f"fakegcs://bucket/data/*{suffix}", OUT, f"tests.models:{factory}", key))
 
-    assert [i["path"] for i in remote["inputs"]] == [f"fakegcs://bucket/data/{n}{suffix}" for n in "abc"]
-    assert [i["data_sha256"] for i in remote["inputs"]] == [i["data_sha256"] for i in local["inputs"]]
+    assert [i["path"] for i in folder_inputs(remote["output_dir"])] == [f"fakegcs://bucket/data/{n}{suffix}" for n in "abc"]
+    remote_inputs, local_inputs = folder_inputs(remote["output_dir"]), folder_inputs(local["output_dir"])
+    assert [i["data_sha256"] for i in remote_inputs] == [i["data_sha256"] for i in local_inputs]
     for mine, theirs in zip(remote["shards"], local["shards"]):
         with storage.open_h5(f"{OUT}/{mine['file']}") as a, h5py.File(tmp_path / "local" / theirs["file"]) as b:
             for name in ("jacobian", "output", "sample_id"):

@@ -12,6 +12,7 @@ import pytest
 
 from jacobeam.pipeline import cli, config, runner
 from jacobeam.pipeline.verify import verify
+from jacobeam.transforms.output.inputs_table import folder_inputs
 from jacobeam.transforms.output.storage import sha256
 from jacobeam.transforms.testing import faults
 from tests import models as test_models
@@ -83,7 +84,7 @@ def test_incremental_run_computes_only_new_files_and_ids_stay(clean, tmp_path):
 
     second = _run(data, out)
 
-    ids = {Path(e["path"]).name: (e["first_id"], e["stop_id"]) for e in second["inputs"]}
+    ids = {Path(e["path"]).name: (e["first_id"], e["stop_id"]) for e in folder_inputs(second["output_dir"])}
     assert ids == {"a.npy": (0, 7), "b.npy": (7, 20), "c.npy": (20, 40), "0new.npy": (40, 45), "d.npy": (45, 64)}
     assert second["id_segments"] == [[0, 40], [40, 64]]
     assert [(s["start"], s["stop"], s["computed_in_this_run"]) for s in second["shards"]] == [
@@ -155,22 +156,23 @@ def test_a_rerun_reads_only_new_or_changed_files_and_with_nothing_to_compute_no_
     assert verify(out, samples=4).ok
 
 
-def test_incremental_run_with_a_missing_old_file_is_refused(clean, tmp_path, capsys):
-    """A file gone is another run's inputs; one changed in place keeps its ids (its shards are computed
-    again: the test above) and is no difference."""
+def test_incremental_run_with_a_shrunk_old_file_is_refused(clean, tmp_path, capsys):
+    """A file that holds fewer samples than its ids is another run's inputs (a file gone is not:
+    tests/test_deleted_inputs.py); one changed in place keeps its ids (its shards are computed again:
+    the test above) and is no difference."""
     data, out, _ = _own_run(tmp_path)
     before = folder_state(out)
     x = np.load(data / "b.npy")
     x[0, 0] += 1.0
     np.save(data / "b.npy", x)  # same shape, other data
-    (data / "c.npy").rename(tmp_path / "c.npy")
+    np.save(data / "c.npy", np.load(data / "c.npy")[:10])
     cfg = tmp_path / "job.yaml"
     cfg.write_text(json.dumps(_config(data, out).model_dump(mode="json")))
 
     assert cli.main(["-q", "run", str(cfg)]) == cli.FAILED
     err = capsys.readouterr().err
     assert "holds the result of a different run:\n  input file " in err and "b.npy changed" not in err, err
-    assert re.search(r"input file .*/c.npy \(ids 20 to 39 there\) is not among this run's inputs", err)
+    assert re.search(r"input file .*/c.npy changed: samples 20 there, 10 now", err)
     assert "use --overwrite" in err
     assert folder_state(out) == before
 
@@ -276,7 +278,7 @@ def test_a_folder_written_before_crc32c_resumes_and_its_manifest_then_lists_crc3
     assert [s["computed_in_this_run"] for s in resumed["shards"]] == [False, True, False]
     assert [s["crc32c"] for s in resumed["shards"]] == [s["crc32c"] for s in first["shards"]]
     assert not any("sha256" in s for s in resumed["shards"])
-    assert verify(out, samples=0).ok
+    assert verify(out, samples=0, inputs="all").ok
 
 
 def test_files_with_jacobeams_names_but_not_its_content_are_never_touched(clean, tmp_path, capsys):
@@ -310,7 +312,7 @@ def test_leftover_temporary_manifest_and_view_are_removed_and_never_read(clean, 
 
     assert [s["crc32c"] for s in manifest["shards"]] == [s["crc32c"] for s in first["shards"]]
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["engine-plan.json", "jacobians.h5", "manifest.json", "rejected.jsonl", "shards"]
+    assert names == ["engine-plan.json", "inputs.h5", "jacobians.h5", "manifest.json", "rejected.jsonl", "shards"]
     assert all(not p.name.startswith(".") for p in (out / "shards").iterdir())
 
 
@@ -362,5 +364,6 @@ def test_a_runner_that_retries_bundles_completes_the_run_without_duplicates(clea
         (s["start"], s["crc32c"]) for s in first["shards"]
     ]
     assert _shas(out) == _shas(root / "out")
-    assert sorted(os.listdir(out)) == ["engine-plan.json", "jacobians.h5", "manifest.json", "rejected.jsonl", "shards"]
+    assert sorted(os.listdir(out)) == [
+        "engine-plan.json", "inputs.h5", "jacobians.h5", "manifest.json", "rejected.jsonl", "shards"]
     np.testing.assert_array_equal(_view(out)["sample_id"], np.arange(40))

@@ -28,6 +28,7 @@ import pytest
 
 from jacobeam.pipeline import checks, cli, folder
 from jacobeam.transforms.output import lease, shards, storage
+from jacobeam.transforms.output.inputs_table import folder_inputs
 from jacobeam.transforms.output.layout import CRC32C_SUFFIX, LEASE
 from tests import takeover
 from tests.models import small_cnn
@@ -314,7 +315,7 @@ def _assert_same_as_local(bucket: Bucket, prefix: str, local: Path, copied: Path
 @pytest.mark.timeout(600)
 def test_a_run_from_and_to_s3_equals_a_local_run_bit_for_bit(runs):
     manifest = _assert_same_as_local(runs.bucket, "out", runs.local, runs.root / "copied")
-    assert [i["path"] for i in manifest["inputs"]] == [runs.bucket.url(f"in/{n}.npy") for n in "abc"]
+    assert [i["path"] for i in folder_inputs(manifest["output_dir"])] == [runs.bucket.url(f"in/{n}.npy") for n in "abc"]
     assert manifest["config"]["output"]["path"] == runs.bucket.url("out")
     assert all(s["computed_in_this_run"] for s in manifest["shards"])
     pids = {s["worker_pid"] for s in manifest["shards"]}

@@ -18,6 +18,7 @@ from jacobeam.pipeline import cli, config, runner
 from jacobeam.pipeline.inspect_output import inspect
 from jacobeam.pipeline.verify import verify
 from jacobeam.transforms import job
+from jacobeam.transforms.output.inputs_table import folder_inputs
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
 from tests.services import jacobeam_process
@@ -173,6 +174,7 @@ def test_data_copied_removed_and_moved_back_is_read_once_and_recomputes_nothing(
     arrays = _write(data)
     cfg = _cfg(str(data / "*.npy"), str(out))
     first = _run(cfg)
+    first_stamps = [e["stamp"] for e in folder_inputs(out)]
     inodes = _inodes(out)
     subprocess.run("cp -r data data.copy && rm -r data && mv data.copy data", shell=True, cwd=tmp_path, check=True)
     read, checked_slices = [], job.checked_slices
@@ -188,7 +190,7 @@ def test_data_copied_removed_and_moved_back_is_read_once_and_recomputes_nothing(
     assert sorted(read) == [(0, 8), (8, 16), (16, 24), (24, 32)]  # once each
     assert _inodes(out) == inodes
     assert [s["crc32c"] for s in again["shards"]] == [s["crc32c"] for s in first["shards"]]
-    assert [e["stamp"] for e in again["inputs"]] != [e["stamp"] for e in first["inputs"]]
+    assert [e["stamp"] for e in folder_inputs(again["output_dir"])] != first_stamps
     assert inspect(str(out)).stale == []
 
     read.clear()
@@ -259,7 +261,7 @@ def test_a_folder_copied_with_cp_a_and_run_from_the_copy_is_the_same_run(tmp_pat
     manifest = json.loads((tmp_path / "copy" / "out" / "manifest.json").read_text())
     assert manifest["run"]["samples_computed"] == 0 and _computed(manifest) == [False] * 4
     assert _inodes(tmp_path / "copy" / "out") == inodes
-    assert [Path(e["path"]).parent for e in manifest["inputs"]] == [tmp_path / "copy" / "data"] * 3
+    assert [Path(e["path"]).parent for e in folder_inputs(manifest["output_dir"])] == [tmp_path / "copy" / "data"] * 3
     assert_close(_view(tmp_path / "copy" / "out")["jacobian"], _reference(np.concatenate([arrays[n] for n in SIZES])))
     assert verify(tmp_path / "copy" / "out", samples=2).ok
 
@@ -284,7 +286,7 @@ def test_five_rows_appended_to_a_file_compute_five_samples_and_equal_a_clean_run
     assert _computed(manifest) == [False, False, False, False, True]  # the old shards read as before: kept
     assert {k: v for k, v in _inodes(out).items() if k in inodes} == inodes
     assert manifest["id_segments"] == [[0, 32], [32, 37]]
-    pieces = [(Path(e["path"]).name, e["first_id"], e["num_samples"], e.get("first_row", 0)) for e in manifest["inputs"]]
+    pieces = [(Path(e["path"]).name, e["first_id"], e["num_samples"], e.get("first_row", 0)) for e in folder_inputs(out)]
     assert pieces == [(f"a{suffix}", 0, 7, 0), (f"b{suffix}", 7, 13, 0), (f"c{suffix}", 20, 12, 0), (f"b{suffix}", 32, 5, 13)]
     view = _view(out)
     by_id = np.concatenate([arrays["a"], grown[:13], arrays["c"], grown[13:]])

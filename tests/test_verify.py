@@ -123,9 +123,10 @@ def test_missing_and_duplicated_ids_are_caught(copy):
     (copy / "shards" / "shard-000000000032-000000000040.h5").unlink()
     report = verify(copy, samples=0)
     assert "shards/shard-000000000032-000000000040.h5: listed in the manifest but missing" in report.problems
-    assert "ids missing (neither stored nor rejected): 8, first [32, 33, 34, 35, 36]" in report.problems
+    assert "ids missing (neither stored, rejected nor removed): 8, first [32, 33, 34, 35, 36]" in report.problems
     shown = format_report(report)  # the ids line says what was found, never "each ... exactly once" beside it
-    assert f"  ids         {report.ids_checked} checked: 8 not stored or rejected exactly once (the problems below)" in shown
+    assert (f"  ids         {report.ids_checked} checked: 8 not stored, rejected or removed exactly once "
+            "(the problems below)") in shown
     assert "exactly once\n" not in shown
 
     manifest = json.loads((copy / "manifest.json").read_text())

@@ -1,5 +1,5 @@
 """The last step of a job: check that the shards and the rejected samples (which each shard lists for
-its range) cover every id exactly once, then write ``jacobians.h5``, ``rejected.jsonl`` and
+its range) cover every id exactly once, then write ``jacobians.h5``, ``rejected.jsonl``, ``inputs.h5`` and
 ``manifest.json``.
 
 Each file is written under a temporary name and renamed into place, so a reader (or the next run) sees
@@ -18,8 +18,9 @@ import datetime
 import hashlib
 import json
 import logging
+import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,8 @@ from jacobeam.transforms import model_identity, self_check
 from jacobeam.transforms.aggregates import PARTIALS, combine_shards, write_aggregates
 from jacobeam.transforms.errors import InputError, OutputError, span
 from jacobeam.transforms.inputs.readers import shape_record
-from jacobeam.transforms.output import fence, storage
+from jacobeam.transforms.inputs.types import SourceFile
+from jacobeam.transforms.output import fence, inputs_table, storage
 from jacobeam.transforms.output.layout import (
     CHECKSUM_SUFFIXES,
     CRC32C_SUFFIX,
@@ -39,7 +41,12 @@ from jacobeam.transforms.output.layout import (
     NONFINITE,
     REJECTED_FILE,
     REJECTED_GROUP,
+    SAMPLE_ID,
     SHARDS_DIR,
+    SOURCE_FILE,
+    SOURCE_FILES,
+    SOURCE_ROOT,
+    SOURCE_ROW,
     VIEW,
     is_folder_temp,
     is_shard_temp,
@@ -89,16 +96,122 @@ def check_coverage(
     return ordered
 
 
+@dataclasses.dataclass(frozen=True)
+class RowSources:
+    """Where each row of ``jacobians.h5`` came from: row ``i`` is row ``row[i]`` of input file
+    ``files[file[i]]``, a path relative to the folder ``root``."""
+
+    file: np.ndarray  # (n,) int64: index into ``files``
+    row: np.ndarray  # (n,) int64: the row (record, sample) within the file (``SourceFile.row``)
+    files: list[str]  # the files the rows come from, in id order of their first row
+    root: str
+
+
+def input_root(patterns: Sequence[str], paths: Sequence[str]) -> str:
+    """The folder the input paths are relative to in ``source_files``: the deepest one that holds every
+    input file and what each ``input.paths`` pattern fixes (its part before the first wildcard; a folder
+    named, itself; a file named, its folder). Taken from the patterns, not the files alone, so that it
+    stays put when files come and go: ``data/*/*.png`` has the root ``data`` whichever day folders it
+    matches, and ``data/train`` (an image folder) has ``data/train``, so the class folder leads each path."""
+    absolute = [storage.absolute(pattern) for pattern in patterns]
+    # A pattern without wildcards names a file (one of the paths) or a folder (it holds them).
+    files = {p for p in absolute if not any(c in p for c in "*?[")}.intersection(paths)
+    folders = []
+    for pattern in absolute:
+        parts = pattern.rstrip("/").split("/")
+        wild = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), None)
+        if wild is not None:
+            folders.append("/".join(parts[:wild]) + "/")
+        else:
+            folders.append("/".join(parts[:-1] if pattern in files else parts) + "/")
+    # The common prefix of many strings is that of the first and the last in sorted order: no pass per file.
+    candidates = [*folders, *([min(paths), max(paths)] if paths else [])]
+    prefix = os.path.commonprefix([min(candidates), max(candidates)]) if candidates else ""
+    cut = prefix.rfind("/")
+    return prefix[:cut] if cut > 0 else "/" if prefix.startswith("/") else ""
+
+
+def row_sources(files: Sequence[SourceFile], ids: np.ndarray, root: str) -> RowSources:
+    """The source of each of the stored ids ``ids`` (increasing): the input file piece whose ids hold it,
+    found by bisection over the pieces' first ids (vectorised: a million rows in a fraction of a second).
+    The pieces of a file appended to (``SourceFile.first_row``) are one file. Raises ``OutputError`` for
+    an id that no file's ids hold."""
+    # Per file only a few flat passes, no search: a million files of one sample each cost about a second.
+    pieces = [f for f in files if f.num_samples]
+    first = np.fromiter((f.first_id for f in pieces), np.int64, len(pieces))
+    if np.any(np.diff(first) < 0):
+        order = np.argsort(first, kind="stable")
+        pieces, first = [pieces[i] for i in order], first[order]
+    stop = first + np.fromiter((f.num_samples for f in pieces), np.int64, len(pieces))
+    first_row = np.fromiter((f.first_row for f in pieces), np.int64, len(pieces))
+    paths = [f.path for f in pieces]
+    unique = list(dict.fromkeys(paths))  # each file once, in id order of its first piece
+    if len(unique) == len(paths):
+        piece_file = np.arange(len(paths), dtype=np.int64)
+    else:  # a file appended to: its pieces are one file
+        number = {path: k for k, path in enumerate(unique)}
+        piece_file = np.fromiter((number[path] for path in paths), np.int64, len(paths))
+    ids = np.asarray(ids, np.int64)
+    at = np.searchsorted(first, ids, side="right") - 1
+    outside = (at < 0) | (ids >= stop[np.maximum(at, 0)]) if len(pieces) else np.ones(len(ids), bool)
+    if outside.any():
+        row = int(np.argmax(outside))
+        raise OutputError(f"{VIEW}: row {row} holds sample id {int(ids[row])}, which no input file's ids hold")
+    of_row = piece_file[at]
+    used = np.zeros(len(unique), bool)  # the files that have rows, numbered in id order of their first row
+    used[of_row] = True
+    cut = len(root.rstrip("/")) + 1 if root else 0
+    return RowSources(
+        file=(np.cumsum(used) - 1)[of_row],
+        row=ids - first[at] + first_row[at],
+        files=[unique[k][cut:] for k in np.flatnonzero(used).tolist()],
+        root=root,
+    )
+
+
+def stored_ids(output_dir: str, records: Sequence[ShardRecord]) -> np.ndarray:
+    """The ``sample_id`` column of the shards ``records`` (in id order), as the shards hold it: which ids
+    have a row of the view."""
+    columns = []
+    for record in records:
+        with storage.open_h5(storage.join(output_dir, record.file)) as h5:
+            ids = h5[SAMPLE_ID][:] if SAMPLE_ID in h5 else np.zeros(0, np.int64)
+        if len(ids) != record.num_samples or (len(ids) and (ids[0] < record.start or ids[-1] >= record.stop)):
+            held = f" from {int(ids[0])} to {int(ids[-1])}" if len(ids) else ""
+            raise OutputError(f"{record.file}: {len(ids)} sample ids{held}, expected {record.num_samples} "
+                              f"within {span(record.start, record.stop)}")
+        columns.append(ids)
+    ids = np.concatenate(columns) if columns else np.zeros(0, np.int64)
+    if np.any(np.diff(ids) <= 0):
+        raise OutputError(f"the shards' sample ids are not increasing (first at row {int(np.argmax(np.diff(ids) <= 0)) + 1})")
+    return ids
+
+
+def spec_row_sources(spec: JobSpec, records: Sequence[ShardRecord]) -> RowSources:
+    """The sources of the rows of the shards ``records`` of ``spec``'s run. A user's own pipeline has one
+    source, ``(pipeline)``, whose row is the id: there is no file to name."""
+    ids = stored_ids(spec.output_dir, records)
+    if spec.open_ended:
+        return row_sources(spec.files, ids, "")
+    patterns = (spec.config.get("input") or {}).get("paths") or []
+    paths = [f.path for f in spec.files if f.num_samples]
+    return row_sources(spec.files, ids, input_root(patterns, paths))
+
+
 def write_virtual_view(
-    output_dir: str, records: Sequence[ShardRecord], guard: fence.Fence | None = None
+    output_dir: str, records: Sequence[ShardRecord], guard: fence.Fence | None = None,
+    sources: RowSources | None = None,
 ) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Write ``jacobians.h5``: one virtual dataset per shard dataset, all shards in id order.
+    """Write ``jacobians.h5``: one virtual dataset per shard dataset, all shards in id order, and with
+    ``sources``, the rows' sources (``source_file``, ``source_row``, ``source_files``, attribute
+    ``source_root``) as datasets of its own.
 
     Rows are the shards' rows in id order; rejected samples have no row, so row ``i`` holds the sample
     with id ``sample_id[i]`` (row ``i`` is id ``i`` when nothing was rejected). Sources are relative paths
     (``shards/...``), which HDF5 resolves against the view's own folder, so the output folder can be
     moved. A row whose shard file is missing reads as no value at all (``_missing``: NaN, -1), never as
-    zeros. Returns each dataset's per-sample shape and dtype. ``guard``: the run's fence for the commit.
+    zeros; its source datasets, stored in the view itself, still read. Returns each per-row dataset's
+    per-sample shape and dtype. ``guard``: the run's fence for the commit.
     """
     import h5py
 
@@ -125,9 +238,15 @@ def write_virtual_view(
             for name, layout in layouts.items():
                 view.create_virtual_dataset(name, layout, fillvalue=_missing(fields[name][1]))
                 faults.reached("view_write")
+            if sources is not None:
+                view.create_dataset(SOURCE_FILE, data=sources.file)
+                view.create_dataset(SOURCE_ROW, data=sources.row)
+                view.create_dataset(SOURCE_FILES, data=np.array(sources.files, dtype=object), dtype=h5py.string_dtype())
+                view.attrs[SOURCE_ROOT] = sources.root
 
     storage.write_atomically(storage.join(output_dir, VIEW), write, "view", guard)
-    return {name: (tuple(int(d) for d in shape), dtype.name) for name, (shape, dtype) in fields.items()}
+    found = {name: (tuple(int(d) for d in shape), dtype.name) for name, (shape, dtype) in fields.items()}
+    return found if sources is None else {**found, SOURCE_FILE: ((), "int64"), SOURCE_ROW: ((), "int64")}
 
 
 def _missing(dtype) -> Any:
@@ -173,6 +292,19 @@ def missing_sources(root: str | Path, view) -> list[str]:
     return problems
 
 
+def removed_runs(spec: JobSpec) -> list[Rejected]:
+    """The removed file pieces' ids (``JobSpec.removed``) as runs, cut at the shard ranges' bounds (as a
+    shard's rejected samples are), for the coverage check and the manifest."""
+    if not spec.removed:
+        return []
+    bounds = sorted({r.start for r in spec.ranges()} | {r.stop for r in spec.ranges()})
+    runs = []
+    for f in spec.removed:
+        cuts = [f.first_id, *bounds[bisect.bisect_right(bounds, f.first_id):bisect.bisect_left(bounds, f.stop_id)], f.stop_id]
+        runs += [Rejected(f.path, "removed", f.row(lo), lo, hi) for lo, hi in zip(cuts, cuts[1:])]
+    return runs
+
+
 def _intervals(runs: Sequence[Rejected]) -> list[list[int]]:
     """Rejected ids as merged ``[start, stop)`` intervals (compact in the manifest)."""
     merged: list[list[int]] = []
@@ -194,12 +326,34 @@ def write_rejected(output_dir: str, rejected: Sequence[Rejected], guard: fence.F
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def input_entries(spec: JobSpec) -> Iterator[dict[str, Any]]:
+    """One row of ``inputs.h5`` per input file (a piece of one, ``SourceFile.first_row``), in id order:
+    what a later run places the files by (``pipeline.ids.place_files``) and ``verify`` reads them again by."""
+    files = sorted([*spec.files, *spec.removed], key=lambda f: (f.first_id, f.path)) if spec.removed else spec.files
+    for source in files:
+        yield {
+            "path": source.path,
+            "key": source.key,
+            "first_id": source.first_id,
+            "stop_id": source.stop_id,
+            "num_samples": source.num_samples,
+            **({"first_row": source.first_row} if source.first_row else {}),  # rows appended to a file
+            "dtype": source.dtype,
+            "data_sha256": source.data_sha256,
+            **({"stamp": source.stamp} if source.stamp else {}),
+            **({"unreadable": source.unreadable} if source.unreadable else {}),
+            **({"removed": True} if source.removed else {}),  # gone: its ids stay taken (``place_files``)
+            **({"label": source.label} if source.label is not None else {}),  # jacobian.labels folders or table
+        }
+
+
 def build_manifest(
     spec: JobSpec,
     records: Sequence[ShardRecord],
     fields: dict[str, Any],
     rejected: Sequence[Rejected] = (),
     rejected_sha256: str | None = None,
+    input_files: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     first = next((record for record in records if record.num_samples), records[0])
     attrs = read_attrs(storage.join(spec.output_dir, first.file))
@@ -231,21 +385,10 @@ def build_manifest(
         "model_identity": spec.model_identity or None,
         "datasets": {name: {"shape": ["n", *shape], "dtype": dtype} for name, (shape, dtype) in fields.items()},
         "stored": _stored(spec),
-        "inputs": [
-            {
-                "path": source.path,
-                "key": source.key,
-                "first_id": source.first_id,
-                "stop_id": source.stop_id,
-                "num_samples": source.num_samples,
-                **({"first_row": source.first_row} if source.first_row else {}),  # rows appended to a file
-                "dtype": source.dtype,
-                "data_sha256": source.data_sha256,
-                **({"stamp": source.stamp} if source.stamp else {}),
-                **({"unreadable": source.unreadable} if source.unreadable else {}),
-            }
-            for source in spec.files
-        ],
+        # jacobian.labels folders or table: how each file's label was given, and the class names by index.
+        **({"labels": spec.labels} if spec.labels else {}),
+        # The input files' table, one row each (``input_entries``), is in inputs.h5 (``inputs_table``).
+        "input_files": input_files,
         "id_segments": [list(segment) for segment in spec.id_segments] or [[0, spec.num_samples]],
         "rejected": {
             "file": REJECTED_FILE,
@@ -254,6 +397,12 @@ def build_manifest(
             "ids": _intervals(rejected),
             "unreadable_files": sorted(run.file for run in rejected if run.start is None),
             "policy": spec.config.get("input", {}).get("on_bad_sample", "error"),
+        },
+        # The ids of input files gone since they were computed: neither rows nor rejected samples.
+        "removed": {
+            "count": sum(f.num_samples for f in spec.removed),
+            "ids": _intervals(removed_runs(spec)),
+            "files": len({f.path for f in spec.removed}),
         },
         "nonfinite": {"count": sum(record.nonfinite for record in records), "dataset": NONFINITE},
         "shards": [
@@ -372,7 +521,8 @@ def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
         count = max((record.stop for record in records), default=0)
         spec = dataclasses.replace(spec, files=(dataclasses.replace(spec.files[0], num_samples=count),))
     rejected = [*spec.file_rejects, *(run for record in records for run in record.rejected)]
-    ordered = check_coverage(records, spec.num_samples, rejected)
+    # The ids of removed files (``JobSpec.removed``) are covered as rejected ones are, but counted apart.
+    ordered = check_coverage(records, spec.num_samples, [*rejected, *removed_runs(spec)])
     stored = [record for record in ordered if record.num_samples]
     if not stored:
         raise InputError(f"input.paths: all {spec.num_samples} samples are rejected; nothing to compute "
@@ -390,11 +540,12 @@ def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
         )
     guard = fence.of(spec)
     summary = write_aggregates(combine_shards(spec, ordered), spec, ordered)
-    fields = write_virtual_view(spec.output_dir, stored, guard)
+    fields = write_virtual_view(spec.output_dir, stored, guard, spec_row_sources(spec, stored))
     rejected_sha256 = write_rejected(spec.output_dir, rejected, guard)
     # Its own only: at its end a run answers for its own files (the next run's start removes a killed run's).
     remove_temp_files(spec.output_dir, spec.run_id, guard)
-    manifest = build_manifest(spec, ordered, fields, rejected, rejected_sha256)
+    input_files = inputs_table.write_table(spec.output_dir, input_entries(spec), guard)
+    manifest = build_manifest(spec, ordered, fields, rejected, rejected_sha256, input_files)
     manifest["aggregates"] = summary
     write_manifest(spec.output_dir, manifest, guard)
     if spec.obsolete:  # stale shards that no range of this run replaced: gone once no manifest names them

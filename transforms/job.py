@@ -16,7 +16,9 @@ A stale shard (``JobSpec.stale``: computed from an input file whose stamp change
 its replacement is committed: its range's samples are read and hashed first (``_reads_as_before``), and
 where they are the samples it was computed from (its ``samples_sha256`` and rejected samples) it is kept
 as it is; else the range is computed and the commit replaces it in one rename. A run that stops before
-leaves the old shard, which the manifest and ``jacobians.h5`` still name.
+leaves the old shard, which the manifest and ``jacobians.h5`` still name. A shard holding samples of
+input files removed since is written again without them, its other rows copied (``transforms.trim``),
+and replaced the same way; one that cannot be copied so is computed again from its remaining files.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from jacobeam.transforms.errors import InputError
 from jacobeam.transforms.inputs.checks import Labels, RangeFindings, checked_slices
 from jacobeam.transforms.metrics import ShardMetrics
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import ENGINE_PLAN, INPUT_STAMPS, LABELS_SHA256, SAMPLES_SHA256, shard_name
+from jacobeam.transforms.output.layout import ENGINE_PLAN, INPUT_LABELS, INPUT_STAMPS, LABELS_SHA256, SAMPLES_SHA256, shard_name
 from jacobeam.transforms.output.shards import ShardRecord, attr_text, proven_checksum, read_rejected, shard_path
 from jacobeam.transforms.read import range_findings, shard_batches
-from jacobeam.transforms.spec import JobSpec, ShardRange, input_stamps
+from jacobeam.transforms.spec import JobSpec, ShardRange, input_labels, input_stamps
+from jacobeam.transforms.trim import trimmed, without_removed
 from jacobeam.transforms.write import ShardOutput, kept_record
 
 
@@ -80,6 +83,11 @@ class ComputeShardFn(ComputeJacobiansFn):
             for shard in [work] if isinstance(work, ShardRange) else work:
                 path = shard_path(spec.output_dir, shard.start, shard.stop)
                 stale = shard_name(shard.start, shard.stop) in self._stale
+                copied = trimmed(spec, shard, path) if stale and spec.removed else None
+                if copied is not None:  # written again without the samples of removed files, not computed
+                    self._shard_metrics.kept.inc()
+                    yield _no_bad_samples(spec, _as_now(spec, copied))
+                    continue
                 checksums = proven_checksum(path) if not stale or _reads_as_before(spec, shard, path) else None
                 if checksums is not None:
                     self._shard_metrics.kept.inc()
@@ -121,9 +129,14 @@ def _reads_as_before(spec: JobSpec, shard: ShardRange, path: str) -> bool:
             attrs, rejected = dict(h5.attrs), read_rejected(h5)
     except (OSError, ValueError):
         return False
-    if INPUT_STAMPS in attrs and json.loads(attr_text(attrs[INPUT_STAMPS])) == input_stamps(spec.files, shard.start, shard.stop):
+    # Each file's own label (jacobian.labels folders or table) can change without its stamp: the shard's
+    # recorded labels must be those of now too.
+    labels_as_now = not spec.labels or (
+        INPUT_LABELS in attrs and json.loads(attr_text(attrs[INPUT_LABELS])) == input_labels(spec.files, shard.start, shard.stop))
+    if (INPUT_STAMPS in attrs and labels_as_now
+            and json.loads(attr_text(attrs[INPUT_STAMPS])) == input_stamps(spec.files, shard.start, shard.stop)):
         return True
-    labels = spec.engine.outputs.rule == "label" and spec.label_key is not None
+    labels = spec.labelled
     if SAMPLES_SHA256 not in attrs or (labels and (LABELS_SHA256 not in attrs or "output_shape" not in attrs)):
         return False
     # Labels are checked against the model's outputs, as the shard's worker did (its output shape).
@@ -141,7 +154,9 @@ def _reads_as_before(spec: JobSpec, shard: ShardRange, path: str) -> bool:
 
 def _as_now(spec: JobSpec, record: ShardRecord) -> ShardRecord:
     """A kept shard's record with its rejected samples named by the input files as this run names them
-    (a copied or moved folder: the shard lists the paths of the run that computed it)."""
+    (a copied or moved folder: the shard lists the paths of the run that computed it), without those of
+    removed files (a shard written before ``rejected.jsonl`` dropped them lists them there)."""
+    record = dataclasses.replace(record, rejected=without_removed(spec, record.rejected))
     if not record.rejected:
         return record
     sources = [f for f in spec.files if f.num_samples]

@@ -4,8 +4,10 @@ Each range is one unit of work: ``shard_batches`` streams a range's samples thro
 slices, rebatched across file boundaries, prefetched so that reading overlaps the computing
 downstream). Local ``.npy`` files are read by TensorFlow's own ``FixedLengthRecordDataset``, one record
 per batch, whose bytes numpy takes as they are: no Python per batch beyond that, and no ``tf.data``
-function to trace per range (faster end to end: benchmarks/README.md); other files are read in slices
-in Python (``checks.checked_slices``) and handed over through ``Dataset.from_generator``. Every sample
+function to trace per range (faster end to end: benchmarks/README.md). A range of many files (more
+than ``_MOST_SEGMENTS``: one sample per file, say) and other formats are read in Python
+(``checks.checked_slices``, which gathers small files' rows into batches) and handed over through
+``Dataset.from_generator``: one dataset per range, whatever its number of files. Every sample
 is checked as it is read (``transforms.inputs.checks``): a bad one (NaN/Inf, unreadable, a label that is
 not an output index) is left out and recorded in the range's ``RangeFindings``, which also hashes the
 samples kept; under ``input.on_bad_sample: error`` the first one stops the range with one line naming
@@ -32,13 +34,13 @@ from jacobeam.transforms.inputs.readers import as_dtype, row_bytes, tensor_spec
 from jacobeam.transforms.inputs.registry import file_format
 from jacobeam.transforms.inputs.types import Samples, SourceFile
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.spec import JobSpec, ShardRange
+from jacobeam.transforms.spec import JobSpec, ShardRange, overlapping
 
 
 def range_findings(spec: JobSpec, outputs: int | None = None) -> RangeFindings:
     """A range's ``RangeFindings`` under the job's ``on_bad_sample``; labels (``outputs: label``) are checked
     against ``outputs``, the model's output size (None: integral and non-negative only)."""
-    labels = Labels(spec.label_key, outputs) if spec.engine.outputs.rule == "label" and spec.label_key else None
+    labels = Labels(spec.label_key, outputs) if spec.labelled else None
     return RangeFindings(spec.files, spec.on_bad_sample, labels)
 
 
@@ -47,6 +49,8 @@ def shard_batches(spec: JobSpec, shard: ShardRange, findings: RangeFindings | No
     read by ``tf.data``; the bad ones and the digest of the good ones go to ``findings`` (a new one if
     None). Raises the ``InputError`` of the first bad sample under ``on_bad_sample: error``."""
     findings = range_findings(spec) if findings is None else findings
+    if not overlapping(spec.files, shard.start, shard.stop):  # every id of the range is a removed file's
+        return
     segments = _npy_segments(spec, shard)
     batches = _native(spec, segments, findings) if segments is not None else _tensors(_dataset(spec, shard, findings))
     for ids, inputs, labels in batches:
@@ -129,6 +133,12 @@ def _from_generator(spec: JobSpec, shard: ShardRange, findings: RangeFindings):
     return tf.data.Dataset.from_generator(slices, output_signature=signature)
 
 
+# A range of more files than this is read in Python (``checked_slices`` gathers small files' rows into
+# batches): tf.data's chain of one dataset per file costs more per file the longer it is (4,096 one-row
+# files read at ~100 samples/s; benchmarks/README.md).
+_MOST_SEGMENTS = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class _Segment:
     """Ids ``[start, stop)`` of one local ``.npy`` file whose rows begin at byte ``offset``."""
@@ -142,14 +152,15 @@ class _Segment:
 def _npy_segments(spec: JobSpec, shard: ShardRange) -> list[_Segment] | None:
     """The range's samples as segments of local ``.npy`` files whose rows can be read as raw records,
     or None where some are not (other formats, remote files, labels, dtypes other than plain numbers, a
-    file that ends before the range's rows: the Python reader finds which rows are missing)."""
+    file that ends before the range's rows: the Python reader finds which rows are missing) or where the
+    range spans more than ``_MOST_SEGMENTS`` files."""
     if spec.engine.outputs.rule == "label":
         return None
     segments: list[_Segment] = []
-    for source in spec.files:
+    for source in overlapping(spec.files, shard.start, shard.stop):
         start, stop = max(shard.start, source.first_id), min(shard.stop, source.stop_id)
-        if start >= stop:
-            continue
+        if len(segments) == _MOST_SEGMENTS:
+            return None
         if source.key is not None or file_format(source.path) != "npy" or not storage.is_local(source.path):
             return None
         offset = arrays.npy_data_offset(source.path)

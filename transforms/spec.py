@@ -6,9 +6,13 @@ imports neither TensorFlow nor Beam.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
+import itertools
 import json
+import pickle
+import zlib
 from collections.abc import Iterator
 from importlib import metadata
 from typing import Any, Literal
@@ -181,6 +185,9 @@ class JobSpec:
     compression: str = "none"
     tf_threads: int | None = None  # TensorFlow threads per worker process; None keeps TF's default
     label_key: str | None = None  # the array of per-sample labels in each input file (outputs: label)
+    # outputs: label with one label per file (``SourceFile.label``; ``jacobian.labels`` folders or table):
+    # how the labels were given and the class names, the manifest's ``labels``. None otherwise.
+    labels: dict[str, Any] | None = None
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the resolved config, for the manifest
     started_at: float = 0.0
     # Set by the planner (pipeline.plan); the defaults describe a fresh run.
@@ -215,6 +222,18 @@ class JobSpec:
     # Shard files (relative to the output folder) of this folder that no range of this run replaces:
     # deleted only once the new manifest is in place (``transforms.finalize``).
     obsolete: tuple[str, ...] = ()
+    # The pieces of input files gone since the folder was computed (``SourceFile.removed``), in id order:
+    # their ids stay taken, but no shard stores or rejects them (``transforms.trim``); not in ``files``.
+    removed: tuple[SourceFile, ...] = ()
+
+    def __reduce__(self):
+        # Beam pickles the spec into every step, several times (a check, the graph, each bundle), and
+        # compresses each pickle: a million files cost minutes and a copy of them per step. The files
+        # travel as one compressed blob made once, under a token; a process that has them (the launcher,
+        # a worker after its first step) takes its own copy instead of decoding another.
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "files"}
+        token, blob = _packed(self.files)
+        return _unpack_spec, (state, token, blob)
 
     @property
     def sample_shape(self) -> Shape:
@@ -223,7 +242,17 @@ class JobSpec:
 
     @property
     def num_samples(self) -> int:
-        return max(f.stop_id for f in self.files)
+        return max(f.stop_id for f in (*self.files, *self.removed))
+
+    @property
+    def labelled(self) -> bool:
+        """Whether the samples are read with labels (``outputs: label``): an array of each file
+        (``label_key``) or each file's label (``labels``)."""
+        return self.engine.outputs.rule == "label" and (self.label_key is not None or self.labels is not None)
+
+    def removed_in(self, start: int, stop: int) -> int:
+        """How many ids of ``[start, stop)`` belong to removed files (``removed``)."""
+        return sum(max(0, min(stop, f.stop_id) - max(start, f.first_id)) for f in self.removed)
 
     def ranges(self) -> list[ShardRange]:
         if self.shard_ranges:
@@ -232,8 +261,64 @@ class JobSpec:
         return [ShardRange(lo, min(lo + step, self.num_samples)) for lo in range(0, self.num_samples, step)]
 
 
-def _overlapping(files: tuple[SourceFile, ...] | list[SourceFile], start: int, stop: int) -> list[SourceFile]:
-    return [f for f in files if f.num_samples and f.first_id < stop and start < f.stop_id]
+_last_index: tuple[Any, Any] = (None, None)  # the files last searched, and their index (``_id_index``)
+
+
+_packed_files: dict[str, tuple[SourceFile, ...]] = {}  # by token: the files of the specs this process holds
+_blobs: dict[int, tuple[Any, str, bytes]] = {}  # by id of the files packed: the files, their token and blob
+_KEPT = 4  # tokens kept (a process runs one job at a time; tests run many)
+
+
+def _packed(files: tuple[SourceFile, ...]) -> tuple[str, bytes]:
+    """The token and compressed pickle of ``files``, made once for each of the last files packed."""
+    seen, token, blob = _blobs.get(id(files), (None, "", b""))
+    if seen is not files:
+        blob = zlib.compress(pickle.dumps(files, protocol=pickle.HIGHEST_PROTOCOL), 1)
+        token = hashlib.sha256(blob).hexdigest()
+        _remember(token, files)
+        _blobs[id(files)] = (files, token, blob)
+        while len(_blobs) > _KEPT:
+            del _blobs[next(iter(_blobs))]
+    return token, blob
+
+
+def _remember(token: str, files: tuple[SourceFile, ...]) -> None:
+    _packed_files[token] = files
+    while len(_packed_files) > _KEPT:
+        del _packed_files[next(iter(_packed_files))]
+
+
+def _unpack_spec(state: dict[str, Any], token: str, blob: bytes) -> JobSpec:
+    files = _packed_files.get(token)
+    if files is None:
+        files = pickle.loads(zlib.decompress(blob))
+        _remember(token, files)
+    return JobSpec(files=files, **state)
+
+
+def _id_index(files: tuple[SourceFile, ...] | list[SourceFile]) -> tuple[list[int], list[int]] | None:
+    """Each file's first id and the largest stop id up to it, for files in order of first id (as planned);
+    None for files in another order. Kept for the files last searched: each shard range searches the
+    same job's files, a million of them in a large job."""
+    global _last_index
+    searched, index = _last_index
+    if searched is not files:
+        starts = [f.first_id for f in files]
+        reach = list(itertools.accumulate((f.stop_id for f in files), max))
+        index = (starts, reach) if all(a <= b for a, b in zip(starts, starts[1:])) else None
+        _last_index = (files, index)
+    return index
+
+
+def overlapping(files: tuple[SourceFile, ...] | list[SourceFile], start: int, stop: int) -> list[SourceFile]:
+    """The files (pieces) holding samples of ids ``[start, stop)``, in their order."""
+    index = _id_index(files)
+    if index is None:
+        candidates = files
+    else:  # the files from the first that reaches past ``start`` to the last that begins before ``stop``
+        starts, reach = index
+        candidates = files[bisect.bisect_right(reach, start):bisect.bisect_left(starts, stop)]
+    return [f for f in candidates if f.num_samples and f.first_id < stop and start < f.stop_id]
 
 
 def shard_inputs(files: tuple[SourceFile, ...] | list[SourceFile], start: int, stop: int) -> list[list[Any]]:
@@ -244,11 +329,18 @@ def shard_inputs(files: tuple[SourceFile, ...] | list[SourceFile], start: int, s
     A shard stores this, so that a later run can tell whether the shard's ids still mean the same samples.
     """
     return [[f.path, f.key, f.first_id, f.num_samples, f.data_sha256, *([f.first_row] if f.first_row else [])]
-            for f in _overlapping(files, start, stop)]
+            for f in overlapping(files, start, stop)]
+
+
+def input_labels(files: tuple[SourceFile, ...] | list[SourceFile], start: int, stop: int) -> dict[str, int | None]:
+    """The labels (``SourceFile.label``) of the input files whose ids overlap ``[start, stop)``, by path: a
+    shard stores them (``jacobian.labels`` folders or table), and a later run that finds another label for
+    one of its files computes it again (``pipeline.labels.relabelled_shards``)."""
+    return {f.path: f.label for f in overlapping(files, start, stop)}
 
 
 def input_stamps(files: tuple[SourceFile, ...] | list[SourceFile], start: int, stop: int) -> dict[str, str | None]:
     """The stamps (``SourceFile.stamp``: size and time of the last change) of the input files whose ids
     overlap ``[start, stop)``, by path: a shard stores them, and a later run that finds another stamp
     reads the shard's samples again (``JobSpec.stale``)."""
-    return {f.path: f.stamp for f in _overlapping(files, start, stop)}
+    return {f.path: f.stamp for f in overlapping(files, start, stop)}

@@ -29,6 +29,7 @@ from jacobeam.transforms.inputs.readers import shape_record
 from jacobeam.transforms.metrics import ShardMetrics, shard_rows
 from jacobeam.transforms.output import fence
 from jacobeam.transforms.output.layout import (
+    INPUT_LABELS,
     INPUT_STAMPS,
     LABELS_SHA256,
     REJECTED_GROUP,
@@ -39,7 +40,7 @@ from jacobeam.transforms.output.layout import (
 )
 from jacobeam.transforms.output.shard_writer import ShardWriter
 from jacobeam.transforms.output.shards import ShardRecord, existing_record, read_attrs, rejected_record, shard_path
-from jacobeam.transforms.spec import JobSpec, Rejected, ShardRange, input_stamps, shard_inputs, version
+from jacobeam.transforms.spec import JobSpec, Rejected, ShardRange, input_labels, input_stamps, overlapping, shard_inputs, version
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ class ShardOutput:
         returns at once. Raises ``OutputError`` when rows are missing."""
         shard = self._shard
         self._rejected = tuple(findings.rejected) if findings is not None else ()
-        rows = shard.rows - sum(r.num_samples for r in self._rejected)
+        # Ids of removed input files (``JobSpec.removed``) are neither read nor rows.
+        rows = shard.rows - sum(r.num_samples for r in self._rejected) - self._spec.removed_in(shard.start, shard.stop)
         if self._writer is None:
             if rows:
                 raise OutputError(f"{shard_file(shard.start, shard.stop)}: no rows arrived, {rows} planned")
@@ -130,7 +132,7 @@ class ShardOutput:
         self.__exit__(None, None, None)
         self._metrics.written.inc()
         seconds = time.perf_counter() - self._began
-        rows = shard.rows - sum(r.num_samples for r in self._rejected)
+        rows = shard.rows - sum(r.num_samples for r in self._rejected) - self._spec.removed_in(shard.start, shard.stop)
         log.info("shard %s: %d samples in %.2fs", writer.name, rows, seconds)
         return ShardRecord(
             file=shard_file(shard.start, shard.stop),
@@ -192,6 +194,7 @@ class ShardOutput:
             "run_identity": json.dumps(spec.identity, sort_keys=True),
             "inputs": json.dumps(shard_inputs(spec.files, shard.start, shard.stop)),
             INPUT_STAMPS: json.dumps(input_stamps(spec.files, shard.start, shard.stop)),
+            **({INPUT_LABELS: json.dumps(input_labels(spec.files, shard.start, shard.stop))} if spec.labels else {}),
             **model_identity.shard_attrs(spec.model_identity, spec.tf_threads),
         }
 
@@ -221,7 +224,7 @@ class ShardOutput:
                          check["id"], self_check.KINK_NOTE, check["dataset"], check["max_rel_error"])
 
     def _input_row(self, sample_id: int) -> dict[str, Any] | None:
-        source = next((f for f in self._spec.files if f.num_samples and f.first_id <= sample_id < f.stop_id), None)
+        source = next(iter(overlapping(self._spec.files, sample_id, sample_id + 1)), None)
         return None if source is None or self._spec.open_ended else {"file": source.path, "row": source.row(sample_id)}
 
     def _mismatch(self, check: dict[str, Any]) -> str:

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ByteSize, Field, NonNegativeInt, PositiveInt, field_validator, model_validator
+from pydantic import (
+    ByteSize,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from jacobeam.pipeline.config.section import Section, one_string_is_a_list
 from jacobeam.transforms.engine.reductions import FULL, NEEDS_ALL_ROWS, PRODUCTS
@@ -22,13 +31,67 @@ class TopK(Section):
 
 
 class LabelsConfig(Section):
-    """``jacobian.labels``: where ``jacobian.outputs: label`` finds each sample's label."""
+    """``jacobian.labels``: where ``jacobian.outputs: label`` finds each sample's label. One of three
+    sources: ``key``, an array beside the samples in each input file; ``folders: true``, the class
+    subfolder each file is in (as Keras's ``image_dataset_from_directory(labels="inferred")``); ``table``,
+    a CSV or JSON table of file to label. The last two give each file one label, for all its samples
+    (one, for an image); the manifest records them per file and, under ``labels``, the class names.
+    A file whose label changes (the table edited) has its shards computed again; a file moved to another
+    class folder is a file gone and a new one."""
 
-    key: str = Field(
+    key: str | None = Field(
+        None,
         description="The array (`.npz`) or dataset path (`.h5`) of the input files that holds their samples' "
-        "labels, one per sample (shape `(n,)` or `(n, 1)`): integer flat output indices `0..m-1`. Required "
-        "when `labels` is given: there is no default key.",
+        "labels, one per sample (shape `(n,)` or `(n, 1)`): integer flat output indices `0..m-1`. There is no "
+        "default key: give `key`, `folders` or `table`.",
     )
+    folders: bool = Field(
+        False,
+        description="`true`: each file's label is the index of its class, the first subfolder under the folder "
+        "of `input.paths` that holds it (for a glob, under its part before the first wildcard). The classes are "
+        "`class_names` where given, else the sorted names of the subfolders there (a local folder: every "
+        "subfolder, as Keras lists them; remote: those holding input files). A file directly in that folder, "
+        "or in a subfolder not in `class_names`, is an error. A later run may add class folders whose names "
+        "sort after the recorded ones; one that sorts among them would renumber the classes: it is refused "
+        "(a model retrained on more classes is another run: `--overwrite`).",
+    )
+    table: str | None = Field(
+        None,
+        description="A table of file to label: `.csv` with a header row naming the columns `file` and `label`, "
+        "or `.json`, an object `{file: label}`. Files are named relative to the table's folder (or absolute); "
+        "labels are integer flat output indices, or, with `class_names`, names in it. Every input file must "
+        "be listed; rows for other files are ignored.",
+    )
+    class_names: list[str] | None = Field(
+        None,
+        description="The classes in output order (label `i` is `class_names[i]`): with `folders`, the "
+        "subfolder names (fixed, whatever folders a later run finds); with `table`, the names its labels are "
+        "given by. `null`: with `folders`, the sorted subfolder names; with `table`, the labels are integers.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> LabelsConfig:
+        given = [name for name, value in (("key", self.key), ("folders", self.folders), ("table", self.table)) if value]
+        if len(given) != 1:
+            found = f"{' and '.join(given)} are given" if given else "none is given"
+            raise ValueError(f"give one of key: <array>, folders: true or table: <file> ({found})")
+        if self.class_names is not None and self.key is not None:
+            raise ValueError("class_names is for folders: true or table: <file>; key: labels are output indices")
+        repeated = sorted({name for name in self.class_names or [] if self.class_names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"class_names: each class once; {repeated} repeated")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _given_keys(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Only the keys given: the run identity of a folder written before folders and table existed
+        # (``{key: ...}``) stays what it was.
+        return {name: value for name, value in handler(self).items() if value not in (None, False)}
+
+    @property
+    def per_file(self) -> bool:
+        """Whether each file has one label (``folders`` or ``table``), rather than an array of them."""
+        return self.key is None
 
 
 class ProjectConfig(Section):
@@ -182,8 +245,8 @@ class JacobianConfig(Section):
     labels: LabelsConfig | None = Field(
         None,
         description="Where `outputs: label` finds each sample's label: `{key: <array>}`, an array of the same "
-        "input files (see `jacobian.labels`). Required for `outputs: label` and unused otherwise; "
-        "`null`: no labels (there is no default key).",
+        "input files; `{folders: true}`, each file's class subfolder; `{table: <csv or json>}`, a table of file "
+        "to label (see `jacobian.labels`). Required for `outputs: label` and unused otherwise; `null`: no labels.",
     )
     reduce: Literal[FULL + PRODUCTS] = Field(
         "none",
@@ -247,7 +310,8 @@ class JacobianConfig(Section):
         if self.outputs == []:
             raise ValueError("outputs: an empty list selects nothing; use all or give indices")
         if rule == "label" and self.labels is None:
-            raise ValueError("outputs: label needs labels: {key: <array of labels in the input files>}")
+            raise ValueError("outputs: label needs labels: {key: <array in the input files>}, {folders: true} or "
+                             "{table: <csv or json of file to label>}")
         if rule != "all" and self.reduce in NEEDS_ALL_ROWS:
             raise ValueError(f"reduce: {self.reduce} needs every output row; it cannot follow outputs: {self.outputs}")
         if self.reduce in ("vjp", "jvp") and self.vectors is None:

@@ -28,16 +28,17 @@ from jacobeam.transforms.inputs import arrays, images
 from jacobeam.transforms.inputs.readers import open_rows, open_samples, parts
 from jacobeam.transforms.inputs.registry import file_format
 from jacobeam.transforms.inputs.types import Samples, SourceFile
-from jacobeam.transforms.spec import Rejected
+from jacobeam.transforms.spec import Rejected, overlapping
 
 
 @dataclasses.dataclass(frozen=True)
 class Labels:
-    """Each sample's label (``jacobian.outputs: label``): the array ``key`` of every input file, whose
-    values must be flat output indices ``0..outputs-1`` (``outputs`` None: the model's output size is not
-    known; only integral, non-negative values are checked then)."""
+    """Each sample's label (``jacobian.outputs: label``): the array ``key`` of every input file, or (``key``
+    None) each file's own label (``SourceFile.label``), whose values must be flat output indices
+    ``0..outputs-1`` (``outputs`` None: the model's output size is not known; only integral, non-negative
+    values are checked then)."""
 
-    key: str
+    key: str | None
     outputs: int | None = None
 
     def reasons(self, values: np.ndarray) -> dict[int, str]:
@@ -109,7 +110,7 @@ class RangeFindings:
         self.error: InputError | None = None
 
     def _source(self, sample_id: int) -> SourceFile:
-        return next(f for f in self._files if f.first_id <= sample_id < f.stop_id)
+        return overlapping(self._files, sample_id, sample_id + 1)[0]
 
     def reject(self, sample_id: int, reason: str) -> None:
         self._bad.setdefault(sample_id, reason)
@@ -178,6 +179,8 @@ def _read_file(source: SourceFile, lo: int, hi: int, max_rows: int, label_key: s
             def read(first: int, last: int):
                 local = slice(source.row(first), source.row(last))
                 values = labels.read(local.start, local.stop).reshape(-1) if labels is not None else None
+                if source.label is not None:  # the file's own label, for each of its samples
+                    values = np.full(last - first, source.label, np.int64)
                 return rows.read(local.start, local.stop), values
 
             pending = []
@@ -206,8 +209,9 @@ def _read_file(source: SourceFile, lo: int, hi: int, max_rows: int, label_key: s
             findings.reject(sample_id, err.reason)
 
 
-def _read_images(batch: list[SourceFile], findings: RangeFindings) -> Iterator[tuple[np.ndarray, Samples, None]]:
-    ids, samples = [], []
+def _read_images(batch: list[SourceFile], findings: RangeFindings) -> Iterator[tuple[np.ndarray, Samples, np.ndarray | None]]:
+    """Images read together; their labels are the files' own (``SourceFile.label``) where they have one."""
+    ids, samples, labels = [], [], []
     for source, sample in zip(batch, images.read_images(batch, errors=True), strict=True):
         if isinstance(sample, CorruptInputError):
             findings.reject(source.first_id, sample.reason)
@@ -217,24 +221,84 @@ def _read_images(batch: list[SourceFile], findings: RangeFindings) -> Iterator[t
         else:
             ids.append(source.first_id)
             samples.append(sample)
+            labels.append(source.label)
     if ids:
-        yield np.array(ids, np.int64), np.stack(samples), None
+        yield np.array(ids, np.int64), np.stack(samples), None if labels[0] is None else np.array(labels, np.int64)
+
+
+class _SmallFiles:
+    """Rows of consecutive small array files (fewer rows in the range than a slice), gathered into slices
+    of up to ``max_rows`` rows and checked together: per file, only its opening and reading remain, so a
+    range of one-row files costs about what the same rows of one file do. Rows of one dtype (per input)
+    are gathered; a file of another dtype begins a new slice, so each row is hashed in its own dtype, as
+    read. Where a file's rows cannot be read (``findings.reject`` as read), the rows gathered before
+    them are checked first: rejections stay in id order, and under ``on_bad_sample: error`` the first
+    bad sample is the one named."""
+
+    def __init__(self, max_rows: int, findings: RangeFindings):
+        self.max_rows, self._findings = max_rows, findings
+        self._parts: list[tuple[np.ndarray, Samples, np.ndarray | None]] = []
+        self._rows = 0
+        self.ready: list[tuple[np.ndarray, Samples, np.ndarray | None]] = []  # checked slices, to hand on
+
+    @property
+    def error(self) -> InputError | None:
+        return self._findings.error
+
+    def reject(self, sample_id: int, reason: str) -> None:
+        self.flush()
+        self._findings.reject(sample_id, reason)
+
+    def add(self, ids: np.ndarray, samples: Samples, labels: np.ndarray | None) -> None:
+        if self._parts and (self._rows + len(ids) > self.max_rows or _kinds(self._parts[-1]) != _kinds((ids, samples, labels))):
+            self.flush()
+        self._parts.append((ids, samples, labels))
+        self._rows += len(ids)
+
+    def flush(self) -> None:
+        if not self._parts:
+            return
+        gathered, self._parts, self._rows = self._parts, [], 0
+        ids = np.concatenate([part[0] for part in gathered])
+        if isinstance(gathered[0][1], dict):
+            samples = {name: np.concatenate([part[1][name] for part in gathered]) for name in gathered[0][1]}
+        else:
+            samples = np.concatenate([part[1] for part in gathered])
+        labels = None if gathered[0][2] is None else np.concatenate([part[2] for part in gathered])
+        ids, samples, labels = self._findings.keep(ids, samples, labels)
+        if len(ids):
+            self.ready.append((ids, samples, labels))
+
+
+def _kinds(part: tuple[np.ndarray, Samples, np.ndarray | None]) -> tuple:
+    """What rows must share to be concatenated: their dtypes (per input) and their labels' dtype."""
+    _, samples, labels = part
+    return tuple((name, values.dtype) for name, values in parts(samples)), None if labels is None else labels.dtype
 
 
 def checked_slices(
     files: Sequence[SourceFile], start: int, stop: int, max_rows: int, findings: RangeFindings, label_key: str | None = None
 ) -> Iterator[tuple[np.ndarray, Samples, np.ndarray | None]]:
     """``(sample_ids, samples, labels)`` of the good samples of ids ``[start, stop)`` in id order, as read
-    (the file's dtype), in slices of at most ``max_rows`` rows, each from one file (consecutive images
-    read together); the bad ones go to ``findings`` (see ``RangeFindings``), which also hashes the good
-    ones. Stops after the first bad sample under ``on_bad_sample: error``."""
+    (the file's dtype), in slices of at most ``max_rows`` rows; a slice of a file with ``max_rows`` rows
+    or more in the range is of that file alone, consecutive small files (one-row ``.npy`` files, images)
+    are read together (``_SmallFiles``). The bad samples go to ``findings`` (see ``RangeFindings``), which
+    also hashes the good ones, in id order whatever the slicing. Stops after the first bad sample under
+    ``on_bad_sample: error``."""
     pending: list[SourceFile] = []  # consecutive images not yet read
+    small = _SmallFiles(max_rows, findings)
 
-    def flush():
+    def images():
         if pending:
             batch = pending.copy()
             pending.clear()
-            yield from _read_images(batch, findings)
+            yield from checked(_read_images(batch, findings))
+
+    def gathered(flush: bool = False):
+        if flush:
+            small.flush()
+        while small.ready:
+            yield small.ready.pop(0)
 
     def checked(slices):
         for ids, samples, labels in slices:
@@ -244,17 +308,27 @@ def checked_slices(
             if findings.error is not None:
                 return
 
-    for source in files:
+    for source in overlapping(files, start, stop):  # not a pass over a million files per range
         lo, hi = max(start, source.first_id), min(stop, source.stop_id)
-        if lo >= hi or findings.error is not None:
+        if findings.error is not None:
             continue
         if source.image is not None:
+            yield from gathered(flush=True)
             pending.append(source)
             if len(pending) == max_rows:
-                yield from checked(flush())
+                yield from images()
             continue
-        yield from checked(flush())
-        if findings.error is None:
-            yield from checked(_read_file(source, lo, hi, max_rows, label_key, findings))
+        yield from images()
+        if findings.error is not None:
+            continue
+        if hi - lo < max_rows:
+            for ids, samples, labels in _read_file(source, lo, hi, max_rows, label_key, small):
+                small.add(ids, samples, labels)
+            yield from gathered()
+        else:
+            yield from gathered(flush=True)
+            if findings.error is None:
+                yield from checked(_read_file(source, lo, hi, max_rows, label_key, findings))
     if findings.error is None:
-        yield from checked(flush())
+        yield from images()
+        yield from gathered(flush=True)

@@ -63,9 +63,12 @@ def check_labels(source: SourceFile, label_key: str) -> np.dtype:
     if fmt not in ("npz", "h5"):
         # Whatever the key, a .npy file would give its samples for labels.
         holds = "a .npy file holds one array, its samples" if fmt == "npy" else f"labels are not read from {fmt} files"
+        per_file = "" if fmt == "npy" else (
+            ", or give each file one label: jacobian.labels {folders: true} (its class subfolder) or "
+            "{table: <.csv or .json of file to label>}")
         raise InputError(
             f"{source.path}: jacobian.labels.key {label_key!r}: {holds}; labels need a named array beside the "
-            "samples, in .npz or .h5 files"
+            f"samples, in .npz or .h5 files{per_file}"
         )
     with open_rows(source.path, label_key, "jacobian.labels.key") as labels:
         shape, dtype = tuple(int(d) for d in labels.shape), np.dtype(labels.dtype)
@@ -108,7 +111,7 @@ def assign_ids(files: Sequence[SourceFile]) -> list[SourceFile]:
     """Give each file its id range in the concatenation, in sorted path order."""
     placed, next_id = [], 0
     for source in sorted(files, key=lambda f: f.path):
-        placed.append(dataclasses.replace(source, first_id=next_id))
+        placed.append(source if source.first_id == next_id else dataclasses.replace(source, first_id=next_id))
         next_id += source.num_samples
     return placed
 
@@ -201,12 +204,13 @@ def tensor_spec(shape: Shape, dtype: str):
 def from_a_pipeline(manifest: Mapping[str, Any]) -> bool:
     """Whether a user's own pipeline wrote the folder (``WriteShards(pipeline_spec(...))``): its manifest
     lists no input file to read the samples from again."""
-    return bool(manifest["config"].get("pipeline")) or any(entry["path"] == PIPELINE_INPUT for entry in manifest["inputs"])
+    # A manifest that lists no files (they are in inputs.h5) says so in its config, as every such one does.
+    return bool(manifest["config"].get("pipeline")) or next(iter(manifest.get("inputs", ())), {}).get("path") == PIPELINE_INPUT
 
 
 def manifest_sources(manifest: Mapping[str, Any]) -> list[SourceFile]:
     """The input files a manifest lists, as ``SourceFile``s to read samples from again (none for a folder
-    of a user's own pipeline: ``from_a_pipeline``)."""
+    of a user's own pipeline: ``from_a_pipeline``), but those removed since they were computed."""
     if from_a_pipeline(manifest):
         return []
     shape = shape_from_record(manifest["input_shape"])
@@ -223,6 +227,8 @@ def manifest_sources(manifest: Mapping[str, Any]) -> list[SourceFile]:
             data_sha256=entry.get("data_sha256"),
             unreadable=entry.get("unreadable"),
             image=image if file_format(entry["path"]) == "image" else None,
+            label=entry.get("label"),
         )
         for entry in manifest["inputs"]
+        if not entry.get("removed")  # a file gone since (``SourceFile.removed``): no samples to read
     ]

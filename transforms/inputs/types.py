@@ -79,6 +79,12 @@ class SourceFile:
     unreadable: str | None = None  # why a file that cannot be opened holds no samples (on_bad_sample: skip)
     image: ImageOptions | None = None  # for an image file: how it is decoded
     first_row: int = 0  # the file's row of id ``first_id`` (0 but for the rows appended to a file: see above)
+    # The file is gone since the folder was computed: its ids are kept, but they are neither rows nor
+    # rejected samples (``JobSpec.removed``; ``pipeline.ids.place_files``).
+    removed: bool = False
+    # The label of every sample of the file (``jacobian.labels`` folders or table: its class subfolder, its
+    # row of the table), set at planning; None where labels are an array of the file or not used.
+    label: int | None = None
 
     @property
     def stop_id(self) -> int:

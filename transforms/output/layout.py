@@ -8,7 +8,9 @@ Imports nothing else of jacobeam. ::
                                              rejected_samples/runs (the range's rejected samples)
       shards/shard-....h5.crc32c             a remote shard's checksum sidecar (shards written before
                                              CRC32C: shard-....h5.sha256)
-      jacobians.h5                           the virtual view over every shard
+      jacobians.h5                           the virtual view over every shard, and each row's source
+                                             (source_file, source_row, source_files)
+      inputs.h5                              the input files, one row each (``inputs_table``)
       aggregates.h5                          aggregate statistics (jacobian.aggregate)
       rejected.jsonl                         samples rejected under on_bad_sample: skip
       engine-plan.json                       the engine's set-up decisions, a cache (see ENGINE_PLAN)
@@ -23,6 +25,7 @@ SHARDS_DIR = "shards"
 MANIFEST = "manifest.json"
 VIEW = "jacobians.h5"
 AGGREGATES = "aggregates.h5"
+INPUTS_TABLE = "inputs.h5"  # the input files' table (``transforms.output.inputs_table``); the manifest points at it
 REJECTED_FILE = "rejected.jsonl"
 CRC32C_SUFFIX = ".crc32c"  # a remote shard's sidecar: the CRC32C of its bytes
 CHECKSUM_SUFFIX = ".sha256"  # the sidecar of a remote shard written before CRC32C: their sha256
@@ -46,10 +49,18 @@ REJECTED_GROUP = "rejected_samples"
 SAMPLES_SHA256 = "samples_sha256"  # attribute: sha256 of the stored samples' bytes as read, in id order
 LABELS_SHA256 = "labels_sha256"  # attribute (outputs: label): sha256 of the stored samples' labels as read
 INPUT_STAMPS = "input_stamps"  # attribute: {input path: stamp} of the files the shard's ids come from
+INPUT_LABELS = "input_labels"  # attribute (jacobian.labels folders or table): {input path: label} of those files
 OUTPUT = "output"
 OUTPUT_INDEX = "output_index"
-# Per-sample datasets that go with every result: the outputs, which rows were kept, ids, nonfinite flags.
-ROW_DATASETS = (OUTPUT, OUTPUT_INDEX, SAMPLE_ID, NONFINITE)
+# Where each row of ``jacobians.h5`` came from (the view's own datasets, written at finalize, not read from
+# the shards): ``source_file`` (n,) indexes ``source_files`` (m,), the input files' paths relative to the
+# attribute ``source_root``; ``source_row`` (n,) is the row within that file.
+SOURCE_FILE = "source_file"
+SOURCE_ROW = "source_row"
+SOURCE_FILES = "source_files"
+SOURCE_ROOT = "source_root"
+# Datasets that go with every result: the outputs, which rows were kept, ids, nonfinite flags, sources.
+ROW_DATASETS = (OUTPUT, OUTPUT_INDEX, SAMPLE_ID, NONFINITE, SOURCE_FILE, SOURCE_ROW, SOURCE_FILES)
 
 # The input path that the manifest of a user's pipeline's folder records (``pipeline_spec``): no file.
 PIPELINE_INPUT = "(pipeline)"
@@ -62,7 +73,7 @@ _TEMP_TAG = r"\.tmp-(?:(?P<run>[0-9a-f]+)-)?[0-9a-f]+$"
 _SHARD_TEMP = re.compile(r"^\.shard-\d{12}-\d{12}\.h5" + _TEMP_TAG)
 _FILE_TEMP = re.compile(
     r"^\.("
-    + "|".join(re.escape(name) for name in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES, ENGINE_PLAN))
+    + "|".join(re.escape(name) for name in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES, ENGINE_PLAN, INPUTS_TABLE))
     + r")" + _TEMP_TAG
 )
 _PROBE = re.compile("^" + re.escape(WRITE_PROBE_PREFIX) + "[0-9a-f]+$")

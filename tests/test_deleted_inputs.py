@@ -1,0 +1,334 @@
+"""Input files that go (issue 37): a deleted file's samples leave the result and the rest is kept as it
+was. Its ids stay taken, marked removed (``manifest["removed"]``, ``"removed": true`` in the inputs
+table); the shards that held its rows are written again without them, their other rows copied (not
+computed: compared here byte for byte with the previous run's rows and with a per-sample
+``tf.GradientTape`` reference); the shards it did not feed are not touched; ``verify`` passes. A file no
+shard stored a row of (unreadable, or every sample rejected) just goes, its shard's rows untouched. A
+file put back later is a new file: its samples come back under new ids."""
+
+import ast
+import json
+import re
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from jacobeam.pipeline import cli, config, runner
+from jacobeam.pipeline.folder import read_folder
+from jacobeam.pipeline.verify import verify
+from jacobeam.transforms import trim
+from tests import models as test_models
+from tests.reference import assert_close, tape_loop
+from tests.services import jacobeam_process
+from tests.test_images import as_samples, write_images
+
+
+def _run(raw: dict) -> dict:
+    return runner.run(config.validate(raw), [], show_progress=False).manifest
+
+
+def _rows(out: Path) -> dict[int, dict[str, np.ndarray]]:
+    """Each stored sample's row of ``jacobians.h5``, by sample id."""
+    with h5py.File(out / "jacobians.h5") as view:
+        ids = view["sample_id"][:]
+        columns = {name: view[name][:] for name in ("jacobian", "output", "nonfinite")}
+    return {int(i): {name: values[row] for name, values in columns.items()} for row, i in enumerate(ids)}
+
+
+def _shards(out: Path) -> dict[str, tuple[int, bytes]]:
+    return {p.name: (p.stat().st_ino, p.read_bytes()) for p in sorted((out / "shards").iterdir())}
+
+
+def _assert_kept(before: dict, after: dict, gone: set[int]) -> None:
+    """The rows of ``after`` are those of ``before`` but the ids ``gone``, bit for bit."""
+    assert sorted(after) == sorted(set(before) - gone)
+    for sample_id, row in after.items():
+        for name, values in row.items():
+            assert values.tobytes() == before[sample_id][name].tobytes(), (sample_id, name)
+
+
+# --- an image folder: one PNG per sample ----------------------------------------------------------------
+
+
+IMAGES = [f"img{i:02d}.png" for i in range(10)]  # ids 0..9; shards of 4: 0..4, 4..8, 8..10
+
+
+def _image_job(images: Path, out: Path, policy: str) -> dict:
+    return {
+        "model": {"factory": "tests.models:small_cnn"},
+        "input": {"paths": [str(images)], "on_bad_sample": policy},
+        "jacobian": {"batch_size": 4},
+        "output": {"path": str(out), "samples_per_shard": 4},
+    }
+
+
+@pytest.mark.parametrize("policy", ["error", "skip"])
+def test_a_deleted_image_leaves_only_its_row(tmp_path, policy):
+    images, out = tmp_path / "images", tmp_path / "out"
+    pixels = write_images(images, IMAGES)
+    raw = _image_job(images, out, policy)
+    _run(raw)
+    before, shards = _rows(out), _shards(out)
+    (images / "img05.png").unlink()
+
+    manifest = _run(raw)
+
+    assert manifest["removed"] == {"count": 1, "ids": [[5, 6]], "files": 1}
+    assert manifest["rejected"]["count"] == 0 and manifest["num_samples"] == 10 and manifest["num_rows"] == 9
+    assert manifest["run"]["samples_computed"] == 0  # the shard of id 5 was copied without it, not computed
+    assert [(s["start"], s["num_samples"], s["computed_in_this_run"]) for s in manifest["shards"]] == [
+        (0, 4, False), (4, 3, False), (8, 2, False),
+    ]
+    after = _shards(out)
+    for name in ("shard-000000000000-000000000004.h5", "shard-000000000008-000000000010.h5"):
+        assert after[name] == shards[name]  # the shards it did not feed: the same file, untouched
+    _assert_kept(before, _rows(out), {5})
+    kept = {path: values for path, values in pixels.items() if not path.endswith("img05.png")}
+    with h5py.File(out / "jacobians.h5") as view:
+        assert_close(view["jacobian"][:], tape_loop(test_models.small_cnn(), as_samples(kept)), rtol=1e-5)
+        names = [name.decode() if isinstance(name, bytes) else name for name in view["source_files"][:]]
+        assert "img05.png" not in names and len(names) == 9
+    entries = read_folder(str(out)).manifest["inputs"]
+    assert [(Path(e["path"]).name, e["first_id"]) for e in entries if e.get("removed")] == [("img05.png", 5)]
+    report = verify(out, samples=3, inputs="all")
+    assert report.ok, report.problems
+
+    again = _run(raw)  # a rerun: nothing to copy or compute again, the removed id stays removed
+    assert again["removed"] == manifest["removed"] and again["run"]["samples_computed"] == 0
+    assert _shards(out) == after
+
+
+# --- .npy files of many rows ----------------------------------------------------------------------------
+
+
+SIZES = {"a": 7, "b": 13, "c": 12}  # ids a 0..7, b 7..20, c 20..32; shards of 8
+
+
+def _npy_job(data: Path, out: Path, policy: str = "error", samples_per_shard: int = 8) -> dict:
+    return {
+        "model": {"factory": "tests.models:small_mlp"},
+        "input": {"paths": [str(data / "*.npy")], "on_bad_sample": policy},
+        "jacobian": {"batch_size": 4},
+        "output": {"path": str(out), "samples_per_shard": samples_per_shard},
+    }
+
+
+def _write(data: Path, sizes: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
+    data.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    arrays = {name: rng.normal(size=(size, 12)).astype(np.float32) for name, size in sizes.items()}
+    for name, x in arrays.items():
+        np.save(data / f"{name}.npy", x)
+    return arrays
+
+
+@pytest.mark.parametrize("policy", ["error", "skip"])
+def test_a_deleted_npy_file_of_many_rows_leaves_its_rows_across_shards(tmp_path, policy, capsys):
+    """b's ids 7..20 span three shards: 0..8 keeps a's rows, 8..16 keeps none, 16..24 keeps c's; 24..32
+    is not touched. The run says how many went: its log, its summary, ``inspect``."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    arrays = _write(data, SIZES)
+    raw = _npy_job(data, out, policy)
+    _run(raw)
+    before, shards = _rows(out), _shards(out)
+    (data / "b.npy").unlink()
+    cfg = tmp_path / "job.json"
+    cfg.write_text(json.dumps(raw))
+    capsys.readouterr()
+
+    assert cli.main(["run", str(cfg)]) == cli.OK
+
+    said = capsys.readouterr()
+    assert "1 input file(s) gone since the last run: their 13 sample(s) leave the result" in said.err
+    assert "removed: 13 sample(s) of 1 input file(s) gone" in said.out and ", 13 removed)" in said.out
+    assert cli.main(["inspect", str(out)]) == cli.OK
+    assert "removed     13 sample(s) of 1 input file(s) deleted" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+
+    assert manifest["removed"] == {"count": 13, "ids": [[7, 20]], "files": 1}
+    assert manifest["num_rows"] == 19 and manifest["run"]["samples_computed"] == 0
+    assert [(s["start"], s["num_samples"]) for s in manifest["shards"]] == [(0, 7), (8, 0), (16, 4), (24, 8)]
+    assert _shards(out)["shard-000000000024-000000000032.h5"] == shards["shard-000000000024-000000000032.h5"]
+    _assert_kept(before, _rows(out), set(range(7, 20)))
+    with h5py.File(out / "jacobians.h5") as view:
+        samples = np.concatenate([arrays["a"], arrays["c"]])
+        assert_close(view["jacobian"][:], tape_loop(test_models.small_mlp(), samples), rtol=1e-5)
+        assert view["source_row"][:].tolist() == [*range(7), *range(12)]
+    report = verify(out, samples=4, inputs="all")
+    assert report.ok, report.problems
+
+
+@pytest.mark.slow  # a process of its own, killed
+@pytest.mark.parametrize("point", ["shard_commit", "shard_done"])
+def test_a_run_killed_while_it_writes_a_shard_without_a_deleted_file_leaves_a_folder_the_rerun_completes(tmp_path, point):
+    """Killed with the copy complete under its temporary name (``shard_commit``): the old shard, the
+    manifest and the view are as before. Killed once it took the old one's name (``shard_done``): the
+    rerun keeps it. Either way the rerun ends with the deleted file's rows gone and computes nothing."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    arrays = _write(data, SIZES)
+    raw = _npy_job(data, out)
+    _run(raw)
+    before, manifest_text = _rows(out), (out / "manifest.json").read_text()
+    old = _shards(out)["shard-000000000000-000000000008.h5"]
+    (data / "a.npy").unlink()  # ids 0..7: shard 0..8, the run's only shard to write, keeps b's id 7 only
+    cfg = tmp_path / "job.json"
+    cfg.write_text(json.dumps(raw))
+
+    status, _ = jacobeam_process(["-q", "run", str(cfg)], tmp_path / "killed.stderr", kill_at=point)
+
+    assert status == -9
+    if point == "shard_commit":
+        assert _shards(out)["shard-000000000000-000000000008.h5"] == old
+        assert _rows(out).keys() == before.keys()
+    manifest = _run(raw)
+    assert manifest["removed"] == {"count": 7, "ids": [[0, 7]], "files": 1} and manifest["run"]["samples_computed"] == 0
+    _assert_kept(before, _rows(out), set(range(7)))
+    with h5py.File(out / "jacobians.h5") as view:
+        samples = np.concatenate([arrays["b"], arrays["c"]])
+        assert_close(view["jacobian"][:], tape_loop(test_models.small_mlp(), samples), rtol=1e-5)
+    assert verify(out, samples=2, inputs="all").ok and not any(p.name.startswith(".") for p in (out / "shards").iterdir())
+    assert manifest_text != (out / "manifest.json").read_text()
+
+
+def test_shards_keeping_partial_sums_are_computed_again_without_the_deleted_file(tmp_path):
+    """A shard's partial sums (``jacobian.aggregate``) cannot lose one sample's share: the shards that
+    held b's rows are computed from their remaining files; the mean is that of the samples left."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    arrays = _write(data, SIZES)
+    raw = {**_npy_job(data, out), "jacobian": {"batch_size": 4, "aggregate": ["mean"]}}
+    _run(raw)
+    (data / "b.npy").unlink()
+
+    manifest = _run(raw)
+
+    assert manifest["removed"]["ids"] == [[7, 20]] and manifest["run"]["samples_computed"] == 11  # a's 7, c's 4
+    assert [s["computed_in_this_run"] for s in manifest["shards"]] == [True, True, True, False]
+    expected = tape_loop(test_models.small_mlp(), np.concatenate([arrays["a"], arrays["c"]]))
+    with h5py.File(out / "aggregates.h5") as h5:
+        assert int(h5["count"][()]) == 19
+        assert_close(h5["mean"][:], expected.mean(axis=0), rtol=1e-5)
+    with h5py.File(out / "jacobians.h5") as view:
+        assert_close(view["jacobian"][:], expected, rtol=1e-5)
+    assert verify(out, samples=2, inputs="all").ok
+
+
+def test_a_deleted_file_put_back_comes_back_under_new_ids(tmp_path):
+    data, out = tmp_path / "data", tmp_path / "out"
+    arrays = _write(data, SIZES)
+    raw = _npy_job(data, out)
+    _run(raw)
+    shutil.move(data / "b.npy", tmp_path / "b.npy")
+    _run(raw)
+    shutil.move(tmp_path / "b.npy", data / "b.npy")
+
+    manifest = _run(raw)
+
+    # b's old ids stay removed; its samples are a new file's: ids 32..45, after every old id, computed
+    assert manifest["removed"] == {"count": 13, "ids": [[7, 20]], "files": 1}
+    assert manifest["id_segments"] == [[0, 32], [32, 45]] and manifest["num_samples"] == 45
+    assert manifest["run"]["samples_computed"] == 13
+    entries = read_folder(str(out)).manifest["inputs"]
+    assert [(Path(e["path"]).name, e["first_id"], bool(e.get("removed"))) for e in entries] == [
+        ("a.npy", 0, False), ("b.npy", 7, True), ("c.npy", 20, False), ("b.npy", 32, False),
+    ]
+    with h5py.File(out / "jacobians.h5") as view:
+        assert view["sample_id"][:].tolist() == [*range(7), *range(20, 45)]
+        samples = np.concatenate([arrays["a"], arrays["c"], arrays["b"]])
+        assert_close(view["jacobian"][:], tape_loop(test_models.small_mlp(), samples), rtol=1e-5)
+    assert verify(out, samples=2, inputs="all").ok
+
+
+# --- files no shard stored a row of ------------------------------------------------------------------------
+
+
+def test_a_deleted_file_whose_samples_were_all_rejected_goes_without_reading_or_computing(tmp_path, monkeypatch):
+    """Under skip, bad.npy's samples (ids 7..10, all NaN) were rejected: deleting it changes the shard
+    that listed them only in what names them (its list of inputs and of rejected samples); its rows and
+    their digest stay, and no input is read to write it again."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    arrays = _write(data, {"a": 7, "c": 5})
+    np.save(data / "bad.npy", np.full((3, 12), np.nan, np.float32))  # ids: a 0..7, bad 7..10, c 10..15
+    raw = _npy_job(data, out, "skip", samples_per_shard=16)
+    first = _run(raw)
+    assert first["rejected"]["count"] == 3
+    before = _rows(out)
+    with h5py.File(out / "shards" / "shard-000000000000-000000000015.h5") as h5:
+        digest = h5.attrs["samples_sha256"]
+    (data / "bad.npy").unlink()
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("the kept samples were read again")
+
+    monkeypatch.setattr(trim, "checked_slices", no_reading)
+    manifest = _run(raw)
+
+    assert manifest["removed"] == {"count": 3, "ids": [[7, 10]], "files": 1}
+    assert manifest["rejected"]["count"] == 0 and (out / "rejected.jsonl").read_text() == ""
+    _assert_kept(before, _rows(out), set())
+    with h5py.File(out / "shards" / "shard-000000000000-000000000015.h5") as h5:
+        assert h5.attrs["samples_sha256"] == digest and "rejected_samples" not in h5
+        assert [Path(entry[0]).name for entry in json.loads(h5.attrs["inputs"])] == ["a.npy", "c.npy"]
+    with h5py.File(out / "jacobians.h5") as view:
+        samples = np.concatenate([arrays["a"], arrays["c"]])
+        assert_close(view["jacobian"][:], tape_loop(test_models.small_mlp(), samples), rtol=1e-5)
+    assert verify(out, samples=2, inputs="all").ok
+
+
+def test_a_deleted_unreadable_file_just_goes(tmp_path):
+    """An unreadable file (skip) had no ids: deleting it touches no shard."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    _write(data, {"a": 7, "c": 5})
+    (data / "broken.npy").write_bytes(b"not an npy file")
+    raw = _npy_job(data, out, "skip")
+    first = _run(raw)
+    assert first["rejected"]["unreadable_files"] == [str(data / "broken.npy")]
+    shards = _shards(out)
+    (data / "broken.npy").unlink()
+
+    manifest = _run(raw)
+
+    assert manifest["removed"] == {"count": 0, "ids": [], "files": 0}
+    assert manifest["rejected"]["unreadable_files"] == [] and manifest["run"]["samples_computed"] == 0
+    assert _shards(out) == shards
+    assert verify(out, samples=1, inputs="all").ok
+
+
+def test_a_file_that_shrank_is_still_refused(tmp_path, capsys):
+    data, out = tmp_path / "data", tmp_path / "out"
+    _write(data, SIZES)
+    raw = _npy_job(data, out)
+    _run(raw)
+    np.save(data / "c.npy", np.load(data / "c.npy")[:5])
+    (data / "b.npy").unlink()  # a deletion alone would be fine
+    cfg = tmp_path / "job.json"
+    cfg.write_text(json.dumps(raw))
+
+    assert cli.main(["-q", "run", str(cfg)]) == cli.FAILED
+
+    err = capsys.readouterr().err
+    assert f"input file {data / 'c.npy'} changed: samples 12 there, 5 now" in err and "use --overwrite" in err
+    assert "b.npy" not in err
+
+
+# --- the exit statuses say what a scheduler should retry ---------------------------------------------------
+
+
+def _retried(verdicts: dict[int, str]) -> set[int]:
+    return {status for status, verdict in verdicts.items() if verdict.startswith("yes")}
+
+
+def test_each_exit_status_says_whether_a_retry_can_help_and_the_airflow_recipe_retries_those_only():
+    statuses = {cli.OK, cli.FAILED, cli.USAGE, cli.MISSING_EXTRA, cli.BUSY, cli.LOST, cli.INTERRUPTED}
+    blocks = re.findall(r"^  (\d+) +(.*?)(?=^  \d+ |\Z)", cli.EXIT_STATUSES, re.M | re.S)
+    help_verdicts = {int(status): re.search(r"Retry: (\w+)", text).group(1) for status, text in blocks if status != "0"}
+    assert set(help_verdicts) | {cli.OK} == statuses
+    docs = Path(__file__).parent.parent / "docs"
+    rows = re.findall(r"^\| (\d+) \|.*\| ([^|]*) \|$", (docs / "usage.md").read_text(), re.M)
+    table = {int(status): verdict.strip() for status, verdict in rows if status != "0"}
+    assert set(table) | {cli.OK} == statuses
+    assert _retried(help_verdicts) == _retried(table) == {cli.BUSY, cli.LOST, cli.INTERRUPTED}
+    recipe = re.search(r"^RETRY = (\{.*\})$", (docs / "remote-and-runners.md").read_text(), re.M).group(1)
+    assert set(ast.literal_eval(recipe)) == _retried(table)  # the Airflow task fails at once on the others
