@@ -27,7 +27,7 @@ def with_checked_inputs(root: str, manifest: dict[str, Any], report: Report) -> 
     pointer = manifest.get("input_files")
     if pointer is None or "inputs" in manifest:
         return manifest
-    path = storage.join(root, pointer["file"])
+    path = inputs_table.table_path(root, pointer)
     if not storage.exists(path):
         report.problems.append(f"{pointer['file']}: missing (the manifest lists the input files there)")
         return None

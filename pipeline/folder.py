@@ -20,6 +20,7 @@ from jacobeam.transforms.output.layout import (
     CHECKSUM_SUFFIXES,
     ENGINE_PLAN,
     INPUT_STAMPS,
+    INPUTS_PREVIOUS,
     INPUTS_TABLE,
     MANIFEST,
     REJECTED_FILE,
@@ -120,7 +121,7 @@ def read_folder(output_dir: str) -> Folder:
             if _is_engine_plan(path):
                 folder.owned.append(path)
             continue
-        if name not in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES, INPUTS_TABLE) or not storage.is_file(path):
+        if name not in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES, INPUTS_TABLE, INPUTS_PREVIOUS) or not storage.is_file(path):
             continue
         try:
             if name == MANIFEST:
@@ -128,7 +129,7 @@ def read_folder(output_dir: str) -> Folder:
                 ours = isinstance(manifest, dict) and {"jacobeam_version", "run_key"} <= set(manifest) and (
                     "inputs" in manifest or "input_files" in manifest)
                 folder.manifest = _with_inputs(root, manifest) if ours else None
-            elif name == INPUTS_TABLE:
+            elif name in (INPUTS_TABLE, INPUTS_PREVIOUS):
                 ours = _is_inputs_table(path)
             elif name == VIEW:
                 ours = _is_jacobeam_view(path)

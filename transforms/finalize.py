@@ -544,10 +544,13 @@ def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
     rejected_sha256 = write_rejected(spec.output_dir, rejected, guard)
     # Its own only: at its end a run answers for its own files (the next run's start removes a killed run's).
     remove_temp_files(spec.output_dir, spec.run_id, guard)
+    inputs_table.keep_previous(spec.output_dir, guard)  # the old manifest's table, until the new manifest
     input_files = inputs_table.write_table(spec.output_dir, input_entries(spec), guard)
     manifest = build_manifest(spec, ordered, fields, rejected, rejected_sha256, input_files)
     manifest["aggregates"] = summary
     write_manifest(spec.output_dir, manifest, guard)
+    with fence.held(guard):
+        inputs_table.drop_previous(spec.output_dir)
     if spec.obsolete:  # stale shards that no range of this run replaced: gone once no manifest names them
         with fence.held(guard):
             storage.delete(*(storage.join(spec.output_dir, file + suffix)

@@ -18,6 +18,7 @@ from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.output import fence, lease, storage
 from jacobeam.transforms.output.layout import (
     AGGREGATES,
+    INPUTS_PREVIOUS,
     INPUTS_TABLE,
     MANIFEST,
     REJECTED_FILE,
@@ -97,5 +98,5 @@ def _owned_files(root: str) -> list[str]:
         if is_shard_file(name) or is_checksum_file(name) or is_shard_temp(name)
     ]
     top = [storage.join(root, name) for name in storage.listdir(root)
-           if name in (MANIFEST, VIEW, AGGREGATES, REJECTED_FILE, INPUTS_TABLE) or is_folder_temp(name)]
+           if name in (MANIFEST, VIEW, AGGREGATES, REJECTED_FILE, INPUTS_TABLE, INPUTS_PREVIOUS) or is_folder_temp(name)]
     return inside + top

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import INPUTS_TABLE, MANIFEST
+from jacobeam.transforms.output.layout import INPUTS_PREVIOUS, INPUTS_TABLE, MANIFEST
 
 COLUMNS = "columns"
 MISSING = "missing"
@@ -174,13 +174,54 @@ def read_table(path: str) -> InputsTable:
     return InputsTable(keys, columns, kinds, missing, count)
 
 
+def table_path(root: str, pointer: Mapping[str, Any]) -> str:
+    """The table a manifest's ``input_files`` points at: its file, or where a run was stopped after writing
+    its own table but before its manifest, the copy of the one this manifest was written with
+    (``keep_previous``)."""
+    path = storage.join(root, pointer["file"])
+    previous = storage.join(root, INPUTS_PREVIOUS)
+    if storage.exists(previous) and storage.sha256(previous) == pointer["sha256"] and (
+            not storage.exists(path) or storage.sha256(path) != pointer["sha256"]):
+        return previous
+    return path
+
+
+def keep_previous(output_dir: str, guard=None) -> None:
+    """Before a run replaces ``inputs.h5``: a copy of the table the folder's manifest points at
+    (``inputs.previous.h5``), so that a run stopped between its table and its manifest leaves a manifest
+    that still finds its own table; the next run plans from them as they were. ``drop_previous`` deletes the
+    copy once the new manifest is in place."""
+    manifest = storage.join(output_dir, MANIFEST)
+    if not storage.exists(manifest):
+        return
+    pointer = json.loads(storage.read_text(manifest)).get("input_files")
+    if pointer is None:  # a manifest written before lists its files itself: nothing is replaced under it
+        return
+    current = table_path(output_dir, pointer)
+    if current == storage.join(output_dir, INPUTS_PREVIOUS) or not storage.exists(current):
+        return  # kept already (a stopped run's), or nothing to keep
+    if storage.sha256(current) != pointer["sha256"]:
+        return  # not the manifest's table (changed by hand): verify says so; nothing worth keeping
+    with storage.open_read(current) as stream:
+        data = stream.read()
+    storage.write_atomically(storage.join(output_dir, INPUTS_PREVIOUS), lambda temp: temp.write_bytes(data), "inputs",
+                             guard)
+
+
+def drop_previous(output_dir: str) -> None:
+    """Delete the copy ``keep_previous`` made (the caller holds the run's fence)."""
+    previous = storage.join(output_dir, INPUTS_PREVIOUS)
+    if storage.exists(previous):
+        storage.delete(previous)
+
+
 def with_inputs(root: str, manifest: dict[str, Any]) -> dict[str, Any]:
     """``manifest`` (of the folder at ``root``) with its ``"inputs"``: the list a manifest written before
     ``inputs.h5`` holds, or the rows of the ``inputs.h5`` its ``input_files`` names. A copy: the manifest
     as written stays as it is."""
     if "inputs" in manifest or "input_files" not in manifest:
         return manifest
-    return {**manifest, "inputs": read_table(storage.join(root, manifest["input_files"]["file"]))}
+    return {**manifest, "inputs": read_table(table_path(root, manifest["input_files"]))}
 
 
 def load_manifest(root: str) -> dict[str, Any]:

@@ -26,6 +26,8 @@ MANIFEST = "manifest.json"
 VIEW = "jacobians.h5"
 AGGREGATES = "aggregates.h5"
 INPUTS_TABLE = "inputs.h5"  # the input files' table (``transforms.output.inputs_table``); the manifest points at it
+# The table the folder's manifest points at, kept while a run replaces it (``inputs_table.keep_previous``).
+INPUTS_PREVIOUS = "inputs.previous.h5"
 REJECTED_FILE = "rejected.jsonl"
 CRC32C_SUFFIX = ".crc32c"  # a remote shard's sidecar: the CRC32C of its bytes
 CHECKSUM_SUFFIX = ".sha256"  # the sidecar of a remote shard written before CRC32C: their sha256
@@ -73,7 +75,8 @@ _TEMP_TAG = r"\.tmp-(?:(?P<run>[0-9a-f]+)-)?[0-9a-f]+$"
 _SHARD_TEMP = re.compile(r"^\.shard-\d{12}-\d{12}\.h5" + _TEMP_TAG)
 _FILE_TEMP = re.compile(
     r"^\.("
-    + "|".join(re.escape(name) for name in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES, ENGINE_PLAN, INPUTS_TABLE))
+    + "|".join(re.escape(name) for name in (MANIFEST, VIEW, REJECTED_FILE, AGGREGATES, ENGINE_PLAN, INPUTS_TABLE,
+                                                          INPUTS_PREVIOUS))
     + r")" + _TEMP_TAG
 )
 _PROBE = re.compile("^" + re.escape(WRITE_PROBE_PREFIX) + "[0-9a-f]+$")
