@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from jacobeam.transforms.errors import CorruptInputError, InputError
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 _BLOCK = 256  # files described per task
 
 
-def _match(patterns: list[str]) -> dict[str, str]:
+def list_inputs(patterns: list[str]) -> dict[str, str]:
     """Every file the globs match, each once, sorted, with its stamp (``SourceFile.stamp``: size and time
     of the last change, from the listing). A folder (a pattern without wildcards naming one, or ending in
     ``/``) stands for every PNG/JPEG image under it, at any depth."""
@@ -45,23 +45,26 @@ def _match(patterns: list[str]) -> dict[str, str]:
         folder = not any(c in pattern for c in "*?[") and (pattern.endswith("/") or storage.is_folder(pattern))
         glob = storage.join(pattern, "**") if folder else pattern
         if storage.is_local(glob):
-            listed = _local_match(glob)
+            found = _local_match(glob)
         else:
             (match,) = FileSystems.match([glob])
-            listed = {m.path: _stamp(m) for m in match.metadata_list}
-        found = {path: stamp for path, stamp in listed.items() if not folder or path.lower().endswith(IMAGE_SUFFIXES)}
+            found = {m.path: _stamp(m) for m in match.metadata_list}
+        if folder:
+            found = {path: stamp for path, stamp in found.items() if path.lower().endswith(IMAGE_SUFFIXES)}
         if not found:
             what = "holds no PNG or JPEG images" if folder else "matches no files"
             where = "" if pattern == given else f" (looked for {pattern})"
             raise InputError(f"input.paths: {given!r} {what}{where}")
-        paths.update(found)
-    return dict(sorted(paths.items()))
+        paths = found if not paths else {**paths, **found}
+    ordered = sorted(paths)  # a local listing is in order already, but where a folder sorts after a file
+    return paths if ordered == list(paths) else {path: paths[path] for path in ordered}
 
 
 def _local_match(pattern: str) -> dict[str, str]:
     """What Beam's ``FileSystems.match`` finds for a local ``pattern`` (its glob syntax: ``*`` within a folder,
-    ``**`` across folders), with each file's stamp, from one ``stat`` per matched file: Beam's listing
-    stats every file under the pattern's folder twice, 4.4 s of a 100,000-file plan (benchmarks/README.md)."""
+    ``**`` across folders), with each file's stamp, from one ``stat`` per matched file (Beam's listing
+    stats every file under the pattern's folder twice), folders and names in sorted order: a million
+    files are listed in a few seconds, most of it the ``stat`` calls (benchmarks/README.md)."""
     from apache_beam.io.filesystem import FileSystem
 
     if pattern.endswith("/"):
@@ -72,8 +75,14 @@ def _local_match(pattern: str) -> dict[str, str]:
     else:
         match = re.compile(FileSystem.translate_pattern(pattern)).match
         top = prefix if prefix.endswith("/") else os.path.dirname(prefix)
-        candidates = (path for folder, _, names in os.walk(top) for name in names
-                      if match(path := os.path.join(folder, name)))
+
+        def walk() -> Iterator[str]:
+            for folder, folders, names in os.walk(top):
+                folders.sort()
+                start = folder if folder.endswith("/") else folder + "/"
+                yield from (path for name in sorted(names) if match(path := start + name))
+
+        candidates = walk()
     found = {}
     for path in candidates:
         try:
@@ -162,12 +171,14 @@ def recorded_descriptions(manifest: Mapping[str, Any] | None, config_input: Mapp
 def resolve_inputs(
     patterns: list[str], key: Key, on_bad_sample: str = "error", sample_shape: Shape | None = None,
     image: ImageOptions | None = None, known: Mapping[str, SourceFile] | None = None,
+    listed: Mapping[str, str] | None = None,
 ) -> list[SourceFile]:
     """Every file the globs match (each file once), described, in sorted path order with ids in that
     order. Under ``skip`` a file that cannot be opened is kept as an unreadable file without samples.
     Files are described a few at a time (headers only: remote reads are round trips), in blocks (one
     task per file cost more than reading a local header). ``known``: descriptions an earlier run
-    recorded (``recorded_descriptions``), taken as they are for a file whose stamp is the same."""
+    recorded (``recorded_descriptions``), taken as they are for a file whose stamp is the same.
+    ``listed``: ``list_inputs(patterns)``, where the caller has it already."""
 
     headers = _NpyHeaders() if key is None else None
 
@@ -180,9 +191,10 @@ def resolve_inputs(
             if on_bad_sample != "skip":
                 raise InputError(f"{err} (input.on_bad_sample is error; 'skip' would leave this file out)") from err
             log.warning("skipping %s: %s", path, err.reason)
-            return unreadable_file(path, key, err.reason)
+            # Its stamp too: a rerun that finds it unchanged knows it unreadable still (``pipeline.up_to_date``).
+            return dataclasses.replace(unreadable_file(path, key, err.reason), stamp=stamps[path])
 
-    stamps = _match(patterns)
+    stamps = list_inputs(patterns) if listed is None else listed
     known = known or {}
     found = {path: known[path] for path, stamp in stamps.items() if path in known and known[path].stamp == stamp}
     new = [path for path in stamps if path not in found]

@@ -14,7 +14,8 @@ those that read as before, and replaces the others when their new shard is commi
 
 This module imports no TensorFlow; the model check (``pipeline.checks``) imports it when called. Its
 parts: ``pipeline.discover`` (input files), ``pipeline.identity`` (what makes two runs the same),
-``pipeline.ids`` (ids and shard ranges), ``pipeline.folder`` (what the output folder holds).
+``pipeline.ids`` (ids and shard ranges), ``pipeline.folder`` (what the output folder holds), and
+``pipeline.up_to_date`` (a folder whose result is complete and current: ``plan_run`` then plans nothing).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import os
 import time
 import uuid
 
+from jacobeam.pipeline import up_to_date
 from jacobeam.pipeline.config import Config, to_dict
-from jacobeam.pipeline.discover import recorded_descriptions, resolve_inputs
+from jacobeam.pipeline.discover import list_inputs, recorded_descriptions, resolve_inputs
 from jacobeam.pipeline.folder import (
+    Folder,
     folder_differences,
     holding_removed,
     read_folder,
@@ -60,6 +63,16 @@ class Job:
     # Every range has a shard already (stale ones are read again first): the workers load the model only
     # for a range they compute.
     complete: bool = False
+
+
+@dataclasses.dataclass
+class UpToDate:
+    """The output folder holds this run's complete result already (``pipeline.up_to_date``): nothing to
+    compute, nothing to write but the run's manifest."""
+
+    root: str
+    manifest: dict  # as the last run wrote it, with its "inputs" (``inputs_table.with_inputs``)
+    files: int  # input files listed
 
 
 def _check_files_named(config: Config) -> None:
@@ -131,9 +144,37 @@ def _build_spec(config: Config, files, segments, identity, tf_threads, fingerpri
     )
 
 
+def plan_run(
+    config: Config, tf_threads: int | None = None, overwrite: bool = False, check_model: bool = True,
+    accept_library_versions: bool = False, identify_model: bool = True, run_id: str = "", *,
+    folder: Folder | None = None, shortcut: bool = True,
+) -> Job | UpToDate:
+    """``UpToDate`` when the output folder holds this run's complete result already and nothing it was
+    computed from changed (``pipeline.up_to_date``: judged from listings, stamps and the folder's
+    metadata, not per file); otherwise ``make_job`` with the same arguments, which then lists nothing
+    and reads no folder again. ``folder``: as ``read_folder`` found it, where the caller has it.
+    ``shortcut`` false: always ``make_job`` (a caller's pipeline runs the job, whatever it finds)."""
+    if check_model or (identify_model and config.model.factory is not None):
+        from jacobeam.transforms.engine.threads import configure_tf_threads
+
+        configure_tf_threads(tf_threads, warn=False)  # before a factory is built to know its identity
+    folder = read_folder(config.output.path) if folder is None else folder
+    listed = list_inputs(config.input.paths)
+    if shortcut and not overwrite:
+        _check_files_named(config)
+        model = ModelSource(**to_dict(config)["model"]) if identify_model else None
+        why = up_to_date.why_not(folder, _recorded_config(config), listed, model)
+        if why is None:
+            return UpToDate(folder.root, folder.manifest, len(listed))
+        log.debug("planning the run in full: %s", why)
+    return make_job(config, tf_threads, overwrite, check_model, accept_library_versions, identify_model, run_id,
+                    folder=folder, listed=listed)
+
+
 def make_job(
     config: Config, tf_threads: int | None = None, overwrite: bool = False, check_model: bool = True,
-    accept_library_versions: bool = False, identify_model: bool = True, run_id: str = "",
+    accept_library_versions: bool = False, identify_model: bool = True, run_id: str = "", *,
+    folder: Folder | None = None, listed: dict[str, str] | None = None,
 ) -> Job:
     """Plan the job for ``config`` and check everything that can be checked before the pipeline starts.
 
@@ -145,18 +186,21 @@ def make_job(
     compare its weights with a folder written before shards stored the model's identity).
     ``identify_model`` false: the configured model is not the one computed (a test's engine factory),
     the run has no model identity. ``run_id``: the run's lease's, whose commits then prove they hold
-    it; a new one, unfenced, if empty (a folder without a lease).
+    it; a new one, unfenced, if empty (a folder without a lease). ``folder`` and ``listed``: the output
+    folder (``read_folder``) and the input files' listing (``discover.list_inputs``), where the caller
+    has them already.
     """
     policy = config.input.on_bad_sample
     if check_model or (identify_model and config.model.factory is not None):  # a factory is built here
         from jacobeam.transforms.engine.threads import configure_tf_threads
 
         configure_tf_threads(tf_threads, warn=False)  # before reading inputs, which may run TensorFlow ops
-    folder = read_folder(config.output.path)
+    folder = read_folder(config.output.path) if folder is None else folder
     # Files whose stamp the folder's manifest recorded keep the description it recorded (no header read).
     known = recorded_descriptions(folder.manifest, to_dict(config)["input"])
     files = resolve_inputs(
-        config.input.paths, config.input.key, policy, config.input.shape(), config.input.image_options(), known
+        config.input.paths, config.input.key, policy, config.input.shape(), config.input.image_options(), known,
+        listed,
     )
     _check_files_named(config)
     label_key = _label_key(config)

@@ -7,6 +7,8 @@ import itertools
 import json
 import logging
 import os
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,11 +19,11 @@ from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions,
 
 from jacobeam.pipeline import plan
 from jacobeam.pipeline.config import Config, ConfigError
-from jacobeam.pipeline.folder import judged_by_weights, read_folder
+from jacobeam.pipeline.folder import Folder, judged_by_weights, read_folder
 from jacobeam.pipeline.output_lease import remove_created, take_lease
 from jacobeam.pipeline.progress import ShardProgress
 from jacobeam.transforms.compute import EngineFactory
-from jacobeam.transforms.finalize import Finalize
+from jacobeam.transforms.finalize import Finalize, rerun_manifest, write_manifest
 from jacobeam.transforms.job import ComputeShards
 from jacobeam.transforms.output import fence, storage
 from jacobeam.transforms.output.layout import MANIFEST, SHARDS_DIR, shard_name
@@ -93,7 +95,7 @@ def engine_in_workers(options: PipelineOptions) -> bool:
     return is_local(options) and options.view_as(DirectOptions).direct_running_mode == "multi_processing"
 
 
-def launcher_loads_model(config: Config, options: PipelineOptions) -> bool:
+def launcher_loads_model(config: Config, options: PipelineOptions, folder: Folder | None = None) -> bool:
     """Whether the launcher loads the model to check it while planning (``plan.make_job``).
 
     The run's model identity is read from the model's files without loading it
@@ -104,8 +106,9 @@ def launcher_loads_model(config: Config, options: PipelineOptions) -> bool:
     which only the loaded weights can be compared with; with ``outputs: label`` on a fresh folder too, for
     the model's output size, which bounds the labels that the plan checks (a folder's shards record it).
     Local worker processes check the model when they build the engine (against the samples, and the
-    identity it was planned with), and ``Finalize`` that every shard has the same weights."""
-    folder = read_folder(config.output.path)
+    identity it was planned with), and ``Finalize`` that every shard has the same weights. ``folder``: the
+    output folder as ``read_folder`` found it, where the caller has it."""
+    folder = read_folder(config.output.path) if folder is None else folder
     if folder.empty:
         return config.jacobian.outputs == "label" or not engine_in_workers(options)
     return judged_by_weights(folder)
@@ -236,6 +239,17 @@ def _close_client(result) -> None:
         client.close()
 
 
+def _manifest_counts(manifest: dict[str, Any]) -> dict[str, int]:
+    """jacobeam's own counts from a run's manifest, for a run without Beam's metrics: ``samples`` computed,
+    ``shards_written`` and ``shards_skipped``."""
+    shards = manifest["shards"]
+    return {
+        "samples": manifest["run"]["samples_computed"],
+        "shards_written": sum(1 for shard in shards if shard["computed_in_this_run"]),
+        "shards_skipped": sum(1 for shard in shards if not shard["computed_in_this_run"]),
+    }
+
+
 def _metrics(result, manifest: dict[str, Any]) -> dict[str, Any]:
     """The run's Beam metrics by name; where the runner collects none (Beam's DaskRunner raises
     ``NotImplementedError``), jacobeam's own counts from the manifest: ``samples`` computed,
@@ -244,12 +258,7 @@ def _metrics(result, manifest: dict[str, Any]) -> dict[str, Any]:
         query = result.metrics().query()
     except NotImplementedError:
         log.info("the runner reports no metrics; counting samples and shards from the manifest")
-        shards = manifest["shards"]
-        return {
-            "samples": manifest["run"]["samples_computed"],
-            "shards_written": sum(1 for shard in shards if shard["computed_in_this_run"]),
-            "shards_skipped": sum(1 for shard in shards if not shard["computed_in_this_run"]),
-        }
+        return _manifest_counts(manifest)
     found: dict[str, Any] = {}
     for counter in query["counters"]:
         found[counter.key.metric.name] = counter.committed
@@ -367,12 +376,18 @@ def _run_leased(
     config, options, show_progress, overwrite, verify_samples, pipeline, engine_factory, planned, accept_library_versions,
     lease: Lease | None,
 ) -> RunResult:
-    check_model = engine_factory is None and (pipeline is not None or launcher_loads_model(config, options))
-    job = plan.make_job(
+    folder = read_folder(config.output.path)
+    check_model = engine_factory is None and (pipeline is not None or launcher_loads_model(config, options, folder))
+    run_id = lease.run_id if lease is not None else ""
+    job = plan.plan_run(
         config, tf_threads(config, options), overwrite=overwrite, check_model=check_model,
-        accept_library_versions=accept_library_versions, identify_model=engine_factory is None,
-        run_id=lease.run_id if lease is not None else "",
+        accept_library_versions=accept_library_versions, identify_model=engine_factory is None, run_id=run_id,
+        folder=folder, shortcut=pipeline is None,
     )
+    if isinstance(job, plan.UpToDate):
+        guard = fence.Fence(job.root, run_id) if run_id else None
+        manifest = _record_up_to_date(job, run_id or uuid.uuid4().hex[:12], guard, tf_threads(config, options))
+        return _verified(job.root, manifest, _manifest_counts(manifest), verify_samples, guard)
     spec, already_done = job.spec, job.already_done
     plan.prepare_output(job)
     if planned is not None:
@@ -397,10 +412,26 @@ def _run_leased(
             finally:
                 _close_client(result)
     manifest = json.loads(storage.read_text(storage.join(spec.output_dir, MANIFEST)))
+    return _verified(spec.output_dir, manifest, _metrics(result, manifest), verify_samples, fence.of(spec))
+
+
+def _record_up_to_date(done: plan.UpToDate, run_id: str, guard: fence.Fence | None, threads: int | None
+                       ) -> dict[str, Any]:
+    """A run whose folder holds its complete result already: its manifest, and nothing else, written."""
+    log.info("nothing to do: %s holds this run's complete result (%d input files unchanged since, %d shard(s))",
+             done.root, done.files, len(done.manifest["shards"]))
+    manifest = rerun_manifest(done.manifest, run_id, time.time(), threads)
+    write_manifest(done.root, manifest, guard)
+    return manifest
+
+
+def _verified(root: str, manifest: dict[str, Any], metrics: dict[str, Any], verify_samples: int,
+              guard: fence.Fence | None) -> RunResult:
+    """The run's result; with ``verify_samples``, the folder ``root`` verified first and the verdict recorded."""
     verification = None
     if verify_samples:
         from jacobeam.pipeline import verify
 
-        verification = verify.verify(spec.output_dir, samples=verify_samples)
-        manifest = verify.record(spec.output_dir, verification, fence.of(spec))
-    return RunResult(manifest=manifest, metrics=_metrics(result, manifest), verification=verification)
+        verification = verify.verify(root, samples=verify_samples)
+        manifest = verify.record(root, verification, guard)
+    return RunResult(manifest=manifest, metrics=metrics, verification=verification)

@@ -439,6 +439,31 @@ def build_manifest(
     }
 
 
+def rerun_manifest(manifest: dict[str, Any], run_id: str, started_at: float, tf_threads: int | None) -> dict[str, Any]:
+    """The manifest of run ``run_id``, which found its folder up to date (``pipeline.up_to_date``):
+    ``manifest``, the last run's, as ``build_manifest`` writes it for a run that computed nothing and
+    kept every shard (no engine, no worker's figures, no time spent checking)."""
+    recorded = {key: value for key, value in manifest.items() if key != "inputs"}  # the table's rows: inputs.h5
+
+    def kept(shard: dict[str, Any]) -> dict[str, Any]:
+        shard = {key: value for key, value in shard.items() if key not in ("worker_pid", "engine_builds")}
+        if "self_check" in shard:
+            shard["self_check"] = [{k: v for k, v in check.items() if k != "timing"} for check in shard["self_check"]]
+        return {**shard, "computed_in_this_run": False}
+
+    wall = time.time() - started_at
+    return {
+        **recorded,
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "engine": None,
+        "shards": [kept(shard) for shard in manifest["shards"]],
+        **({"self_check": {**manifest["self_check"], "seconds": 0.0}} if manifest.get("self_check") else {}),
+        "tf_threads": tf_threads,
+        "run": {"id": run_id, "wall_seconds": round(wall, 3), "samples_computed": 0,
+                "samples_kept": manifest["num_rows"], "samples_per_second": 0.0 if wall > 0 else None},
+    }
+
+
 def _stored(spec: JobSpec) -> dict[str, Any]:
     """How the stored datasets were made: the rows rule, the reduction and its parameters."""
     selection, reduction = spec.engine.outputs, spec.engine.reduce
