@@ -17,7 +17,6 @@ one file hold one row per sample each.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -111,7 +110,7 @@ def assign_ids(files: Sequence[SourceFile]) -> list[SourceFile]:
     """Give each file its id range in the concatenation, in sorted path order."""
     placed, next_id = [], 0
     for source in sorted(files, key=lambda f: f.path):
-        placed.append(source if source.first_id == next_id else dataclasses.replace(source, first_id=next_id))
+        placed.append(source if source.first_id == next_id else source.replaced(first_id=next_id))
         next_id += source.num_samples
     return placed
 

@@ -17,8 +17,9 @@ IMAGE_SUFFIXES = tuple(images.SUFFIXES)
 
 def file_format(path: str) -> str:
     """The format name of a file (``npy``, ``npz``, ``h5``, ``tfrecord``, ``image``), by its name."""
+    lower = path.lower()
     for suffix, name in FORMATS.items():
-        if path.lower().endswith(suffix):
+        if lower.endswith(suffix):
             return name
     raise InputError(f"{path}: unsupported file type; expected one of {', '.join(FORMATS)}")
 

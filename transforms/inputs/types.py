@@ -90,9 +90,22 @@ class SourceFile:
     def stop_id(self) -> int:
         return self.first_id + self.num_samples
 
+    def replaced(self, **changes: Any) -> SourceFile:
+        """``dataclasses.replace(self, **changes)`` without its generic ``__init__`` call: planning copies
+        each file twice (its stamp, its ids), 7 us a copy, seconds at a million files."""
+        unknown = changes.keys() - _SOURCE_FIELDS
+        if unknown:
+            raise TypeError(f"SourceFile has no field {sorted(unknown)[0]!r}")
+        copy = object.__new__(SourceFile)
+        copy.__dict__.update(self.__dict__, **changes)  # frozen: its __setattr__ refuses, its __dict__ does not
+        return copy
+
     def row(self, sample_id: int) -> int:
         """The file's row that holds sample ``sample_id`` (one of ``[first_id, stop_id)``)."""
         return sample_id - self.first_id + self.first_row
+
+
+_SOURCE_FIELDS = frozenset(field.name for field in dataclasses.fields(SourceFile))
 
 
 class SampleReader(Protocol):
