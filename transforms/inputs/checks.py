@@ -171,6 +171,7 @@ def _whole_stream(source: SourceFile) -> bool:
 def _read_file(source: SourceFile, lo: int, hi: int, max_rows: int, label_key: str | None, findings: RangeFindings):
     """Rows ``[lo, hi)`` (ids) of one array file in slices, checked: ``(ids, samples, labels)`` of the good
     rows."""
+    whole = _whole_stream(source)
     try:
         with contextlib.ExitStack() as stack:
             rows = stack.enter_context(open_samples(source))
@@ -189,19 +190,19 @@ def _read_file(source: SourceFile, lo: int, hi: int, max_rows: int, label_key: s
                 try:
                     pending.append((np.arange(first, last, dtype=np.int64), *read(first, last)))
                 except CorruptInputError:
-                    if _whole_stream(source):
+                    if whole:
                         raise
                     for one in range(first, last):  # which rows exactly cannot be read
                         try:
                             pending.append((np.arange(one, one + 1, dtype=np.int64), *read(one, one + 1)))
                         except CorruptInputError as err:
                             findings.reject(one, err.reason)
-                if not _whole_stream(source):
+                if not whole:
                     yield from pending
                     pending = []
                     if findings.error is not None:
                         return
-            if _whole_stream(source):
+            if whole:
                 arrays.read_to_end(rows)
                 yield from pending
     except CorruptInputError as err:  # the file as a whole (an .npz member, a file gone since the plan)
