@@ -220,3 +220,44 @@ def test_the_benchmark_compares_the_same_samples(tmp_path, fmt):
     assert len(sides[0]) == 20 and sides[0].dtype == sides[1].dtype == np.float32
     np.testing.assert_array_equal(sides[0], sides[1])
 
+
+
+@pytest.mark.parametrize("dtype", ["<f4", ">f4", "<f8", "<f2", "<i2"])
+@pytest.mark.parametrize("shape", [(3,), (2, 2, 3)])
+@pytest.mark.parametrize("version", [(1, 0), (2, 0)])
+def test_small_npy_files_read_whole_give_what_numpy_loads(tmp_path, dtype, shape, version):
+    """Each file read in one call, a header parsed once per distinct header: the rows numpy loads, in the
+    file's own dtype; files of another shape or dtype in between are parsed on their own."""
+    from jacobeam.transforms.inputs.arrays import SmallNpyFiles
+
+    rng = np.random.default_rng(4)
+    files, reader = [], SmallNpyFiles()
+    for i, rows in enumerate([1, 1, 4, 1, 2]):
+        array = (rng.normal(size=(rows, *shape)) * 100).astype(dtype)
+        path = tmp_path / f"f{i}.npy"
+        with open(path, "wb") as stream:
+            np.lib.format.write_array(stream, array, version=version)
+        files.append((str(path), array))
+    for path, array in files * 2:  # the second pass from the parsed headers
+        for start, stop in [(0, len(array)), (0, 1), (len(array) - 1, len(array))]:
+            got = reader.rows(path, start, stop)
+            assert got.dtype == array.dtype
+            np.testing.assert_array_equal(got, array[start:stop])
+
+
+def test_small_npy_files_leave_the_unusual_to_the_usual_reader(tmp_path):
+    """None (the usual reader's checks and messages apply) for a truncated file, rows past its end, a
+    Fortran-ordered or object array, something not a .npy at all, a file gone."""
+    from jacobeam.transforms.inputs.arrays import SmallNpyFiles
+
+    reader = SmallNpyFiles()
+    np.save(tmp_path / "ok.npy", np.ones((2, 3), np.float32))
+    np.save(tmp_path / "cut.npy", np.ones((2, 3), np.float32))
+    _cut(tmp_path / "cut.npy")
+    np.save(tmp_path / "fortran.npy", np.asfortranarray(np.ones((2, 3), np.float32)))
+    np.save(tmp_path / "objects.npy", np.array([[1], ["a"]], dtype=object), allow_pickle=True)
+    (tmp_path / "junk.npy").write_bytes(b"not an array at all")
+    assert reader.rows(str(tmp_path / "ok.npy"), 0, 2).shape == (2, 3)
+    assert reader.rows(str(tmp_path / "ok.npy"), 1, 3) is None
+    for name in ("cut", "fortran", "objects", "junk", "gone"):
+        assert reader.rows(str(tmp_path / f"{name}.npy"), 0, 1 if name != "cut" else 2) is None, name

@@ -28,6 +28,7 @@ from jacobeam.transforms.inputs import arrays, images
 from jacobeam.transforms.inputs.readers import open_rows, open_samples, parts
 from jacobeam.transforms.inputs.registry import file_format
 from jacobeam.transforms.inputs.types import Samples, SourceFile
+from jacobeam.transforms.output import storage
 from jacobeam.transforms.spec import Rejected, overlapping
 
 
@@ -288,6 +289,7 @@ def checked_slices(
     ``on_bad_sample: error``."""
     pending: list[SourceFile] = []  # consecutive images not yet read
     small = _SmallFiles(max_rows, findings)
+    npy = arrays.SmallNpyFiles()
 
     def images():
         if pending:
@@ -323,8 +325,15 @@ def checked_slices(
         if findings.error is not None:
             continue
         if hi - lo < max_rows:
-            for ids, samples, labels in _read_file(source, lo, hi, max_rows, label_key, small):
-                small.add(ids, samples, labels)
+            whole = (npy.rows(source.path, source.row(lo), source.row(hi))
+                     if label_key is None and source.num_samples < max_rows and source.path.endswith(".npy")
+                     and storage.is_local(source.path) else None)
+            if whole is not None:
+                labels = None if source.label is None else np.full(hi - lo, source.label, np.int64)
+                small.add(np.arange(lo, hi, dtype=np.int64), whole, labels)
+            else:
+                for ids, samples, labels in _read_file(source, lo, hi, max_rows, label_key, small):
+                    small.add(ids, samples, labels)
             yield from gathered()
         else:
             yield from gathered(flush=True)
