@@ -4,6 +4,7 @@ with --overwrite, takes the folder over and finishes; A resumes and must commit 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -47,6 +48,32 @@ def wait_for(path: Path, proc, log: Path, timeout: float = 180.0) -> None:
         time.sleep(0.05)
 
 
+def pause(pid: int, out: str) -> None:
+    """SIGSTOP the run's process group at a moment it does not hold the local folder's lock: its heartbeat
+    holds it for the few ms of writing the lease, and a run paused there keeps every taker out (B then
+    refuses, rightly, after the lock's patience), which is not this scenario."""
+    for _ in range(100):
+        os.killpg(pid, signal.SIGSTOP)
+        if "://" in out or _lock_free(out):
+            return
+        os.killpg(pid, signal.SIGCONT)
+        time.sleep(0.01)
+    raise AssertionError(f"run {pid} held the lock of {out} at every pause")
+
+
+def _lock_free(folder: str) -> bool:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
+    finally:
+        os.close(fd)
+
+
 def paused_and_taken_over(
     root: Path, runs: JacobeamRuns, out: str, args: list[str], files: Callable[[], dict[str, bytes]],
     read_lease: Callable[[], dict],
@@ -59,7 +86,7 @@ def paused_and_taken_over(
                    {**QUICK_LEASE, faults.HOLD_AT: f"shard_write:{go}"})
     wait_for(root / "go.held", a, root / "a.err")
     a_id = read_lease()["holder"]
-    os.killpg(a.pid, signal.SIGSTOP)  # a laptop lid, a VM migration: its heartbeat stops too
+    pause(a.pid, out)  # a laptop lid, a VM migration: its heartbeat stops too
     while time.time() - read_lease()["heartbeat"] < 2.5:  # paused past the stale time
         time.sleep(0.1)
     b = runs.start(["-q", "run", config(root, "b", out, "tests.models:softmax_mlp"), "--overwrite", *args],
