@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from jacobeam.transforms.errors import CorruptInputError, InputError
+from jacobeam.transforms.inputs.arrays import npy_header_end
 from jacobeam.transforms.inputs.readers import assign_ids, check_consistent, describe, unreadable_file
 from jacobeam.transforms.inputs.registry import IMAGE_SUFFIXES
 from jacobeam.transforms.inputs.types import ImageOptions, Key, Shape, SourceFile
@@ -127,8 +128,7 @@ class _NpyHeaders:
     def describe(self, path: str, stamp: str) -> SourceFile:
         with storage.open_input(path, headers=True) as stream:
             head = stream.read(self._READ)
-        size = 2 if head[6:7] == b"\x01" else 4  # the header's length field: 2 bytes in version 1, else 4
-        end = 8 + size + int.from_bytes(head[8 : 8 + size], "little")
+        end = npy_header_end(head)
         known = self._seen.get(head[:end]) if len(head) >= end else None
         if known is None:
             known = dataclasses.replace(describe(path, None), path="", stamp=None)

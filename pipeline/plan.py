@@ -151,24 +151,19 @@ def plan_run(
 ) -> Job | UpToDate:
     """``UpToDate`` when the output folder holds this run's complete result already and nothing it was
     computed from changed (``pipeline.up_to_date``: judged from listings, stamps and the folder's
-    metadata, not per file); otherwise ``make_job`` with the same arguments, which then lists nothing
-    and reads no folder again. ``folder``: as ``read_folder`` found it, where the caller has it.
+    metadata, not per file); otherwise the job ``make_job`` would plan with the same arguments, the
+    listing and the folder read once. ``folder``: as ``read_folder`` found it, where the caller has it.
     ``shortcut`` false: always ``make_job`` (a caller's pipeline runs the job, whatever it finds)."""
-    if check_model or (identify_model and config.model.factory is not None):
-        from jacobeam.transforms.engine.threads import configure_tf_threads
-
-        configure_tf_threads(tf_threads, warn=False)  # before a factory is built to know its identity
-    folder = read_folder(config.output.path) if folder is None else folder
+    folder = _prepare(config, tf_threads, check_model, identify_model, folder)
     listed = list_inputs(config.input.paths)
     if shortcut and not overwrite:
-        _check_files_named(config)
         model = ModelSource(**to_dict(config)["model"]) if identify_model else None
         why = up_to_date.why_not(folder, _recorded_config(config), listed, model)
         if why is None:
             return UpToDate(folder.root, folder.manifest, len(listed))
         log.debug("planning the run in full: %s", why)
-    return make_job(config, tf_threads, overwrite, check_model, accept_library_versions, identify_model, run_id,
-                    folder=folder, listed=listed)
+    return _plan_job(config, tf_threads, overwrite, check_model, accept_library_versions, identify_model, run_id,
+                     folder, listed)
 
 
 def make_job(
@@ -190,19 +185,34 @@ def make_job(
     folder (``read_folder``) and the input files' listing (``discover.list_inputs``), where the caller
     has them already.
     """
-    policy = config.input.on_bad_sample
-    if check_model or (identify_model and config.model.factory is not None):  # a factory is built here
+    folder = _prepare(config, tf_threads, check_model, identify_model, folder)
+    return _plan_job(config, tf_threads, overwrite, check_model, accept_library_versions, identify_model, run_id,
+                     folder, listed)
+
+
+def _prepare(config: Config, tf_threads: int | None, check_model: bool, identify_model: bool,
+             folder: Folder | None) -> Folder:
+    """What planning needs first, done once: TensorFlow's threads set (before a factory is built to know
+    its identity, or inputs read with TensorFlow ops), the files the config names checked, and the output
+    folder read (``folder``, where the caller has it)."""
+    if check_model or (identify_model and config.model.factory is not None):
         from jacobeam.transforms.engine.threads import configure_tf_threads
 
-        configure_tf_threads(tf_threads, warn=False)  # before reading inputs, which may run TensorFlow ops
-    folder = read_folder(config.output.path) if folder is None else folder
+        configure_tf_threads(tf_threads, warn=False)
+    _check_files_named(config)
+    return read_folder(config.output.path) if folder is None else folder
+
+
+def _plan_job(config: Config, tf_threads: int | None, overwrite: bool, check_model: bool,
+              accept_library_versions: bool, identify_model: bool, run_id: str, folder: Folder,
+              listed: dict[str, str] | None) -> Job:
+    policy = config.input.on_bad_sample
     # Files whose stamp the folder's manifest recorded keep the description it recorded (no header read).
     known = recorded_descriptions(folder.manifest, to_dict(config)["input"])
     files = resolve_inputs(
         config.input.paths, config.input.key, policy, config.input.shape(), config.input.image_options(), known,
         listed,
     )
-    _check_files_named(config)
     label_key = _label_key(config)
     floats = [f.path for f in files if label_key and f.unreadable is None and check_labels(f, label_key).kind == "f"]
     if floats:

@@ -357,7 +357,6 @@ def build_manifest(
 ) -> dict[str, Any]:
     first = next((record for record in records if record.num_samples), records[0])
     attrs = read_attrs(storage.join(spec.output_dir, first.file))
-    wall = time.time() - spec.started_at
     computed = sum(record.num_samples for record in records if record.computed)
     stored = sum(record.num_samples for record in records)
     num_rejected = sum(run.num_samples for run in rejected)
@@ -367,7 +366,7 @@ def build_manifest(
 
     return {
         "jacobeam_version": version(),
-        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": _now(),
         "config": spec.config,
         "num_samples": spec.num_samples,  # input samples, i.e. ids 0..num_samples
         "num_rows": stored,  # samples stored (rows of jacobians.h5): num_samples minus the rejected ones
@@ -429,13 +428,7 @@ def build_manifest(
         # The versions of this run's launcher; each shard records those of the worker that computed it.
         "versions": model_identity.library_versions(),
         "tf_threads": spec.tf_threads,
-        "run": {
-            "id": spec.run_id,  # its lease's holder: a run that lost the folder to this one names it
-            "wall_seconds": round(wall, 3),
-            "samples_computed": computed,
-            "samples_kept": stored - computed,
-            "samples_per_second": round(computed / wall, 2) if wall > 0 else None,
-        },
+        "run": _run(spec.run_id, spec.started_at, computed, stored - computed),
     }
 
 
@@ -451,17 +444,27 @@ def rerun_manifest(manifest: dict[str, Any], run_id: str, started_at: float, tf_
             shard["self_check"] = [{k: v for k, v in check.items() if k != "timing"} for check in shard["self_check"]]
         return {**shard, "computed_in_this_run": False}
 
-    wall = time.time() - started_at
     return {
         **recorded,
-        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": _now(),
         "engine": None,
         "shards": [kept(shard) for shard in manifest["shards"]],
         **({"self_check": {**manifest["self_check"], "seconds": 0.0}} if manifest.get("self_check") else {}),
         "tf_threads": tf_threads,
-        "run": {"id": run_id, "wall_seconds": round(wall, 3), "samples_computed": 0,
-                "samples_kept": manifest["num_rows"], "samples_per_second": 0.0 if wall > 0 else None},
+        "run": _run(run_id, started_at, 0, manifest["num_rows"]),
     }
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _run(run_id: str, started_at: float, computed: int, kept: int) -> dict[str, Any]:
+    """The manifest's ``run``: ``run_id`` is its lease's holder (a run that lost the folder to this one
+    names it)."""
+    wall = time.time() - started_at
+    return {"id": run_id, "wall_seconds": round(wall, 3), "samples_computed": computed, "samples_kept": kept,
+            "samples_per_second": round(computed / wall, 2) if wall > 0 else None}
 
 
 def _stored(spec: JobSpec) -> dict[str, Any]:

@@ -121,6 +121,13 @@ class _NpyRows:
             raise CorruptInputError(f"{self._name}: cannot be read: {err}", reason=f"corrupt: {err}") from err
 
 
+def npy_header_end(head: bytes) -> int:
+    """Where the data of an ``.npy`` file starting with ``head`` begins, by its header's length field (2
+    bytes in format version 1, else 4); ``head`` may be too short to hold the whole header."""
+    size = 2 if head[6:7] == b"\x01" else 4
+    return 8 + size + int.from_bytes(head[8 : 8 + size], "little")
+
+
 class SmallNpyFiles:
     """Rows of small local ``.npy`` files, each file read in one call and its header parsed once per
     distinct header (the one-sample files of a folder share theirs): about 16 us a one-row file, read and
@@ -136,8 +143,7 @@ class SmallNpyFiles:
         try:
             with storage.open_input(path) as stream:
                 data = stream.read()
-            size = 2 if data[6:7] == b"\x01" else 4  # the header's length field: 2 bytes in version 1, else 4
-            offset = 8 + size + int.from_bytes(data[8 : 8 + size], "little")
+            offset = npy_header_end(data)
             known = self._headers.get(data[:offset])
             if known is None:
                 rows = _NpyRows(io.BytesIO(data), path)
