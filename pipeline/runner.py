@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
 import logging
@@ -331,8 +332,9 @@ def run(
     lease, created = take_lease(config.output.path, wait)
     done = False
     try:
-        result = _run_leased(config, options, show_progress, overwrite, verify_samples, pipeline, engine_factory, planned,
-                             accept_library_versions, lease)
+        with _heap_frozen():
+            result = _run_leased(config, options, show_progress, overwrite, verify_samples, pipeline, engine_factory,
+                                 planned, accept_library_versions, lease)
         done = True
         return result
     finally:
@@ -357,6 +359,20 @@ def _warn_idle_workers(spec: JobSpec, options: PipelineOptions) -> None:
     if spec.tf_threads and workers * spec.tf_threads > cores:
         log.warning("%d worker processes x %d TensorFlow threads (jacobian.threads) on %d cores: they compete "
                     "for the cores (jacobian.threads: auto splits them)", workers, spec.tf_threads, cores)
+
+
+@contextlib.contextmanager
+def _heap_frozen() -> Iterator[None]:
+    """The objects alive when the run starts, and again once it is planned (the imported libraries, the
+    plan's per-file records), left out of Python's garbage collection until it ends (``gc.freeze``): a
+    full collection walks every tracked object, and TensorFlow's and a big plan's are millions, each
+    pass a third of a second, which a run of many small files triggered again and again
+    (benchmarks/README.md). Unfrozen at the end, they are collectable as before."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @contextlib.contextmanager
@@ -389,6 +405,7 @@ def _run_leased(
         manifest = _record_up_to_date(job, run_id or uuid.uuid4().hex[:12], guard, tf_threads(config, options))
         return _verified(job.root, manifest, _manifest_counts(manifest), verify_samples, guard)
     spec, already_done = job.spec, job.already_done
+    gc.freeze()  # the plan and what it imported (see _heap_frozen)
     plan.prepare_output(job)
     if planned is not None:
         planned(spec)

@@ -38,7 +38,7 @@ from jacobeam.transforms.output.shards import ShardRecord
 from jacobeam.transforms.output.storage import sha256
 from jacobeam.transforms.spec import Reduction
 from jacobeam.transforms.testing.fake_engine import FakeEngine, FakeEngineFactory
-from tests.fake_runs import BAD_ID, FACTORY, MODEL, SHAPE, run_config, run_once, run_with_fake_engine
+from tests.fake_runs import BAD_ID, FACTORY, MODEL, SHAPE, run_config, run_once, run_with_fake_engine, write_inputs
 
 
 def closed_form(x: np.ndarray, factory: FakeEngineFactory = FACTORY, shape=SHAPE) -> tuple[np.ndarray, np.ndarray]:
@@ -229,6 +229,27 @@ def test_a_run_in_the_callers_pipeline_stores_the_closed_form_for_every_sample(f
     report = verify.verify(str(out), samples=0)
     assert report.ok, report.problems
     assert (report.shards_checked, report.ids_checked) == (3, 40)
+
+
+def test_a_run_freezes_the_heap_only_while_it_runs_and_unfreezes_it_when_it_fails(tmp_path):
+    """``runner._heap_frozen``: what was alive when the run was planned is out of the collector's passes
+    while it runs, and collectable again after it, whether it ended well or not."""
+    import gc
+
+    write_inputs(tmp_path / "data")
+    frozen = []
+    pipeline = test_pipeline.TestPipeline(runner=FnApiRunner())
+    runner.run(run_config(tmp_path / "data", tmp_path / "out"), [], show_progress=False, pipeline=pipeline,
+               engine_factory=FACTORY, planned=lambda spec: frozen.append(gc.get_freeze_count()))
+    assert frozen[0] > 0 and gc.get_freeze_count() == 0
+
+    def fail(spec):
+        raise RuntimeError("stopped after planning")
+
+    with pytest.raises(RuntimeError, match="stopped after planning"):
+        runner.run(run_config(tmp_path / "data", tmp_path / "out2"), [], show_progress=False,
+                   pipeline=test_pipeline.TestPipeline(runner=FnApiRunner()), engine_factory=FACTORY, planned=fail)
+    assert gc.get_freeze_count() == 0
 
 
 def test_only_ranges_and_records_travel_between_the_runs_steps(fake_run):

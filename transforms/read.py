@@ -1,13 +1,13 @@
 """Reading a planned job's samples: a shard range in, batches of samples out.
 
-Each range is one unit of work: ``shard_batches`` streams a range's samples through ``tf.data`` (file
-slices, rebatched across file boundaries, prefetched so that reading overlaps the computing
-downstream). Local ``.npy`` files are read by TensorFlow's own ``FixedLengthRecordDataset``, one record
-per batch, whose bytes numpy takes as they are: no Python per batch beyond that, and no ``tf.data``
-function to trace per range (faster end to end: benchmarks/README.md). A range of many files (more
-than ``_MOST_SEGMENTS``: one sample per file, say) and other formats are read in Python
-(``checks.checked_slices``, which gathers small files' rows into batches) and handed over through
-``Dataset.from_generator``: one dataset per range, whatever its number of files. Every sample
+Each range is one unit of work: ``shard_batches`` streams a range's samples in batches, read ahead of
+the computing downstream on a thread of their own. Local ``.npy`` files are read by ``tf.data``:
+TensorFlow's own ``FixedLengthRecordDataset``, one record per batch, whose bytes numpy takes as they
+are (no Python per batch beyond that, and no ``tf.data`` function to trace per range: faster end to
+end, benchmarks/README.md). A range of many files (more than ``_MOST_SEGMENTS``: one sample per file,
+say) and other formats are read in Python (``checks.checked_slices``, which gathers small files' rows
+into batches), rebatched across file boundaries and handed over from a plain thread (``_ahead``),
+which costs nothing to start per range where ``tf.data``'s ``from_generator`` traced functions. Every sample
 is checked as it is read (``transforms.inputs.checks``): a bad one (NaN/Inf, unreadable, a label that is
 not an output index) is left out and recorded in the range's ``RangeFindings``, which also hashes the
 samples kept; under ``input.on_bad_sample: error`` the first one stops the range with one line naming
@@ -19,9 +19,13 @@ per element); ``ReadSamples`` is the same reading as a transform of its own, for
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import queue
+import threading
 from collections.abc import Iterator
+from typing import TypeVar
 
 import apache_beam as beam
 import numpy as np
@@ -30,11 +34,13 @@ from apache_beam.typehints.decorators import no_annotations
 from jacobeam.transforms.elements import RangeRead, SampleBatch
 from jacobeam.transforms.inputs import arrays
 from jacobeam.transforms.inputs.checks import Labels, RangeFindings, checked_slices
-from jacobeam.transforms.inputs.readers import as_dtype, row_bytes, tensor_spec
+from jacobeam.transforms.inputs.readers import as_dtype, row_bytes
 from jacobeam.transforms.inputs.registry import file_format
 from jacobeam.transforms.inputs.types import Samples, SourceFile
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.spec import JobSpec, ShardRange, overlapping
+
+T = TypeVar("T")
 
 
 def range_findings(spec: JobSpec, outputs: int | None = None) -> RangeFindings:
@@ -52,25 +58,14 @@ def shard_batches(spec: JobSpec, shard: ShardRange, findings: RangeFindings | No
     if not overlapping(spec.files, shard.start, shard.stop):  # every id of the range is a removed file's
         return
     segments = _npy_segments(spec, shard)
-    batches = _native(spec, segments, findings) if segments is not None else _tensors(_dataset(spec, shard, findings))
-    for ids, inputs, labels in batches:
-        if findings.error is not None:
-            break
-        yield SampleBatch(ids=ids, inputs=inputs, labels=labels, shard=shard)
+    batches = _native(spec, segments, findings) if segments is not None else _ahead(_python(spec, shard, findings))
+    with contextlib.closing(batches):  # a reading thread stops here, not when the generator is collected
+        for ids, inputs, labels in batches:
+            if findings.error is not None:
+                break
+            yield SampleBatch(ids=ids, inputs=inputs, labels=labels, shard=shard)
     if findings.error is not None:
         raise findings.error
-
-
-def _tensors(dataset) -> Iterator[tuple[np.ndarray, Samples, np.ndarray]]:
-    for ids, inputs, labels in dataset:
-        # np.asarray: read-only views of the tensors' buffers, where .numpy() would copy them.
-        inputs = {k: np.asarray(v) for k, v in inputs.items()} if isinstance(inputs, dict) else np.asarray(inputs)
-        yield np.asarray(ids), inputs, np.asarray(labels)
-
-
-def _dataset(spec: JobSpec, shard: ShardRange, findings: RangeFindings):
-    """tf.data over the range's good samples (any format); only the range's last batch can be short."""
-    return _light(_from_generator(spec, shard, findings).rebatch(spec.engine.batch_size))
 
 
 def _light(dataset):
@@ -107,30 +102,98 @@ class ReadShardFn(beam.DoFn):
             yield dataclasses.replace(last, read=RangeRead(tuple(findings.rejected), findings.samples_sha256))
 
 
-def _from_generator(spec: JobSpec, shard: ShardRange, findings: RangeFindings):
-    """Any input format: slices read and checked in Python (``checked_slices``), handed to ``tf.data``.
-    An error of the reading is kept in ``findings`` (``error``) and ends the slices: raised in the
-    generator, tf.data would hand it on as one of its own."""
-    import tensorflow as tf
-
+def _python(spec: JobSpec, shard: ShardRange, findings: RangeFindings) -> Iterator[tuple[np.ndarray, Samples, np.ndarray]]:
+    """Any input format: slices read and checked in Python (``checked_slices``), in the compute dtype,
+    rebatched across file boundaries so that only the range's last batch is short. An error of the
+    reading is kept in ``findings`` (``error``) and ends the batches."""
     dtype, batch_size = spec.engine.compute_dtype, spec.engine.batch_size
     label_key = spec.label_key if spec.engine.outputs.rule == "label" else None
+    held: list[tuple[np.ndarray, Samples, np.ndarray]] = []
+    rows = 0
+    try:
+        for ids, samples, labels in checked_slices(spec.files, shard.start, shard.stop, batch_size, findings, label_key):
+            labels = np.zeros(len(ids)) if labels is None else labels.astype(np.float64)
+            held.append((ids, as_dtype(samples, dtype), labels))
+            rows += len(ids)
+            if rows >= batch_size:
+                batch = held[0] if len(held) == 1 else _joined(held)
+                for start in range(0, rows - batch_size + 1, batch_size):
+                    yield _rows(batch, start, start + batch_size)
+                held = [_rows(batch, rows - rows % batch_size, rows)] if rows % batch_size else []
+                rows %= batch_size
+    except Exception as err:  # noqa: BLE001 - raised again by shard_batches, after the batches before it
+        findings.error = err
+        return
+    if rows:
+        yield held[0] if len(held) == 1 else _joined(held)
 
-    def slices():
+
+def _joined(parts: list[tuple[np.ndarray, Samples, np.ndarray]]) -> tuple[np.ndarray, Samples, np.ndarray]:
+    ids, samples, labels = zip(*parts)
+    if isinstance(samples[0], dict):
+        joined = {name: np.concatenate([part[name] for part in samples]) for name in samples[0]}
+    else:
+        joined = np.concatenate(samples)
+    return np.concatenate(ids), joined, np.concatenate(labels)
+
+
+def _rows(batch: tuple[np.ndarray, Samples, np.ndarray], start: int, stop: int) -> tuple[np.ndarray, Samples, np.ndarray]:
+    ids, samples, labels = batch
+    if start == 0 and stop == len(ids):
+        return batch
+    samples = {name: values[start:stop] for name, values in samples.items()} if isinstance(samples, dict) else samples[start:stop]
+    return ids[start:stop], samples, labels[start:stop]
+
+
+_AHEAD = 2  # batches read ahead of the one computed
+
+
+def _ahead(items: Iterator[T]) -> Iterator[T]:
+    """``items`` produced on a thread of their own, up to ``_AHEAD`` ahead of the consumer, so that
+    reading overlaps the computing downstream. A plain thread where this was ``tf.data``'s
+    ``from_generator``, which traced functions for 20 to 35 ms per range: reading 20,000 PNGs took
+    43 to 55 us of CPU a file through it, 30 us through the thread (benchmarks/README.md). The consumer
+    stopping early stops the thread after the item it is producing (and closes ``items``)."""
+    handoff: queue.Queue = queue.Queue(_AHEAD)
+    stop, end = threading.Event(), object()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                handoff.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
         try:
-            for ids, samples, labels in checked_slices(spec.files, shard.start, shard.stop, batch_size, findings, label_key):
-                labels = np.zeros(len(ids)) if labels is None else labels.astype(np.float64)
-                yield ids, as_dtype(samples, dtype), labels
-        except Exception as err:  # noqa: BLE001 - raised again by shard_batches, in the caller's thread
-            findings.error = err
+            for item in items:
+                if not put(item):
+                    return
+            put(end)
+        except BaseException as err:  # noqa: BLE001 - handed to the consumer, raised there
+            put(_Failed(err))
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
 
-    # Samples are one tensor, or a dict of tensors by input name (a model with several inputs).
-    signature = (
-        tf.TensorSpec((None,), tf.int64),
-        tensor_spec(spec.sample_shape, dtype),
-        tf.TensorSpec((None,), tf.float64),
-    )
-    return tf.data.Dataset.from_generator(slices, output_signature=signature)
+    thread = threading.Thread(target=produce, name="jacobeam-read", daemon=True)
+    thread.start()
+    try:
+        while (item := handoff.get()) is not end:
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    error: BaseException
 
 
 # A range of more files than this is read in Python (``checked_slices`` gathers small files' rows into

@@ -171,7 +171,7 @@ def read_images(sources: Sequence[SourceFile], errors: bool = False) -> np.ndarr
     TensorFlow as one tensor, unstacked: an eager op given a tensor takes TensorFlow's fast path, 12 us
     for a 28x28 PNG where given bytes it took 29 us (benchmarks/README.md). (In two threads they decoded
     slower, small PNGs and 224x224 JPEGs alike: reading has one thread of its own beside the engine's,
-    ``read._light``.) ``errors``: a list instead, in which an image that cannot be read or decoded is
+    ``read._ahead``.) ``errors``: a list instead, in which an image that cannot be read or decoded is
     its ``CorruptInputError``."""
     import tensorflow as tf
 

@@ -191,15 +191,6 @@ def shape_from_record(record: list[int] | dict[str, list[int]]) -> Shape:
     return tuple(record)
 
 
-def tensor_spec(shape: Shape, dtype: str):
-    """The ``tf.TensorSpec`` of batches of such samples (a dict of specs for several inputs)."""
-    import tensorflow as tf
-
-    if isinstance(shape, Mapping):
-        return {name: tf.TensorSpec((None, *dims), dtype) for name, dims in shape.items()}
-    return tf.TensorSpec((None, *shape), dtype)
-
-
 def from_a_pipeline(manifest: Mapping[str, Any]) -> bool:
     """Whether a user's own pipeline wrote the folder (``WriteShards(pipeline_spec(...))``): its manifest
     lists no input file to read the samples from again."""
