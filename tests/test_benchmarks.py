@@ -105,3 +105,13 @@ def test_targets_measure_the_pipeline_and_set_up_against_the_hand_written_loop()
     assert "hand-written loop" in end_to_end.detail
     (setup,) = targets.setup("mlp", repeats=1)
     assert setup.measured > 0 and setup.goal == 3.0 and not setup.at_least
+
+
+@pytest.mark.slow
+def test_the_incremental_benchmark_computes_only_the_new_samples_and_times_both_sides():
+    from benchmarks import incremental
+
+    found = incremental.measure(base=24, new=8, repeats=1)  # it stops if the increment computed other samples
+
+    assert len(found["runs"]) == len(found["floors"]) == 1
+    assert 0 < found["imports"] < found["floor"] and 0 < found["batch"] < found["floor"] and found["version"] > 0
