@@ -121,22 +121,15 @@ def open_input(path: str, headers: bool = False) -> IO[bytes]:
     headers will be read: a remote file is read in ranges of ``HEADER_BUFFER`` bytes (Beam's remote
     streams read 16 MiB ranges, the whole object where it is smaller)."""
     try:
-        # A local file as Beam's local file system opens it, without its dispatch (most of describing a
+        # open_read: a local file as Beam's local file system opens it, without its dispatch (most of describing a
         # small file's header: 100 s of planning a million files, benchmarks/README.md).
-        stream = open(path, "rb") if is_local(path) else _open_remote(path)
+        stream = open_read(path)
     except Exception as err:  # Beam wraps every file-system failure in its own error types.
         raise CorruptInputError(f"{path}: cannot open: {err}", reason=f"unreadable: {err}") from err
     if headers and not is_local(path) and isinstance(stream, io.BufferedReader):
         stream = io.BufferedReader(stream.detach(), buffer_size=HEADER_BUFFER)  # nothing read yet: its raw stream
     counter = _input_reads.get()
     return stream if counter is None else _Counted(stream, counter)
-
-
-def _open_remote(path: str) -> IO[bytes]:
-    from apache_beam.io.filesystem import CompressionTypes
-    from apache_beam.io.filesystems import FileSystems
-
-    return FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
 
 
 class InputReads:
