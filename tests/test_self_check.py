@@ -8,6 +8,8 @@ import h5py
 import keras
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jacobeam.pipeline import cli, config, runner
 from jacobeam.pipeline.inspect_output import format_report, inspect
@@ -94,29 +96,46 @@ def test_chosen_ids_are_seeded_by_the_shard():
     """Among the range's ids, whether read or not: which samples are bad, the worker finds as it reads (a
     chosen one that is rejected is not checked)."""
     shard = ShardRange(16, 20)
-    chosen = self_check.chosen_ids(shard, 3)
+    chosen = self_check.chosen_ids(shard, 3 * 1024)  # 3 per 4 ids
     assert len(chosen) == 3 and all(16 <= i < 20 for i in chosen) and list(chosen) == sorted(chosen)
-    np.testing.assert_array_equal(chosen, self_check.chosen_ids(ShardRange(16, 20), 3))
-    assert list(self_check.chosen_ids(shard, 10)) == [16, 17, 18, 19]  # all, when a shard holds fewer
+    np.testing.assert_array_equal(chosen, self_check.chosen_ids(ShardRange(16, 20), 3 * 1024))
+    assert list(self_check.chosen_ids(shard, 10 * 1024)) == [16, 17, 18, 19]  # all, when a shard holds fewer
     assert len(self_check.chosen_ids(shard, 0)) == 0
     firsts = {int(self_check.chosen_ids(ShardRange(start, start + 4096), 1)[0]) - start for start in range(0, 40960, 4096)}
     assert len(firsts) > 1  # not the same place in every shard
 
 
+@given(samples=st.integers(1, 64), size=st.integers(1, 10_000), total=st.integers(1, 50_000))
+@settings(max_examples=200, deadline=None)
+def test_the_checks_follow_the_samples_whatever_the_shard_size(samples, size, total):
+    """``samples`` per 4,096 ids of a shard, rounded up: every shard is checked, and a run's checks are its
+    share of the ids (plus at most one per shard for the rounding), so small shards do not multiply them. A
+    default shard checks exactly ``samples``, as every shard did before the budget followed the samples."""
+    shards = [ShardRange(start, min(start + size, total)) for start in range(0, total, size)]
+    counts = [len(self_check.chosen_ids(shard, samples)) for shard in shards]
+    assert all(1 <= count <= shard.rows for count, shard in zip(counts, shards))
+    share = samples * total / self_check.PER_IDS
+    assert min(share, total) <= sum(counts) < share + len(shards)
+    whole = ShardRange(4096 * (total % 7), 4096 * (total % 7 + 1))
+    np.testing.assert_array_equal(self_check.chosen_ids(whole, samples), self_check.drawn(whole, samples))
+    assert len(self_check.drawn(whole, samples)) == samples
+
+
 # --- the default run ------------------------------------------------------------------------------------
 
 
-def test_default_run_checks_four_samples_per_shard_in_its_attributes_and_the_manifest(clean):
+def test_default_run_checks_one_sample_per_small_shard_in_its_attributes_and_the_manifest(clean):
+    """16-id shards: 4 checks per 4,096 ids, rounded up, is one per shard."""
     root, _, manifest = clean
     out = root / "out"
     summary = manifest["self_check"]
     assert summary["samples_per_shard"] == 4 and summary["on_mismatch"] == "fail"
-    assert summary["samples_checked"] == 12 and summary["shards_checked"] == 3
+    assert summary["samples_checked"] == 3 and summary["shards_checked"] == 3 and summary["per_ids"] == 4096
     assert summary["tolerance"] == 1e-4 and summary["max_rel_error"] < 1e-5
     assert summary["kinks"] == [] and summary["mismatches"] == []
     assert summary["reference"] == "tf.GradientTape gradient of one sample, one output row per copy"
     precision = summary["precision"]
-    assert precision["against"] == "float64 copy of the model" and precision["samples"] == 12
+    assert precision["against"] == "float64 copy of the model" and precision["samples"] == 3
     for name in ("jacobian", "output"):  # a smooth MLP: float32 is within 1e-5 of the float64 truth
         assert 0 < precision["datasets"][name]["error"]["max"] < 1e-5
         assert 0 < precision["datasets"][name]["noise"]["max"] < 1e-5
@@ -125,6 +144,7 @@ def test_default_run_checks_four_samples_per_shard_in_its_attributes_and_the_man
         stored = _attr(out / "shards" / name)
         checks = stored["checked"]
         assert stored["samples"] == 4 and stored["on_mismatch"] == "fail"
+        assert len(checks) == 1
         assert [check["id"] for check in checks] == list(self_check.chosen_ids(ShardRange(shard["start"], shard["stop"]), 4))
         for check in checks:
             assert check["verdict"] == "ok" and check["max_rel_error"] < 1e-5
@@ -138,13 +158,13 @@ def test_default_run_checks_four_samples_per_shard_in_its_attributes_and_the_man
     lines = format_report(inspect(str(out))).splitlines()
     line = next(line for line in lines if line.startswith("  self-check"))
     assert re.fullmatch(
-        r"  self-check  12 sample\(s\) in 3 shard\(s\) recomputed on their own: 12 passed, 0 at a kink, 0 mismatch\(es\); "
+        r"  self-check  3 sample\(s\) in 3 shard\(s\) recomputed on their own: 3 passed, 0 at a kink, 0 mismatch\(es\); "
         r"max relative error \S+ \(tolerance 0.0001\)", line
     )
     line = next(line for line in lines if line.startswith("  precision"))
     assert re.fullmatch(
         r"  precision   jacobian: float32 error against a float64 copy of the model median \S+, max \S+ \(TensorFlow's own "
-        r"per-sample gradient: median \S+, max \S+\) on 12 checked sample\(s\)", line
+        r"per-sample gradient: median \S+, max \S+\) on 3 checked sample\(s\)", line
     ), line
 
 
@@ -166,7 +186,7 @@ def test_a_run_resumed_with_another_self_check_setting_keeps_its_shards(clean, t
     (out / "manifest.json").unlink()
     manifest = _run(_config(root / "data", out))
     assert [s["computed_in_this_run"] for s in manifest["shards"]] == [False, True, False]
-    assert manifest["self_check"]["samples_checked"] == 4  # the shard computed now
+    assert manifest["self_check"]["samples_checked"] == 1  # the shard computed now
     assert _attr(out / "shards" / SHARDS[1]) == _attr(root / "out" / "shards" / SHARDS[1])
 
 
@@ -215,12 +235,12 @@ def test_on_mismatch_warn_completes_and_records_the_mismatch(clean, tmp_path, mo
     assert summary["mismatches"] == [
         {"file": f"shards/{SHARDS[2]}", "id": i, "dataset": "jacobian", "max_rel_error": 1.0} for i in chosen
     ]
-    assert summary["max_rel_error"] == 1.0 and summary["samples_checked"] == 12
+    assert summary["max_rel_error"] == 1.0 and summary["samples_checked"] == 3
     checks = _attr(out / "shards" / SHARDS[2])["checked"]
     assert all(check["verdict"] == "mismatch" and check["errors"]["jacobian"] == 1.0 for check in checks)
     assert any(f"sample {chosen[0]}" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
     report = format_report(inspect(str(out)))
-    assert ": 8 passed, 0 at a kink" in report and "4 mismatch(es)" in report
+    assert len(chosen) == 1 and ": 2 passed, 0 at a kink" in report and "1 mismatch(es)" in report
     assert f"MISMATCH, e.g. sample {chosen[0]} jacobian (recorded under on_mismatch: warn)" in report
     assert "jacobian: float32 error against a float64 copy of the model median" in report
     assert "max 1 (TensorFlow's own per-sample gradient: median" in report  # the recorded errors, mismatches included
@@ -243,7 +263,7 @@ def test_reduced_and_selected_results_are_checked(tmp_path, factory, jacobian, d
     _write(tmp_path / "data", shape, labels=5)
     manifest = _run(_config(tmp_path / "data", tmp_path / "out", factory, key="x", **jacobian))
     summary = manifest["self_check"]
-    assert summary["samples_checked"] == 12 and summary["max_rel_error"] < 1e-4, summary
+    assert summary["samples_checked"] == 3 and summary["max_rel_error"] < 1e-4, summary
     checks = [check for shard in manifest["shards"] for check in shard["self_check"]]
     assert {name for name in checks[0]["errors"]} == datasets
     if jacobian.get("reduce") == "project":  # forward mode, along the projection's columns
@@ -303,9 +323,9 @@ def test_a_run_whose_samples_sit_at_kinks_completes_with_notes(tmp_path, monkeyp
     monkeypatch.setattr(JacobianEngine, "compute", lambda engine, x, labels=None: original(engine, x + NUDGE, labels))
     manifest = _run(_config(tmp_path / "data", tmp_path / "out", "tests.test_self_check:kinked_relu"))
     summary = manifest["self_check"]
-    assert summary["samples_checked"] == 12 and len(summary["kinks"]) == 12 and summary["mismatches"] == []
+    assert summary["samples_checked"] == 3 and len(summary["kinks"]) == 3 and summary["mismatches"] == []
     assert summary["max_rel_error"] is None  # every check was at a kink: none judged by the tolerance
-    assert "recomputed on their own: 0 passed, 12 at a kink (" in format_report(inspect(str(tmp_path / "out")))
+    assert "recomputed on their own: 0 passed, 3 at a kink (" in format_report(inspect(str(tmp_path / "out")))
 
 
 def test_config_keys_and_their_checks():

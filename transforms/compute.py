@@ -263,7 +263,8 @@ class ComputeJacobians(beam.PTransform):
         tf_threads: TensorFlow's intra- and inter-op threads per worker process; None keeps its default.
         batched: whether the elements are ``SampleBatch`` (``ids`` ``(n,)``, ``inputs`` ``(n,
             *input_shape)``); None decides by the input PCollection's element type.
-        self_check: recompute ``self_check.samples`` chosen samples of each planned shard one at a time
+        self_check: recompute chosen samples of each planned shard (``self_check.samples`` per 4,096 ids,
+            at least one: ``transforms.self_check.checked_count``) one at a time
             and attach the records to their batch (``JacobianBatch.checks``); None or 0 samples: off.
             Needs TensorFlow and the real engine.
         engine_factory: ``(model, input_shape, options, tf_threads) -> engine``, picklable (see

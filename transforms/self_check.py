@@ -42,10 +42,12 @@ The rule, per checked sample (``_Judgement``):
 Every check records the stored value's error against the truth and the noise, per dataset its worst
 row's, so the manifest reports the run's precision (``summary``).
 
-Which samples: ``chosen_ids`` draws them from a generator seeded with the shard's first id, among the
-shard's stored (not rejected) ids, so a resumed run checks, and records, exactly what an uninterrupted
-one does. Errors are stored rounded to 3 significant digits (and check times only in the manifest), so
-that a shard's bytes do not depend on the last bits of a reference.
+Which samples: ``samples`` per 4,096 ids of a shard (``PER_IDS``, the default shard's size), rounded up,
+so at least one in every shard: the checked share of a run, and so the check's cost, does not grow as
+shards get smaller (``checked_count``). ``chosen_ids`` draws them from a generator seeded with the
+shard's first id, among the shard's stored (not rejected) ids, so a resumed run checks, and records,
+exactly what an uninterrupted one does. Errors are stored rounded to 3 significant digits (and check
+times only in the manifest), so that a shard's bytes do not depend on the last bits of a reference.
 
 Numpy at import; TensorFlow only once a check runs (in the worker).
 """
@@ -63,6 +65,7 @@ import numpy as np
 from jacobeam.transforms.spec import SelfCheck, ShardRange
 
 SEED = 0x5E1FC  # with the shard's first id: which samples a shard checks
+PER_IDS = 4096  # jacobian.self_check.samples are per this many ids of a shard (the default shard's size)
 OK, KINK, MISMATCH = "ok", "kink", "mismatch"
 NOISE_FACTOR = 4  # "clearly worse": a value 10x the noise fails; batched and per-sample float32 measured within 1x
 KINK_DIRECTIONS = 3  # seeded moves of the sample by up to one unit of rounding, each both ways
@@ -72,13 +75,28 @@ TRUTH_FLOAT64 = "float64 copy of the model"
 REFERENCE_BUDGET = 2**30
 
 
+def checked_count(rows: int, samples: int) -> int:
+    """How many of a shard's ``rows`` ids it checks: ``samples`` per ``PER_IDS`` ids, rounded up, at least
+    one and at most all of them. The share of a run that is checked does not depend on the shard size, so
+    small shards (incremental runs) do not multiply the self-check's cost; every shard is still checked."""
+    if samples <= 0 or rows <= 0:
+        return 0
+    return min(rows, -(-samples * rows // PER_IDS))
+
+
 def chosen_ids(shard: ShardRange, samples: int) -> np.ndarray:
-    """The ids a shard checks: ``samples`` of its range's ids (all of them if it has fewer), increasing;
-    one whose sample the reading rejects is not checked (which ids are bad is known only once read)."""
-    if samples <= 0 or shard.rows <= 0:
+    """The ids a shard checks: ``checked_count`` of its range's ids, increasing; one whose sample the reading
+    rejects is not checked (which ids are bad is known only once read)."""
+    return drawn(shard, checked_count(shard.rows, samples))
+
+
+def drawn(shard: ShardRange, count: int) -> np.ndarray:
+    """``count`` of the shard's ids (all of them if it has fewer), increasing, drawn by a generator seeded
+    with its first id: the same for a shard however often it is computed."""
+    if count <= 0 or shard.rows <= 0:
         return np.zeros(0, np.int64)
     rng = np.random.default_rng((SEED, shard.start))
-    return shard.start + np.sort(rng.choice(shard.rows, size=min(samples, shard.rows), replace=False)).astype(np.int64)
+    return shard.start + np.sort(rng.choice(shard.rows, size=min(count, shard.rows), replace=False)).astype(np.int64)
 
 
 def rounded(value: float) -> float | str:
@@ -432,7 +450,8 @@ def summary(options: SelfCheck, records: Sequence[Any]) -> dict[str, Any]:
         ]
 
     return {
-        "samples_per_shard": options.samples,
+        "samples_per_shard": options.samples,  # per PER_IDS ids of a shard, at least one (checked_count)
+        "per_ids": PER_IDS,
         "on_mismatch": options.on_mismatch,
         "shards_checked": sum(1 for record in records if (record.self_check or {}).get("checked")),
         "samples_checked": len(checked),

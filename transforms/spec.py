@@ -144,11 +144,11 @@ class EngineOptions:
 
 @dataclasses.dataclass(frozen=True)
 class SelfCheck:
-    """The run's self-check (``jacobian.self_check``): in each shard, ``samples`` samples (chosen by a
-    seeded generator keyed by the shard's first id) are recomputed one at a time by an independent
-    per-sample method and judged against what the compute dtype achieves on the model at that sample
-    (``transforms.self_check``); ``on_mismatch`` says whether a value beyond that bound stops the run
-    (``fail``) or is logged and recorded (``warn``).
+    """The run's self-check (``jacobian.self_check``): in each shard, ``samples`` samples per 4,096 ids,
+    rounded up (at least one; chosen by a seeded generator keyed by the shard's first id), are recomputed
+    one at a time by an independent per-sample method and judged against what the compute dtype achieves
+    on the model at that sample (``transforms.self_check``); ``on_mismatch`` says whether a value beyond
+    that bound stops the run (``fail``) or is logged and recorded (``warn``).
     ``samples`` 0 turns it off. Not part of the run's identity: it decides how results are checked,
     not what they are."""
 

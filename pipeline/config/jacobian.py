@@ -151,9 +151,10 @@ class SelfCheckConfig(Section):
 
     samples: NonNegativeInt = Field(
         4,
-        description="Samples recomputed per shard, drawn from its stored samples by a generator seeded with "
-        "the shard's first id (a resumed run checks what an uninterrupted one does); all of them when the "
-        "shard holds fewer. `0` turns the self-check off.",
+        description="Samples recomputed per 4,096 sample ids of a shard (the default shard's size), rounded "
+        "up: at least one in every shard, all of them when it holds fewer, the same share of a run whatever "
+        "the shard size. Drawn from the shard's stored samples by a generator seeded with its first id (a "
+        "resumed run checks what an uninterrupted one does). `0` turns the self-check off.",
     )
     on_mismatch: Literal["fail", "warn"] = Field(
         "fail",
