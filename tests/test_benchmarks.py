@@ -77,7 +77,8 @@ def test_self_check_benchmark_times_the_pipeline_with_and_without_the_check():
     found = selfcheck.measure(WORKLOADS["mlp"], samples=300, samples_per_shard=128, repeats=1)
 
     assert found["shards"] == 3 and found["wall_on"] > 0 and found["wall_off"] > 0
-    assert 0 < found["checking"] < found["wall_on"] and found["first_check"] > 0
+    # The references are built beside the first batches: a first check finds them built, or builds them.
+    assert 0 < found["checking"] < found["wall_on"] and (found["first_check"] or found["later_check"]) > 0
     assert found["max_rel_error"] < found["tolerance"] == 1e-4
 
 

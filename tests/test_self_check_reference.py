@@ -144,3 +144,39 @@ def test_the_precision_line_says_identical_where_there_is_no_error():
     line = self_check_report.precision_line(summary, "float64")
     assert line == (f"jacobian: float64 values identical, as stored, to those of a "
                     f"{self_check_report.TRUTH_FLOAT64} on 3 checked sample(s)")
+
+
+def test_prepare_builds_the_references_beside_the_batches_and_a_failure_is_the_first_checks():
+    """``prepare`` (a run's worker calls it at set-up) builds, traces and calls the references once on a
+    thread of its own: the first check then finds them built, and judges as one that built them would. If
+    building fails there, the first check builds them again and raises what went wrong."""
+    from tests.models import small_mlp
+
+    engine = JacobianEngine(wrap_model(small_mlp(), "small_mlp"), (12,), EngineOptions(batch_size=4))
+    x = np.random.default_rng(5).normal(size=(2, 12)).astype(np.float32)
+    stored = engine(x)
+    row = {name: value[:1] for name, value in stored.items()}
+
+    inline = self_check.SelfChecker(engine, SelfCheck())
+    expected = inline.check([x[:1]], row, 0)
+    assert expected["timing"]["traced"] and expected["verdict"] == "ok"
+
+    prepared = self_check.SelfChecker(engine, SelfCheck())
+    prepared.prepare()
+    prepared.prepare()  # once
+    thread = prepared._preparing
+    thread.join(60)
+    assert not thread.is_alive() and prepared._functions is not None
+    record = prepared.check([x[:1]], row, 0)
+    assert not record["timing"]["traced"]  # built by prepare
+    assert {k: v for k, v in record.items() if k != "timing"} == {k: v for k, v in expected.items() if k != "timing"}
+    wrong = prepared.check([x[:1]], {**row, "jacobian": 1.5 * row["jacobian"]}, 0)
+    assert wrong["verdict"] == "mismatch"
+
+    broken = self_check.SelfChecker(engine, SelfCheck())
+    broken._function = lambda model, dtype: (_ for _ in ()).throw(RuntimeError("no reference here"))
+    broken.prepare()
+    broken._preparing.join(60)
+    assert broken._functions is None
+    with pytest.raises(RuntimeError, match="no reference here"):
+        broken.check([x[:1]], row, 0)

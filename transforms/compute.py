@@ -171,10 +171,11 @@ class ComputeJacobiansFn(beam.DoFn):
             tag=key,
         )
         self._checker, self._chosen = None, {}
-        if self._self_check is not None:  # its reference function is traced at the first check
+        if self._self_check is not None:  # its references are built beside the first batches
             self._checker = self._shared_checker.acquire(
                 lambda: SelfChecker(self._engine, self._self_check), tag=f"{key} {self._self_check!r}"
             )
+            self._checker.prepare()
 
     @no_annotations
     def process(self, batch: SampleBatch) -> Iterator[JacobianBatch]:

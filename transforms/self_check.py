@@ -24,8 +24,9 @@ The rule, per checked sample (``_Judgement``):
 - each dataset is split into rows (``ReferenceDatasets.split_rows``: one per output row, selected row
   or product vector), each judged at its own scale: its largest true entry, at least its float32 noise;
 - a row's ``noise`` is how far independent computations in the compute dtype are from the truth: the
-  per-sample reference itself with batch shapes 1 and, where the stored value is beyond the tolerance,
-  2 (in reverse mode: oneDNN rounds them differently); without a float64 copy, the spread of the two;
+  per-sample reference itself with batch shapes 1 and, where the stored value is beyond the bound the
+  first gives, 2 (in reverse mode: oneDNN rounds them differently); without a float64 copy, the spread
+  of the two;
 - a row fails when its error exceeds ``max(tolerance, NOISE_FACTOR * noise)``: the tolerance of the
   compute dtype (``reference.RTOL``, at least twice the store dtype's epsilon) where the model is
   well-conditioned, and clearly worse than float32 itself where it is not;
@@ -110,8 +111,8 @@ class SelfChecker:
 
     What it reads of the engine: its model, options, shapes and mode (to compute the reference the same
     way round), never its post-processing. The reference functions (in the compute dtype and, for float32,
-    in a float64 copy of the model) are built and traced at the first check, once (``check`` may be called
-    from several threads).
+    in a float64 copy of the model) are built and traced once, by ``prepare`` (a run's worker calls it at
+    set-up) or else at the first check (``check`` may be called from several threads).
     """
 
     def __init__(self, engine, options: SelfCheck):
@@ -145,6 +146,27 @@ class SelfChecker:
         self._twin = None  # the float64 copy of the model, once built
         self._outputs: dict[str, Any] = {}  # forward passes by dtype, for rows chosen by the outputs
         self._lock = threading.Lock()
+        self._preparing: threading.Thread | None = None
+
+    def prepare(self) -> None:
+        """Build the references on a thread of their own, each called once, while the first batches compute
+        (once; the first check waits for them). The first check of a worker process otherwise pays their
+        building, tracing and graph optimisation in line: 0.2 s on W1, about 5 s on ResNet50. A failure is
+        left to the first check, which builds them again and reports it."""
+        with self._lock:
+            if self._preparing is not None or self._functions is not None:
+                return
+            self._preparing = threading.Thread(target=self._prepare, name="jacobeam-self-check", daemon=True)
+        self._preparing.start()
+
+    def _prepare(self) -> None:
+        try:
+            own, truth = self._references()[0]
+            for function in {id(f): f for f in (own, truth) if f is not None}.values():
+                if getattr(function, "warm", None) is not None:
+                    function.warm()
+        except Exception:  # noqa: BLE001 - reported by the first check, which builds them again
+            pass
 
     def _function(self, model, dtype: str):
         from jacobeam.transforms.engine import reference
@@ -250,9 +272,11 @@ class SelfChecker:
         else:
             owns = [self.datasets(own, mine, index)[0]]
         judged = _Judgement(self, names, reference, stored, owns, scales, rows)
-        if truth is not None and truth is not own and not self.forward and judged.beyond_tolerance():
+        if truth is not None and truth is not own and not self.forward and judged.worst_ratio() > 1:
             # Batch shapes 1 and 2 round differently (oneDNN's kernels): both are float32's own. Measured
-            # only where the tolerance alone does not pass the value (a smooth model's check stays cheap).
+            # only where the bound of the first does not pass the value: a second noise can only widen a
+            # row's bound (and its scale with it), so a value that passes without it passes with it, and the
+            # verdict is the one measuring both would give (on ResNet50 this saves a third of a check).
             judged = _Judgement(self, names, reference, stored, [*owns, self.datasets(own, mine, index, pad=True)[0]],
                                 scales, rows)
         verdict, nearest = OK, None
@@ -374,10 +398,6 @@ class _Judgement:
         if stored.shape != np.shape(against):
             return np.full(len(self._scale[name]), np.inf)
         return _deviation(self._split(name, stored), self._split(name, against)) / self._scale[name]
-
-    def beyond_tolerance(self) -> bool:
-        """Whether some row's error exceeds the tolerance (then the noise is worth measuring twice)."""
-        return any(not np.all(self._rows[name] <= self.tolerance) for name in self.names)
 
     def _ratio(self, name: str) -> float:
         return float(np.max(self._rows[name] / self._bound[name], initial=0.0))

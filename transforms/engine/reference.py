@@ -136,7 +136,12 @@ def tape_function(
         lead = [1, len(chosen)] if rows else list(y.shape)
         return y, [tf.reshape(tf.concat([p[j] for p in parts], 0), [*lead, 1, *shapes[k]]) for j, k in enumerate(wrt)]
 
-    one.graph = pull.graph
+    def warm() -> None:
+        """One call on zeros: TensorFlow optimises a function's graph at its first call (a second or more
+        on ImageNet-size nets), which a check's first call then need not pay."""
+        pull(*[tf.zeros((1, *shape), dtype) for shape in shapes], tf.constant([0], tf.int32))
+
+    one.graph, one.warm = pull.graph, warm
     return one
 
 
