@@ -340,3 +340,65 @@ def test_config_keys_and_their_checks():
             config.validate({**base, "jacobian": {"self_check": bad}})
     with pytest.raises(SelfCheckError):  # a JacobeamError: the command line prints it as one line
         raise SelfCheckError("x")
+
+
+# --- checks while the references are being built -------------------------------------------------------
+
+
+def test_checks_wait_for_the_references_with_a_later_batch_of_their_shard(monkeypatch):
+    """While the worker's references are being built (``SelfChecker.prepare``), a batch's chosen samples are
+    checked with a later batch of their shard, at the latest its last (the one that carries ``read``, at
+    which the writer commits), against the values their own batch computed, though the engine has reused
+    its buffers since; the records are those of checks made at once, in id order."""
+    from jacobeam.transforms.compute import ComputeJacobiansFn
+    from jacobeam.transforms.elements import RangeRead, SampleBatch
+    from jacobeam.transforms.spec import ModelSource
+
+    original, buffers = JacobianEngine.compute, {}
+
+    def reused(engine, x, labels=None):  # every call's results in the same arrays, as a buffer pool would
+        datasets, full = original(engine, x, labels)
+        for name, values in datasets.items():
+            buffers.setdefault((id(engine), name), np.empty_like(values))[...] = values
+        return {name: buffers[(id(engine), name)] for name in datasets}, full
+
+    monkeypatch.setattr(JacobianEngine, "compute", reused)
+    x = np.random.default_rng(1).normal(size=(16, 12)).astype(np.float32)
+    shard = ShardRange(0, 16)
+
+    def run(ready: bool) -> list:
+        fn = ComputeJacobiansFn(ModelSource(factory="tests.models:small_mlp"), (12,), EngineOptions(batch_size=4),
+                                self_check=SelfCheck(samples=2048))  # 8 of the 16
+        fn.setup()
+        fn.start_bundle()
+        fn._checker.ready = lambda: ready
+        found = []
+        for lo in range(0, 16, 4):
+            read = RangeRead((), "digest") if lo == 12 else None
+            found += [batch.checks for batch in fn.process(SampleBatch(np.arange(lo, lo + 4), x[lo : lo + 4], shard=shard,
+                                                                        read=read))]
+        return found
+
+    waited, at_once = run(ready=False), run(ready=True)
+    chosen = [int(i) for i in self_check.chosen_ids(shard, 2048)]
+    assert waited[:3] == [None, None, None] and [check["id"] for check in waited[3]] == chosen
+    assert [check["id"] for checks in at_once for check in checks or []] == chosen
+    assert any(at_once[:3])  # checked with their own batch when the references are ready
+    plain = lambda checks: [{k: v for k, v in check.items() if k != "timing"} for check in checks]  # noqa: E731
+    assert plain(waited[3]) == plain([check for checks in at_once for check in checks or []])
+    assert all(check["verdict"] == "ok" for check in waited[3])
+
+
+def test_a_run_whose_references_are_never_ready_checks_each_shard_before_committing_it(clean, tmp_path, monkeypatch):
+    """``jacobeam run``'s workers (``ComputeShardFn``) commit a shard after its last batch: samples held
+    back for the references are checked there, first. The shards are those of a run that checked at once,
+    byte for byte; a wrong value held back stops the run before its shard is committed."""
+    root, samples, _ = clean
+    monkeypatch.setattr(self_check.SelfChecker, "ready", lambda checker: False)
+    manifest = _run(_config(root / "data", tmp_path / "held"))
+    assert manifest["self_check"]["samples_checked"] == 3 and _shas(tmp_path / "held") == _shas(root / "out")
+
+    _corrupt(monkeypatch, samples, range(16, 32))
+    with pytest.raises(SelfCheckError, match=rf"shards/{SHARDS[1]} \(ids 16 to 31\), sample"):
+        _run(_config(root / "data", tmp_path / "wrong"))
+    assert SHARDS[1] not in {p.name for p in (tmp_path / "wrong" / "shards").iterdir()}

@@ -34,7 +34,7 @@ from jacobeam.transforms.errors import ModelError, span
 from jacobeam.transforms.metrics import ComputeMetrics
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.self_check import SelfChecker, chosen_ids
-from jacobeam.transforms.spec import EngineOptions, ModelSource, SelfCheck
+from jacobeam.transforms.spec import EngineOptions, ModelSource, SelfCheck, ShardRange
 from jacobeam.transforms.testing import faults
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,9 @@ class ComputeJacobiansFn(beam.DoFn):
     samples at a time than a batch holds, to keep within its memory budget).
 
     With ``self_check``, the samples of a batch's shard that ``self_check.chosen_ids`` picks are
-    recomputed one at a time when their batch is computed (``transforms.self_check``); the records go
+    recomputed one at a time when their batch is computed (``transforms.self_check``), or, while the
+    worker's references are still being built, with a later batch of the shard (at the latest its last,
+    before the shard is committed); the records go
     with the batch (``JacobianBatch.checks``) to the shard writer, which stores them and acts on a
     mismatch. Batches without a shard (a user's pipeline) are not checked.
 
@@ -170,12 +172,17 @@ class ComputeJacobiansFn(beam.DoFn):
             ),
             tag=key,
         )
-        self._checker, self._chosen = None, {}
+        self._checker, self._chosen, self._waiting = None, {}, {}
         if self._self_check is not None:  # its references are built beside the first batches
             self._checker = self._shared_checker.acquire(
                 lambda: SelfChecker(self._engine, self._self_check), tag=f"{key} {self._self_check!r}"
             )
             self._checker.prepare()
+
+    def start_bundle(self) -> None:
+        # A shard's batches come in one bundle (reading, computing and writing are fused): samples left
+        # waiting are those of a bundle that failed, whose shard is computed again from its start.
+        self._waiting = {}
 
     @no_annotations
     def process(self, batch: SampleBatch) -> Iterator[JacobianBatch]:
@@ -213,17 +220,33 @@ class ComputeJacobiansFn(beam.DoFn):
                 self._chosen.clear()
             self._chosen[shard.start] = chosen_ids(shard, self._self_check.samples)
         rows = np.flatnonzero(np.isin(np.asarray(part.ids), self._chosen[shard.start]))
-        if not len(rows):
+        waiting = self._waiting.pop(shard.start, []) + [self._sample(part, datasets, row) for row in rows]
+        if not waiting:
             return None
-        names = self._engine.input_names
-        checks = []
-        for row in rows:
-            inputs = part.inputs
-            xs = [inputs[name][row : row + 1] for name in names] if isinstance(inputs, dict) else [inputs[row : row + 1]]
-            stored = {name: values[row : row + 1] for name, values in datasets.items()}
-            label = int(part.labels[row]) if self._options.outputs.rule == "label" else None
-            checks.append(self._checker.check(xs, stored, int(part.ids[row]), label))
-        return checks
+        # While the references are being built (SelfChecker.prepare), the samples wait for a later batch of
+        # their shard, at the latest its last (the one with ``read``, at which WriteShards commits; a caller
+        # committing otherwise takes them from held_checks first): the engine computes meanwhile.
+        if part.read is None and not self._checker.ready():
+            self._waiting[shard.start] = waiting
+            return None
+        return [self._checker.check(*sample) for sample in waiting]
+
+    def held_checks(self, shard: ShardRange) -> list[dict]:
+        """The checks of ``shard``'s samples still held back, made now (waiting for the references if they
+        are still being built): for a caller that commits the shard after its last batch without a ``read``
+        (``transforms.job.ComputeShardFn``), before it commits."""
+        waiting = self._waiting.pop(shard.start, [])
+        return [self._checker.check(*sample) for sample in waiting]
+
+    def _sample(self, part: SampleBatch, datasets: dict, row: int) -> tuple:
+        """What checking sample ``row`` of ``part`` takes (``SelfChecker.check``'s arguments), copied: the
+        engine may reuse its result buffers before the check runs."""
+        inputs, names = part.inputs, self._engine.input_names
+        xs = [np.array(inputs[name][row : row + 1]) for name in names] if isinstance(inputs, dict) else [
+            np.array(inputs[row : row + 1])]
+        stored = {name: np.array(values[row : row + 1]) for name, values in datasets.items()}
+        label = int(part.labels[row]) if self._options.outputs.rule == "label" else None
+        return xs, stored, int(part.ids[row]), label
 
 
 def _samples(ids) -> str:

@@ -72,7 +72,7 @@ class ComputeShardFn(ComputeJacobiansFn):
             return
         # Every shard was complete when the run was planned: no model to load (a rerun with nothing to
         # compute takes the imports and little else); should a shard have gone since, process builds it.
-        self._engine, self._checker, self._chosen = None, None, {}
+        self._engine, self._checker, self._chosen, self._waiting = None, None, {}, {}
 
     @no_annotations
     def process(self, work: ShardRange | Sequence[ShardRange]) -> Iterator[ShardRecord]:
@@ -98,12 +98,14 @@ class ComputeShardFn(ComputeJacobiansFn):
                 outputs = getattr(self._engine, "output_shape", None)
                 findings = range_findings(spec, None if outputs is None else math.prod(outputs))
                 output = ShardOutput(spec, shard, self._shard_metrics, replace=stale)
+                self._waiting.pop(shard.start, None)
                 for samples in shard_batches(spec, shard, findings):
                     for jacobians in super().process(samples):
                         output.add(jacobians)
                     if committing is not None and committing.committed():
                         yield committing.record()
                         committing = None
+                output.take_checks(self.held_checks(shard))  # its samples the self-check held back
                 if committing is not None:
                     yield committing.record()
                 output.commit_later(findings)

@@ -150,7 +150,8 @@ class SelfChecker:
 
     def prepare(self) -> None:
         """Build the references on a thread of their own, each called once, while the first batches compute
-        (once; the first check waits for them). The first check of a worker process otherwise pays their
+        (once; a check called before they are built waits for them, so a run's worker holds its checks back
+        until ``ready``: ``ComputeJacobiansFn``). The first check of a worker process otherwise pays their
         building, tracing and graph optimisation in line: 0.2 s on W1, about 5 s on ResNet50. A failure is
         left to the first check, which builds them again and reports it."""
         with self._lock:
@@ -158,6 +159,10 @@ class SelfChecker:
                 return
             self._preparing = threading.Thread(target=self._prepare, name="jacobeam-self-check", daemon=True)
         self._preparing.start()
+
+    def ready(self) -> bool:
+        """Whether the references are built: a check now waits for nothing."""
+        return self._functions is not None
 
     def _prepare(self) -> None:
         try:

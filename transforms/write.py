@@ -88,7 +88,7 @@ class ShardOutput:
     def add(self, batch: JacobianBatch) -> None:
         if self._writer is None:
             self._begin(batch)
-        self._take_checks(batch.checks or [])
+        self.take_checks(batch.checks or [])
         self._writer.write(int(batch.ids[0]), {**batch.datasets, SAMPLE_ID: batch.ids})
         shard_rows(self._writer.name, self._writer.rows_written)
         self._sums = aggregates.add(self._sums, batch.partial)
@@ -206,9 +206,10 @@ class ShardOutput:
         if not self._began:
             self._began = time.perf_counter()
 
-    def _take_checks(self, checks: list[dict[str, Any]]) -> None:
-        """Keep the self-check's records of a batch for its shard; a mismatch stops the run (``on_mismatch:
-        fail``: this shard is never committed) or is logged (``warn``)."""
+    def take_checks(self, checks: list[dict[str, Any]]) -> None:
+        """Keep self-check records for the shard (a batch's, or those its worker held back until the end:
+        ``ComputeJacobiansFn.held_checks``); a mismatch stops the run (``on_mismatch: fail``: this shard is
+        never committed) or is logged (``warn``)."""
         for check in checks:
             where = self._input_row(check["id"])
             if where is not None:  # the sample's input file and row, next to its id
