@@ -391,3 +391,30 @@ def test_labels_of_npy_inputs_are_refused_naming_the_file(tmp_path, capsys):
         "samples; labels need a named array beside the samples, in .npz or .h5 files\n"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_a_complete_shard_whose_commit_is_still_queued_when_a_later_range_fails_is_committed(tmp_path, rng,
+                                                                                             monkeypatch):
+    """A worker's shard commits run on the writer's thread, behind its writes, while the next range is read
+    and computed. A bad sample in that range stops the run; the shard before it is complete, so its queued
+    commit finishes (the rerun keeps it) rather than being dropped with the error. The writer's thread is
+    held up here so that the commit has surely not begun when the error comes."""
+    import time
+
+    from jacobeam.transforms.output import shard_writer
+
+    original = shard_writer.ShardWriter.commit_later
+
+    def late(writer, rows=None):
+        if "000000000008-000000000016" in writer.name:  # the shard before the bad sample's range
+            writer._jobs.put(lambda: time.sleep(2))  # its thread busy until the next range has failed
+        return original(writer, rows)
+
+    monkeypatch.setattr(shard_writer.ShardWriter, "commit_later", late)
+    make_case(tmp_path / "data", "truncated npy", rng)
+    out = tmp_path / "out"
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(json.dumps(_config(tmp_path / "data", out, "error").model_dump(mode="json")))
+    assert cli.main(["-q", "run", str(cfg)]) == cli.FAILED
+    assert sorted(p.name for p in (out / "shards").iterdir()) == [
+        "shard-000000000000-000000000008.h5", "shard-000000000008-000000000016.h5"]

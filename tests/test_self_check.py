@@ -346,12 +346,14 @@ def test_config_keys_and_their_checks():
 
 
 def test_checks_wait_for_the_references_with_a_later_batch_of_their_shard(monkeypatch):
-    """While the worker's references are being built (``SelfChecker.prepare``), a batch's chosen samples are
-    checked with a later batch of their shard, at the latest its last (the one that carries ``read``, at
-    which the writer commits), against the values their own batch computed, though the engine has reused
-    its buffers since; the records are those of checks made at once, in id order."""
+    """While the worker's references are being built (``SelfChecker.prepare``), a DoFn that takes
+    ``held_checks`` before it commits a shard (``holds_checks``, as ``jacobeam run``'s does) holds its
+    chosen samples back: they are checked with a later batch or by ``held_checks``, against the values
+    their own batch computed though the engine has reused its buffers since, and the records are those of
+    checks made at once, in id order. A plain ``ComputeJacobiansFn`` (a user's pipeline, whose writer
+    never asks) checks each batch's samples with it, waiting for the references."""
     from jacobeam.transforms.compute import ComputeJacobiansFn
-    from jacobeam.transforms.elements import RangeRead, SampleBatch
+    from jacobeam.transforms.elements import SampleBatch
     from jacobeam.transforms.spec import ModelSource
 
     original, buffers = JacobianEngine.compute, {}
@@ -362,31 +364,30 @@ def test_checks_wait_for_the_references_with_a_later_batch_of_their_shard(monkey
             buffers.setdefault((id(engine), name), np.empty_like(values))[...] = values
         return {name: buffers[(id(engine), name)] for name in datasets}, full
 
+    class Holding(ComputeJacobiansFn):
+        holds_checks = True
+
     monkeypatch.setattr(JacobianEngine, "compute", reused)
     x = np.random.default_rng(1).normal(size=(16, 12)).astype(np.float32)
     shard = ShardRange(0, 16)
 
-    def run(ready: bool) -> list:
-        fn = ComputeJacobiansFn(ModelSource(factory="tests.models:small_mlp"), (12,), EngineOptions(batch_size=4),
-                                self_check=SelfCheck(samples=2048))  # 8 of the 16
+    def run(kind, ready: bool) -> list:
+        fn = kind(ModelSource(factory="tests.models:small_mlp"), (12,), EngineOptions(batch_size=4),
+                  self_check=SelfCheck(samples=2048))  # 8 of the 16
         fn.setup()
-        fn.start_bundle()
         fn._checker.ready = lambda: ready
         found = []
         for lo in range(0, 16, 4):
-            read = RangeRead((), "digest") if lo == 12 else None
-            found += [batch.checks for batch in fn.process(SampleBatch(np.arange(lo, lo + 4), x[lo : lo + 4], shard=shard,
-                                                                        read=read))]
-        return found
+            found += [batch.checks for batch in fn.process(SampleBatch(np.arange(lo, lo + 4), x[lo : lo + 4], shard=shard))]
+        return [*found, fn.held_checks(shard)]
 
-    waited, at_once = run(ready=False), run(ready=True)
+    held, at_once, plain = run(Holding, ready=False), run(Holding, ready=True), run(ComputeJacobiansFn, ready=False)
     chosen = [int(i) for i in self_check.chosen_ids(shard, 2048)]
-    assert waited[:3] == [None, None, None] and [check["id"] for check in waited[3]] == chosen
-    assert [check["id"] for checks in at_once for check in checks or []] == chosen
-    assert any(at_once[:3])  # checked with their own batch when the references are ready
-    plain = lambda checks: [{k: v for k, v in check.items() if k != "timing"} for check in checks]  # noqa: E731
-    assert plain(waited[3]) == plain([check for checks in at_once for check in checks or []])
-    assert all(check["verdict"] == "ok" for check in waited[3])
+    assert held[:4] == [None] * 4 and [check["id"] for check in held[4]] == chosen
+    assert at_once[4] == [] and plain[4] == [] and any(at_once[:3]) and any(plain[:3])
+    flat = lambda found: [{k: v for k, v in c.items() if k != "timing"} for checks in found for c in checks or []]  # noqa: E731
+    assert flat(held) == flat(at_once) == flat(plain) and [c["id"] for c in flat(plain)] == chosen
+    assert all(check["verdict"] == "ok" for check in held[4])
 
 
 def test_a_run_whose_references_are_never_ready_checks_each_shard_before_committing_it(clean, tmp_path, monkeypatch):

@@ -134,9 +134,9 @@ class ComputeJacobiansFn(beam.DoFn):
     samples at a time than a batch holds, to keep within its memory budget).
 
     With ``self_check``, the samples of a batch's shard that ``self_check.chosen_ids`` picks are
-    recomputed one at a time when their batch is computed (``transforms.self_check``), or, while the
-    worker's references are still being built, with a later batch of the shard (at the latest its last,
-    before the shard is committed); the records go
+    recomputed one at a time when their batch is computed (``transforms.self_check``), or, in a subclass
+    that writes the shard itself (``holds_checks``) while the worker's references are still being built,
+    with a later batch of the shard or from ``held_checks`` before it is committed; the records go
     with the batch (``JacobianBatch.checks``) to the shard writer, which stores them and acts on a
     mismatch. Batches without a shard (a user's pipeline) are not checked.
 
@@ -144,6 +144,8 @@ class ComputeJacobiansFn(beam.DoFn):
     builds is shared by the DoFn instances of a process with the same model, shapes, options and factory.
     ``plan_cache`` is ``build_engine``'s (a planned job's ``ENGINE_PLAN`` file; other factories ignore it).
     """
+
+    holds_checks = False  # whether the caller takes held_checks before it commits a shard
 
     def __init__(
         self, model: ModelSource, input_shape, options: EngineOptions, tf_threads: int | None = None,
@@ -178,11 +180,6 @@ class ComputeJacobiansFn(beam.DoFn):
                 lambda: SelfChecker(self._engine, self._self_check), tag=f"{key} {self._self_check!r}"
             )
             self._checker.prepare()
-
-    def start_bundle(self) -> None:
-        # A shard's batches come in one bundle (reading, computing and writing are fused): samples left
-        # waiting are those of a bundle that failed, whose shard is computed again from its start.
-        self._waiting = {}
 
     @no_annotations
     def process(self, batch: SampleBatch) -> Iterator[JacobianBatch]:
@@ -223,19 +220,21 @@ class ComputeJacobiansFn(beam.DoFn):
         waiting = self._waiting.pop(shard.start, []) + [self._sample(part, datasets, row) for row in rows]
         if not waiting:
             return None
-        # While the references are being built (SelfChecker.prepare), the samples wait for a later batch of
-        # their shard, at the latest its last (the one with ``read``, at which WriteShards commits; a caller
-        # committing otherwise takes them from held_checks first): the engine computes meanwhile.
-        if part.read is None and not self._checker.ready():
+        # While the references are being built (SelfChecker.prepare), a caller that takes what is held back
+        # before it commits the shard (holds_checks) has the samples wait for a later batch of their shard,
+        # or for held_checks: the engine computes meanwhile instead of waiting for the thread.
+        if self.holds_checks and not self._checker.ready():
             self._waiting[shard.start] = waiting
             return None
         return [self._checker.check(*sample) for sample in waiting]
 
     def held_checks(self, shard: ShardRange) -> list[dict]:
         """The checks of ``shard``'s samples still held back, made now (waiting for the references if they
-        are still being built): for a caller that commits the shard after its last batch without a ``read``
-        (``transforms.job.ComputeShardFn``), before it commits."""
+        are still being built); a subclass with ``holds_checks`` takes them after the shard's last batch,
+        before it commits the shard (``transforms.job.ComputeShardFn``)."""
         waiting = self._waiting.pop(shard.start, [])
+        if waiting:  # the preparing thread's work done first, not beside the shard's commit
+            self._checker.wait_prepared()
         return [self._checker.check(*sample) for sample in waiting]
 
     def _sample(self, part: SampleBatch, datasets: dict, row: int) -> tuple:

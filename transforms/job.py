@@ -57,6 +57,8 @@ class ComputeShardFn(ComputeJacobiansFn):
     most one commit in flight); the item's last record waits for its commit before ``process`` returns.
     """
 
+    holds_checks = True  # each shard takes held_checks before its commit
+
     def __init__(self, spec: JobSpec, engine_factory: EngineFactory | None = None, complete: bool = False):
         super().__init__(
             spec.model, spec.sample_shape, spec.engine, spec.tf_threads, spec.self_check, engine_factory,
@@ -113,10 +115,11 @@ class ComputeShardFn(ComputeJacobiansFn):
             if committing is not None:
                 yield committing.record()
                 committing = None
-        finally:  # after an error: the shard being written is discarded, a commit in flight finishes
-            for left in (output, committing):
-                if left is not None:
-                    left.__exit__(None, None, None)
+        finally:  # after an error: the shard being written is discarded, a complete one's commit finishes
+            if output is not None:
+                output.__exit__(None, None, None)
+            if committing is not None:
+                committing.settle()
 
 
 def _reads_as_before(spec: JobSpec, shard: ShardRange, path: str) -> bool:

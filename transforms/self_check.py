@@ -161,8 +161,15 @@ class SelfChecker:
         self._preparing.start()
 
     def ready(self) -> bool:
-        """Whether the references are built: a check now waits for nothing."""
-        return self._functions is not None
+        """Whether the references are built and ``prepare``'s thread, if any, is done: a check now waits for
+        nothing and competes with nothing."""
+        thread = self._preparing
+        return self._functions is not None and (thread is None or not thread.is_alive())
+
+    def wait_prepared(self) -> None:
+        """Wait for ``prepare``'s thread, if any, to be done."""
+        if self._preparing is not None:
+            self._preparing.join()
 
     def _prepare(self) -> None:
         try:

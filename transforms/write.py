@@ -121,6 +121,17 @@ class ShardOutput:
             writer.set_attrs({SELF_CHECK: json.dumps(self._check_record(timing=False))})
         self._committing = writer.commit_later(rows)
 
+    def settle(self) -> None:
+        """After an error elsewhere (a later range's): let this complete shard's queued commit finish, so
+        that a rerun keeps it rather than computing it again, then close the writer. The commit's own
+        failure (a lost lease, a full disk) is logged, not raised over the error being handled."""
+        if self._committing is not None:
+            try:
+                self._committing.result()
+            except Exception as err:  # noqa: BLE001 - the error being handled is the run's
+                log.warning("%s: not committed: %s", shard_file(self._shard.start, self._shard.stop), err)
+        self.__exit__(None, None, None)
+
     def committed(self) -> bool:
         """Whether the queued commit is done (``record`` then returns at once)."""
         return self._committing is not None and self._committing.done()
