@@ -124,12 +124,13 @@ class ShardOutput:
     def settle(self) -> None:
         """After an error elsewhere (a later range's): let this complete shard's queued commit finish, so
         that a rerun keeps it rather than computing it again, then close the writer. The commit's own
-        failure (a lost lease, a full disk) is logged, not raised over the error being handled."""
+        failure (most often the same lost lease that stops the run) is not raised over the error being
+        handled: the shard is left to the rerun, as any uncommitted one."""
         if self._committing is not None:
             try:
                 self._committing.result()
             except Exception as err:  # noqa: BLE001 - the error being handled is the run's
-                log.warning("%s: not committed: %s", shard_file(self._shard.start, self._shard.stop), err)
+                log.debug("%s: not committed: %s", shard_file(self._shard.start, self._shard.stop), err)
         self.__exit__(None, None, None)
 
     def committed(self) -> bool:
