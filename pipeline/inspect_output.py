@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jacobeam.pipeline.self_check_report import checks_line, precision_line
-from jacobeam.transforms.engine.reductions import DESCRIPTIONS
+from jacobeam.transforms.engine.reductions import DESCRIPTIONS, PARAMETER_DESCRIPTIONS
 from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.finalize import missing_sources, view_datasets
 from jacobeam.transforms.model_identity import COMPARED_LIBRARIES
@@ -178,6 +178,11 @@ def _result(manifest: dict[str, Any]) -> str | None:
     stored = manifest.get("stored") or {}
     kind = stored.get("reduce", "none")
     selected = "" if stored.get("outputs", "all") == "all" else f"; outputs {_selection(stored)}, listed in output_index"
+    side = stored.get("parameters")
+    if side is not None:  # wrt: parameters
+        objective = side["objective"] if side["objective"] != "loss" else f"loss {side['loss']}"
+        return (f"{shown}: {PARAMETER_DESCRIPTIONS.get(kind, kind)} (wrt: parameters, {side['size']:,} weight entries; "
+                f"objective: {objective}; reduce: {kind}{selected}){_classes(manifest.get('labels'))}")
     return f"{shown}: {DESCRIPTIONS.get(kind, kind)} (reduce: {kind}{selected}){_classes(manifest.get('labels'))}"
 
 

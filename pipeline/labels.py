@@ -43,7 +43,7 @@ def file_labels(
     would renumber them), which make the folder another run's. Files and None otherwise. Raises
     ``InputError`` naming a file without a label, or the table's row that is wrong."""
     labels = config.jacobian.labels
-    if config.jacobian.outputs != "label" or labels is None or not labels.per_file:
+    if not config.jacobian.needs_labels or labels is None or not labels.per_file:
         return list(files), None, []
     recorded = ((previous or {}).get("labels") or {}).get("class_names")
     if labels.folders:

@@ -115,7 +115,7 @@ def _checked_model(config: Config, files) -> tuple[str, tuple[int, ...], dict]:
 
 
 def _label_key(config: Config) -> str | None:
-    return config.jacobian.labels.key if config.jacobian.outputs == "label" else None
+    return config.jacobian.labels.key if config.jacobian.needs_labels else None
 
 
 def _build_spec(config: Config, files, segments, identity, tf_threads, fingerprint, model, key=None) -> JobSpec:

@@ -37,7 +37,7 @@ class _RecordedEngine:
         jacobian = validate(manifest["config"]).jacobian
         self.options = jacobian.engine_options()
         # Where outputs: label finds each sample's label in the input files (read again, not the stored row).
-        self.label_key = jacobian.labels.key if self.options.outputs.rule == "label" and jacobian.labels else None
+        self.label_key = jacobian.labels.key if self.options.needs_labels and jacobian.labels else None
         self.model = loaded.with_dtype(self.options.compute_dtype)
         self.input_names, self.input_shapes = model_checks.resolve_inputs(self.model, manifest["input_shape"])
         self.wrt = model_checks.resolve_wrt(self.input_names, self.options.wrt, self.model.source)
@@ -46,6 +46,14 @@ class _RecordedEngine:
         forward = tf.function(lambda xs: self.model.call(list(xs)), input_signature=[specs], autograph=False)
         self.activations = activation_size(forward.get_concrete_function(specs).graph)
         self._mode = (manifest.get("engine") or {}).get("mode", "reverse")
+        if self.options.parameters is not None:  # what ParameterSelfChecker reads besides
+            from jacobeam.transforms.engine import parameter_space
+
+            self.side = self.options.parameters
+            self.layout, _ = parameter_space.layout(self.model.keras_model, self.side.layers, self.model.source)
+            self.probabilities = parameter_space.outputs_are_probabilities(self.model.keras_model)
+            self.outputs = int(np.prod(self.output_shape))
+            self.rows_shape = parameter_space.rows_shape(self.side, self.options.outputs, self.output_shape)
 
     def describe(self) -> dict[str, Any]:
         return {"mode": self._mode}
@@ -93,7 +101,7 @@ def recompute(
     """Recompute the stored samples ``where`` names (``choose_samples``) and judge every stored dataset of each."""
     from jacobeam.transforms.inputs.readers import manifest_sources, open_samples
     from jacobeam.transforms.output.shards import read_attrs
-    from jacobeam.transforms.self_check import KINK, MISMATCH, SelfChecker, mismatch_text
+    from jacobeam.transforms.self_check import KINK, MISMATCH, checker_for, mismatch_text
     from jacobeam.transforms.spec import SelfCheck
 
     if not where:
@@ -108,7 +116,7 @@ def recompute(
         return
     first = storage.join(root, shards[0][0])
     engine = _RecordedEngine(loaded, manifest, tuple(int(d) for d in read_attrs(first)["output_shape"]))
-    checker = SelfChecker(engine, SelfCheck())
+    checker = checker_for(engine, SelfCheck())
     several = len(engine.input_names) > 1
     sources = manifest_sources(manifest)
     for sample_id in report.samples:

@@ -111,7 +111,7 @@ def launcher_loads_model(config: Config, options: PipelineOptions, folder: Folde
     output folder as ``read_folder`` found it, where the caller has it."""
     folder = read_folder(config.output.path) if folder is None else folder
     if folder.empty:
-        return config.jacobian.outputs == "label" or not engine_in_workers(options)
+        return config.jacobian.needs_labels or not engine_in_workers(options)
     return judged_by_weights(folder)
 
 

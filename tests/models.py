@@ -216,3 +216,20 @@ def softmax_layer_head(dtype: str = "float32") -> keras.Model:
     model = keras.Model(x, keras.layers.Softmax(dtype=dtype)(keras.layers.Dense(4, dtype=dtype)(hidden)))
     seeded_weights(model, seed=12)
     return model
+
+
+def bn_cnn(dtype: str = "float32") -> keras.Model:
+    """x[6, 6, 2] -> Conv 3x3x4 tanh -> BatchNorm -> Dropout -> global average pool -> Dense 4 (logits): the
+    layers per-sample gradients must run in inference mode, smooth (compared strictly)."""
+    from jacobeam.transforms.engine.models import seeded_batchnorm
+
+    inputs = keras.Input((6, 6, 2), dtype=dtype)
+    x = keras.layers.Conv2D(4, 3, activation="tanh", dtype=dtype, name="conv")(inputs)
+    x = keras.layers.BatchNormalization(dtype=dtype, name="bn")(x)
+    x = keras.layers.Dropout(0.5, dtype=dtype, name="dropout")(x)
+    x = keras.layers.GlobalAveragePooling2D(dtype=dtype, name="pool")(x)
+    model = keras.Model(inputs, keras.layers.Dense(4, dtype=dtype, name="head")(x))
+    seeded_weights(model, seed=3)
+    seeded_batchnorm(model, seed=4)
+    return model
+

@@ -50,8 +50,11 @@ def test_run_identity_holds_every_jacobian_key_but_threads_and_self_check():
     identity = run_identity(cfg)
     jacobian = _leaves("jacobian.", cfg["jacobian"])
     assert "jacobian.threads" in jacobian and "jacobian.self_check.samples" in jacobian  # the config has them
-    expected = {k: v for k, v in jacobian.items() if k != "jacobian.threads" and not k.startswith("jacobian.self_check.")}
+    # jacobian.objective came later: its default, what every earlier run computed, is left out (their keys hold).
+    left_out = ("jacobian.threads", "jacobian.objective")
+    expected = {k: v for k, v in jacobian.items() if k not in left_out and not k.startswith("jacobian.self_check.")}
     assert {k: v for k, v in identity.items() if k.startswith("jacobian.")} == expected
+    assert jacobian["jacobian.objective"] == "outputs"
     assert "jacobian.project.seed" in identity  # nested keys too, dotted
     assert identity["output.samples_per_shard"] == 16 and identity["model.factory"] == "pkg.mod:model"
     assert not any(k.startswith(("input.paths", "output.path", "output.compression", "input.on_bad_sample")) for k in identity)
@@ -62,7 +65,8 @@ def test_run_key_ignores_threads_self_check_and_order_and_follows_everything_els
     assert run_key(run_identity(_dict_config(threads=1, self_check={"samples": 0}))) == base
     reordered = dict(reversed(list(run_identity(_dict_config()).items())))
     assert run_key(reordered) == base
-    for change in ({"batch_size": 9}, {"store_dtype": "float64"}, {"aggregate": ["mean"]}, {"project": {"seed": 4}}):
+    for change in ({"batch_size": 9}, {"store_dtype": "float64"}, {"aggregate": ["mean"]}, {"project": {"seed": 4}},
+                   {"wrt": "parameters", "objective": "margin", "labels": {"key": "y"}, "reduce": "project"}):
         assert run_key(run_identity(_dict_config(**change))) != base, change
     # Stable across versions and processes: folders written earlier must still be resumable.
     assert run_key({"a": 1, "b": [1, 2], "c": None}) == "9a0a99d8aab6f4b4"

@@ -33,7 +33,7 @@ from jacobeam.transforms.engine.threads import configure_tf_threads
 from jacobeam.transforms.errors import ModelError, span
 from jacobeam.transforms.metrics import ComputeMetrics
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.self_check import SelfChecker, chosen_ids
+from jacobeam.transforms.self_check import checker_for, chosen_ids
 from jacobeam.transforms.spec import EngineOptions, ModelSource, SelfCheck, ShardRange
 from jacobeam.transforms.testing import faults
 
@@ -64,6 +64,10 @@ def build_engine(
     from jacobeam.transforms.engine import JacobianEngine
 
     configure_tf_threads(tf_threads)
+    if options.parameters is not None:  # per-sample gradients of the weights: no plan to probe or cache
+        from jacobeam.transforms.engine.parameters import ParameterEngine
+
+        return ParameterEngine(model.load(), input_shape, options)
     engine = JacobianEngine(model.load(), input_shape, options, decisions=_read_plan_cache(plan_cache))
     if plan_cache is not None and engine.telemetry.get("plan_cache") == "probed" and engine.decisions is not None:
         engine.when_trusted(lambda: _write_plan_cache(plan_cache, engine.decisions))
@@ -177,7 +181,7 @@ class ComputeJacobiansFn(beam.DoFn):
         self._checker, self._chosen, self._waiting = None, {}, {}
         if self._self_check is not None:  # its references are built beside the first batches
             self._checker = self._shared_checker.acquire(
-                lambda: SelfChecker(self._engine, self._self_check), tag=f"{key} {self._self_check!r}"
+                lambda: checker_for(self._engine, self._self_check), tag=f"{key} {self._self_check!r}"
             )
             self._checker.prepare()
 
@@ -244,7 +248,7 @@ class ComputeJacobiansFn(beam.DoFn):
         xs = [np.array(inputs[name][row : row + 1]) for name in names] if isinstance(inputs, dict) else [
             np.array(inputs[row : row + 1])]
         stored = {name: np.array(values[row : row + 1]) for name, values in datasets.items()}
-        label = int(part.labels[row]) if self._options.outputs.rule == "label" else None
+        label = int(part.labels[row]) if self._options.needs_labels else None
         return xs, stored, int(part.ids[row]), label
 
 

@@ -383,7 +383,7 @@ def build_manifest(
         "output_dir": spec.output_dir,
         "model_identity": spec.model_identity or None,
         "datasets": {name: {"shape": ["n", *shape], "dtype": dtype} for name, (shape, dtype) in fields.items()},
-        "stored": _stored(spec),
+        "stored": _stored(spec, records),
         # jacobian.labels folders or table: how each file's label was given, and the class names by index.
         **({"labels": spec.labels} if spec.labels else {}),
         # The input files' table, one row each (``input_entries``), is in inputs.h5 (``inputs_table``).
@@ -467,7 +467,21 @@ def _run(run_id: str, started_at: float, computed: int, kept: int) -> dict[str, 
             "samples_per_second": round(computed / wall, 2) if wall > 0 else None}
 
 
-def _stored(spec: JobSpec) -> dict[str, Any]:
+def _parameters(spec: JobSpec, records) -> dict[str, Any]:
+    """The parameter side's ``stored.parameters``: the objective, and the weights as the engine laid them out
+    (``parameter_space.ParameterLayout.describe``: names, shapes, offsets, the layers of
+    ``frobenius_by_layer``), with the projection's block rows: what rebuilds ``P``."""
+    side = spec.engine.parameters
+    engine = next((record.engine for record in records if record.engine and "layout" in record.engine), {})
+    found: dict[str, Any] = {"objective": side.objective, "loss": side.loss,
+                             "layers_asked": None if side.layers is None else list(side.layers),
+                             **(engine.get("layout") or {})}
+    if spec.engine.reduce.kind == "project":
+        found["projection_rebuilt_by"] = "jacobeam.transforms.engine.parameter_space.projection_rows"
+    return found
+
+
+def _stored(spec: JobSpec, records=()) -> dict[str, Any]:
     """How the stored datasets were made: the rows rule, the reduction and its parameters."""
     selection, reduction = spec.engine.outputs, spec.engine.reduce
     stored: dict[str, Any] = {"outputs": selection.rule, "reduce": reduction.kind}
@@ -487,6 +501,8 @@ def _stored(spec: JobSpec) -> dict[str, Any]:
         }
     if reduction.kind == "basis":
         stored["basis"] = {"input": reduction.basis_input, "output": reduction.basis_output}
+    if spec.engine.parameters is not None:
+        stored["parameters"] = _parameters(spec, records)
     return stored
 
 

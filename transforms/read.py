@@ -107,7 +107,7 @@ def _python(spec: JobSpec, shard: ShardRange, findings: RangeFindings) -> Iterat
     rebatched across file boundaries so that only the range's last batch is short. An error of the
     reading is kept in ``findings`` (``error``) and ends the batches."""
     dtype, batch_size = spec.engine.compute_dtype, spec.engine.batch_size
-    label_key = spec.label_key if spec.engine.outputs.rule == "label" else None
+    label_key = spec.label_key if spec.engine.needs_labels else None
     held: list[tuple[np.ndarray, Samples, np.ndarray]] = []
     rows = 0
     try:
@@ -217,7 +217,7 @@ def _npy_segments(spec: JobSpec, shard: ShardRange) -> list[_Segment] | None:
     or None where some are not (other formats, remote files, labels, dtypes other than plain numbers, a
     file that ends before the range's rows: the Python reader finds which rows are missing) or where the
     range spans more than ``_MOST_SEGMENTS`` files."""
-    if spec.engine.outputs.rule == "label":
+    if spec.engine.needs_labels:
         return None
     segments: list[_Segment] = []
     for source in overlapping(spec.files, shard.start, shard.stop):

@@ -100,6 +100,16 @@ def drawn(shard: ShardRange, count: int) -> np.ndarray:
     return shard.start + np.sort(rng.choice(shard.rows, size=min(count, shard.rows), replace=False)).astype(np.int64)
 
 
+def checker_for(engine, options: SelfCheck):
+    """The self-check of ``engine``: ``SelfChecker``, or on the parameter side (an engine with a weight
+    ``layout``) ``transforms.parameter_check.ParameterSelfChecker``."""
+    if getattr(engine, "layout", None) is not None:
+        from jacobeam.transforms.parameter_check import ParameterSelfChecker
+
+        return ParameterSelfChecker(engine, options)
+    return SelfChecker(engine, options)
+
+
 def rounded(value: float) -> float | str:
     """A relative error as recorded: 3 significant digits; ``"inf"`` (non-finite entries differ) as a string,
     which JSON can hold."""

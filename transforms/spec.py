@@ -116,6 +116,17 @@ def store_dtype(name: str) -> np.dtype:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParameterSide:
+    """``jacobian.wrt: parameters``: differentiate the model's trainable weights (``layers``: those of the
+    named layers or weights; None: all) instead of its inputs, of its outputs (``objective: outputs``) or
+    of a per-sample objective of the label (``margin``, TRAK's; ``loss``, the Keras loss named ``loss``)."""
+
+    layers: tuple[str, ...] | None = None
+    objective: Literal["outputs", "margin", "loss"] = "outputs"
+    loss: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """How the engine computes Jacobians (see ``transforms.engine.JacobianEngine``)."""
 
@@ -130,11 +141,19 @@ class EngineOptions:
     outputs: OutputSelection = OutputSelection()
     reduce: Reduction = Reduction()
     aggregate: tuple[str, ...] = ()  # any of mean, mean_abs, jtj
+    parameters: ParameterSide | None = None  # None: the Jacobians with respect to the inputs
+
+    @property
+    def needs_labels(self) -> bool:
+        """Whether each sample's label is read with it: ``outputs: label``, or an objective of the label."""
+        return self.outputs.rule == "label" or (self.parameters is not None and self.parameters.objective != "outputs")
 
     def one_input_only(self) -> str | None:
         """Why these options need a one-input model, or None: a reduction or an aggregate is of one
         input's Jacobian. The engine (for the model's inputs) and the config (for ``input.key``) refuse
         them for several inputs with this reason."""
+        if self.parameters is not None:  # per-sample gradients of the weights: any number of inputs
+            return None
         if self.reduce.kind != "none":
             return f"jacobian.reduce: {self.reduce.kind} is for one-input models"
         if self.aggregate:
@@ -248,7 +267,7 @@ class JobSpec:
     def labelled(self) -> bool:
         """Whether the samples are read with labels (``outputs: label``): an array of each file
         (``label_key``) or each file's label (``labels``)."""
-        return self.engine.outputs.rule == "label" and (self.label_key is not None or self.labels is not None)
+        return self.engine.needs_labels and (self.label_key is not None or self.labels is not None)
 
     def removed_in(self, start: int, stop: int) -> int:
         """How many ids of ``[start, stop)`` belong to removed files (``removed``)."""

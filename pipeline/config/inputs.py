@@ -35,11 +35,13 @@ class ModelConfig(Section):
         "The module must be importable by the workers too. "
         "Exactly one of `path`, `factory` and `builtin` is given; `null`: not this source.",
     )
-    builtin: Literal["mlp", "cnn"] | None = Field(
+    builtin: Literal["mlp", "cnn", "cifar_resnet"] | None = Field(
         None,
         description="A built-in model with weights drawn from numpy seed 0: `mlp` maps samples of shape (784,) "
         "through Dense 512 tanh and Dense 512 tanh to 10 outputs; `cnn` maps (28, 28, 1) through two 3×3 "
-        "convolutions (32 and 64 filters, ReLU), a 2×2 max-pool and Dense 128 ReLU to 10 outputs. "
+        "convolutions (32 and 64 filters, ReLU), a 2×2 max-pool and Dense 128 ReLU to 10 outputs; `cifar_resnet` "
+        "maps (32, 32, 3) through a ResNet-20 (three stages of three residual blocks of 16, 32 and 64 channels, "
+        "BatchNorm in inference mode; 0.27M weights) to 10 logits. "
         "Exactly one of `path`, `factory` and `builtin` is given; `null`: not this source.",
     )
     logits: bool = Field(

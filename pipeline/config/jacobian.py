@@ -18,7 +18,13 @@ from pydantic import (
 
 from jacobeam.pipeline.config.section import Section, one_string_is_a_list
 from jacobeam.transforms.engine.reductions import FULL, NEEDS_ALL_ROWS, PRODUCTS
-from jacobeam.transforms.spec import EngineOptions, OutputSelection, Reduction, SelfCheck
+from jacobeam.transforms.spec import EngineOptions, OutputSelection, ParameterSide, Reduction, SelfCheck
+
+# What the parameter side can store of a per-sample gradient, and its projection's default width.
+PARAMETER_REDUCTIONS = ("project", "frobenius", "none")
+PARAMETER_PROJECT_DIM = 2048
+# Keras losses of a class label (``jacobian.objective: {loss: name}``): transforms.engine.parameter_space.LOSSES.
+LOSS_NAMES = ("sparse_categorical_crossentropy", "categorical_crossentropy")
 
 
 class TopK(Section):
@@ -120,6 +126,29 @@ class ProjectConfig(Section):
     )
 
 
+class ParametersWrt(Section):
+    """``jacobian.wrt: {parameters: [names]}``: the trainable weights of the named layers (or single weights,
+    by their path such as ``dense/kernel``) only."""
+
+    parameters: list[str] = Field(
+        description="Layer names (all their trainable weights) or weight paths (`layer/kernel`) to differentiate "
+        "by, in any order; the stored parameter axis follows the model's order of its weights.",
+        min_length=1,
+    )
+
+    _one_name_is_a_list = field_validator("parameters", mode="before")(one_string_is_a_list)
+
+
+class LossObjective(Section):
+    """``jacobian.objective: {loss: name}``: each sample's Keras loss against its label."""
+
+    loss: Literal[LOSS_NAMES] = Field(
+        description="The Keras loss, by name, of the sample's outputs against its label (`from_logits` unless the "
+        "model's last layer ends in a softmax): `sparse_categorical_crossentropy` or `categorical_crossentropy` "
+        "(the label one-hot).",
+    )
+
+
 class BasisConfig(Section):
     """``jacobian.basis``: the fixed bases of ``reduce: basis``, which stores ``U^T J V`` of shape
     ``(n, p, q)`` (dataset ``basis_projection``). A side left ``null`` is the identity; ``reduce: basis``
@@ -210,11 +239,23 @@ class JacobianConfig(Section):
         "forward mode) to fit; an out-of-memory error re-plans with half the rows per block, then half the "
         "samples.",
     )
-    wrt: Literal["all"] | list[str] = Field(
+    wrt: Literal["all", "parameters"] | list[str] | ParametersWrt = Field(
         "all",
-        description="The model inputs to differentiate by: `all`, or a list of input names (with a mapping "
-        "`input.key`, names of that mapping; a single name is read as a list of one). A model with several "
-        "inputs gets one dataset `jacobian/<input name>` per input differentiated.",
+        description="What to differentiate by: `all` the model inputs, or a list of input names (with a mapping "
+        "`input.key`, names of that mapping; a single name is read as a list of one); a model with several "
+        "inputs gets one dataset `jacobian/<input name>` per input differentiated. `parameters`: the trainable "
+        "weights of a Keras model instead (per-sample gradients; `{parameters: [layer names]}` for some layers), "
+        "of its outputs or of `objective`; `reduce` is then `project` (the gradient times a seeded random "
+        "projection, `projection`), `frobenius` (its norm, in total and per layer: `frobenius`, "
+        "`frobenius_by_layer`) or `none` (the gradient itself, `gradient`, where it is small): "
+        "docs/what-to-store.md.",
+    )
+    objective: Literal["outputs", "margin"] | LossObjective = Field(
+        "outputs",
+        description="With `wrt: parameters`, what is differentiated: `outputs`, the output rows `outputs` "
+        "selects; `margin`, TRAK's margin `log p_y - log(1 - p_y)` of the sample's label `y` (from the logits, or "
+        "the probabilities where the last layer ends in a softmax); `{loss: name}`, a Keras loss of the "
+        "label. `margin` and a loss need `labels` and `outputs: all`, and store the value as `objective` `(n,)`.",
     )
     compute_dtype: Literal["float32", "float64"] = Field(
         "float32",
@@ -303,7 +344,54 @@ class JacobianConfig(Section):
     @field_validator("wrt", mode="before")
     @classmethod
     def _one_input_is_a_list(cls, value: Any) -> Any:
-        return value if value == "all" else one_string_is_a_list(value)
+        return value if value in ("all", "parameters") or isinstance(value, dict) else one_string_is_a_list(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parameter_projection_width(cls, data: Any) -> Any:
+        # The parameter side projects a far longer axis: its projection is wider unless dim is given.
+        if not isinstance(data, dict) or not (data.get("wrt") == "parameters" or isinstance(data.get("wrt"), dict)):
+            return data
+        project = data.get("project")
+        if isinstance(project, ProjectConfig):
+            if "dim" in project.model_fields_set:
+                return data
+            project = project.model_dump(exclude_unset=True)
+        project = dict(project or {})
+        project.setdefault("dim", PARAMETER_PROJECT_DIM)
+        return {**data, "project": project}
+
+    @property
+    def on_parameters(self) -> bool:
+        """Whether the weights are differentiated (``wrt: parameters``), not the inputs."""
+        return self.wrt == "parameters" or isinstance(self.wrt, ParametersWrt)
+
+    @property
+    def needs_labels(self) -> bool:
+        """Whether each sample's label is read: ``outputs: label``, or an objective of the label."""
+        return self.outputs == "label" or self.objective != "outputs"
+
+    @model_validator(mode="after")
+    def _parameter_side(self) -> JacobianConfig:
+        if not self.on_parameters:
+            if self.objective != "outputs":
+                raise ValueError("objective: is what wrt: parameters differentiates; the input side differentiates "
+                                 "the outputs")
+            return self
+        if self.reduce not in PARAMETER_REDUCTIONS:
+            raise ValueError(f"reduce: {self.reduce} is not for wrt: parameters; use one of "
+                             f"{', '.join(PARAMETER_REDUCTIONS)}")
+        if self.aggregate:
+            raise ValueError("aggregate: is for the input side; wrt: parameters stores per-sample values only")
+        if self.objective != "outputs" and self.outputs != "all":
+            raise ValueError(f"objective: {self._objective_name()} is one value per sample; outputs must be all")
+        if self.objective != "outputs" and self.labels is None:
+            raise ValueError(f"objective: {self._objective_name()} needs labels: {{key: <array>}}, {{folders: true}} or "
+                             "{table: <csv or json of file to label>}")
+        return self
+
+    def _objective_name(self) -> str:
+        return self.objective if isinstance(self.objective, str) else f"{{loss: {self.objective.loss}}}"
 
     @model_validator(mode="after")
     def _consistent_products(self) -> JacobianConfig:
@@ -336,7 +424,7 @@ class JacobianConfig(Section):
             mode=self.mode,
             jit_compile=self.jit_compile,
             memory_budget=int(self.memory_budget),
-            wrt=None if self.wrt == "all" else tuple(self.wrt),
+            wrt=None if self.wrt == "all" or self.on_parameters else tuple(self.wrt),
             compute_dtype=self.compute_dtype,
             store_dtype=self.store_dtype,
             check_batch_independence=self.check_batch_independence,
@@ -351,7 +439,16 @@ class JacobianConfig(Section):
                 basis_output=self.basis.output,
             ),
             aggregate=tuple(self.aggregate),
+            parameters=self._parameter_side_options(),
         )
+
+    def _parameter_side_options(self) -> ParameterSide | None:
+        if not self.on_parameters:
+            return None
+        layers = tuple(self.wrt.parameters) if isinstance(self.wrt, ParametersWrt) else None
+        if isinstance(self.objective, LossObjective):
+            return ParameterSide(layers=layers, objective="loss", loss=self.objective.loss)
+        return ParameterSide(layers=layers, objective=self.objective)
 
     def _selection(self) -> OutputSelection:
         if isinstance(self.outputs, TopK):

@@ -18,7 +18,7 @@ _FORMS = {
     "input.image.mean": "a number, or a list of one number per channel",
     "input.image.std": "a positive number, or a list of one per channel",
     "jacobian.jit_compile": "true, false or auto",
-    "jacobian.wrt": "all, or a list of input names",
+    "jacobian.wrt": "all, a list of input names, parameters or {parameters: [layer names]}",
     "jacobian.outputs": "all, argmax, label, a list of output indices such as [3, 7], or {top_k: K}",
     "jacobian.threads": "auto, or a positive integer",
 }

@@ -75,7 +75,7 @@ class Config(Section):
         refusal = jacobian.engine_options().one_input_only()
         if refusal:
             raise ValueError(f"{refusal}; input.key names inputs {list(names)}")
-        unknown = [name for name in jacobian.wrt if name not in names] if jacobian.wrt != "all" else []
+        unknown = [name for name in jacobian.wrt if name not in names] if isinstance(jacobian.wrt, list) else []
         if unknown:
             raise ValueError(f"jacobian.wrt: {unknown} not among the inputs that input.key names, {list(names)}")
         return self

@@ -112,7 +112,48 @@ def build_cnn(seed: int = BUILTIN_SEED, dtype: str = "float32") -> keras.Model:
     return model
 
 
-BUILTINS: dict[str, Callable[..., keras.Model]] = {"mlp": build_mlp, "cnn": build_cnn}
+def build_cifar_resnet(seed: int = BUILTIN_SEED, dtype: str = "float32", blocks: int = 3) -> keras.Model:
+    """A CIFAR-size ResNet (ResNet-20 for ``blocks`` 3: 0.27M weights): x[32, 32, 3] -> conv 16 -> three stages
+    of ``blocks`` basic residual blocks (16, 32, 64 channels; BatchNorm, ReLU; stride 2 and a 1x1 shortcut
+    where the width changes) -> global average pool -> Dense 10 (logits). BatchNorm runs in inference mode
+    with seeded statistics."""
+    layers = keras.layers
+
+    def conv(x, name, width, stride=1, size=3):
+        return layers.Conv2D(width, size, strides=stride, padding="same", use_bias=False, dtype=dtype, name=name)(x)
+
+    def norm(x, name):
+        return layers.BatchNormalization(dtype=dtype, name=name)(x)
+
+    inputs = keras.Input((32, 32, 3), dtype=dtype)
+    x = layers.ReLU(dtype=dtype)(norm(conv(inputs, "stem_conv", 16), "stem_bn"))
+    for stage, width in enumerate((16, 32, 64)):
+        for block in range(blocks):
+            at, stride = f"stage{stage + 1}_block{block + 1}", 2 if stage and not block else 1
+            y = layers.ReLU(dtype=dtype)(norm(conv(x, f"{at}_conv1", width, stride), f"{at}_bn1"))
+            y = norm(conv(y, f"{at}_conv2", width), f"{at}_bn2")
+            shortcut = norm(conv(x, f"{at}_shortcut", width, stride, size=1), f"{at}_shortcut_bn") if stride != 1 else x
+            x = layers.ReLU(dtype=dtype)(layers.Add(dtype=dtype)([y, shortcut]))
+    x = layers.GlobalAveragePooling2D(dtype=dtype)(x)
+    model = keras.Model(inputs, layers.Dense(10, dtype=dtype, name="logits")(x), name="builtin_cifar_resnet")
+    seeded_weights(model, seed)
+    seeded_batchnorm(model, seed + 1)
+    return model
+
+
+def seeded_batchnorm(model: keras.Model, seed: int) -> None:
+    """BatchNormalization layers given seeded statistics a trained net has (scales near 1, positive
+    variances; ``seeded_weights`` draws every vector near 0)."""
+    rng = np.random.default_rng(seed)
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, keras.layers.BatchNormalization):
+            n = layer.gamma.shape[0]
+            values = (1.0 + rng.normal(0, 0.1, n), rng.normal(0, 0.1, n), rng.normal(0, 0.1, n),
+                      1.0 + np.abs(rng.normal(0, 0.1, n)))
+            layer.set_weights([v.astype(model.dtype) for v in values])
+
+
+BUILTINS: dict[str, Callable[..., keras.Model]] = {"mlp": build_mlp, "cnn": build_cnn, "cifar_resnet": build_cifar_resnet}
 
 
 def _keras_in_dtype(model: keras.Model, dtype: str) -> keras.Model:

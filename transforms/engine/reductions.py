@@ -32,6 +32,13 @@ DESCRIPTIONS = {
     "project": "J P, for a seeded random projection P of the inputs",
     "basis": "U^T J V, in fixed bases U and V",
 }
+# The same on the parameter side (``jacobian.wrt: parameters``), where J is the per-sample gradient (or
+# Jacobian) of the objective (or outputs) with respect to the weights.
+PARAMETER_DESCRIPTIONS = {
+    "none": "the per-sample gradient g of the weights",
+    "frobenius": "the norm of the per-sample gradient g of the weights, in total and per layer",
+    "project": "g P, the per-sample gradient of the weights times a seeded random projection P",
+}
 
 
 def projection_matrix(d: int, dim: int, kind: str, seed: int) -> np.ndarray:

@@ -1,0 +1,130 @@
+"""Parameter-side runs end to end (``jacobian.wrt: parameters``): sharded, self-checked, resumed bit for bit,
+and the projection rebuilt from the manifest alone reproduces what was stored."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from jacobeam.pipeline import config, runner
+from jacobeam.pipeline.verify import verify
+from jacobeam.transforms.engine.models import load
+from jacobeam.transforms.engine.parameter_space import Weight, projection_rows
+from jacobeam.transforms.output.storage import sha256
+
+
+def _write(folder: Path, shape, n: int, classes: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(0, 1, (n, *shape)).astype(np.float32)
+    y = rng.integers(0, classes, n)
+    cut = n // 3
+    for i, (lo, hi) in enumerate([(0, cut), (cut, n)]):
+        np.savez(folder / f"part{i}.npz", x=x[lo:hi], y=y[lo:hi])
+    return x, y
+
+
+def _config(data: Path, out: Path, model: dict, per_shard: int, **jacobian):
+    return config.validate({
+        "model": model,
+        "input": {"paths": [str(data / "*.npz")], "key": "x"},
+        "jacobian": {"wrt": "parameters", "labels": {"key": "y"}, **jacobian},
+        "output": {"path": str(out), "samples_per_shard": per_shard},
+    })
+
+
+def _margin_gradient(model, x: np.ndarray, label: int, variables) -> np.ndarray:
+    """TRAK's margin's gradient of one sample, float64, by an eager tape (closed form of the margin)."""
+    with tf.GradientTape() as tape:
+        z = tf.reshape(model(x[None].astype(np.float64), training=False), (-1,))
+        rest = tf.concat([z[:label], z[label + 1:]], 0)
+        margin = z[label] - tf.reduce_logsumexp(rest)
+    return np.concatenate([np.asarray(g).reshape(-1) for g in tape.gradient(margin, variables)])
+
+
+@pytest.mark.slow
+def test_trak_features_of_a_cifar_resnet_resume_bit_for_bit_and_rebuild_from_the_manifest(tmp_path):
+    x, y = _write(tmp_path / "data", (32, 32, 3), 300, 10)
+    cfg = _config(tmp_path / "data", tmp_path / "out", {"builtin": "cifar_resnet"}, 128, objective="margin",
+                  reduce="project")
+    manifest = runner.run(cfg, [], show_progress=False).manifest
+    assert manifest["self_check"]["samples_checked"] == 3 and not manifest["self_check"]["mismatches"]
+    out = tmp_path / "out"
+    with h5py.File(out / "jacobians.h5") as h5:
+        projection, objective, ids = h5["projection"][:], h5["objective"][:], h5["sample_id"][:]
+    assert projection.shape == (300, 2048) and np.array_equal(ids, np.arange(300))
+
+    # The projection rebuilt from the manifest alone: its weights, in order, and the seed.
+    stored = manifest["stored"]["parameters"]
+    seed, dim = manifest["config"]["jacobian"]["project"]["seed"], manifest["config"]["jacobian"]["project"]["dim"]
+    assert (stored["objective"], dim, stored["projection_block_rows"]) == ("margin", 2048, 4096)
+    rows = np.concatenate([projection_rows(seed, "rademacher", Weight(w["index"], w["name"], w["layer"], tuple(w["shape"]),
+                                                                      w["offset"]), dim) for w in stored["weights"]])
+    model = load(builtin="cifar_resnet").with_dtype("float64").keras_model
+    variables = model.trainable_variables
+    assert [list(v.shape) for v in variables] == [w["shape"] for w in stored["weights"]]
+    for i in (0, 150, 299):
+        g = _margin_gradient(model, x[i], int(y[i]), variables)
+        want = g @ rows
+        assert np.abs(projection[i] - want).max() <= 1e-4 * np.abs(want).max()
+
+    # A lost shard is computed again, bit for bit; the others are kept.
+    before = {p.name: sha256(p) for p in (out / "shards").iterdir()}
+    lost = sorted(before)[1]
+    (out / "shards" / lost).unlink()
+    again = runner.run(cfg, [], show_progress=False).manifest
+    assert again["run"]["samples_computed"] == 128
+    assert {p.name: sha256(p) for p in (out / "shards").iterdir()} == before
+    report = verify(str(out), samples=4)
+    assert report.ok, report.problems
+
+
+@pytest.mark.slow
+def test_grand_scores_and_entk_features_of_a_small_conv_net(tmp_path):
+    """Per-sample loss-gradient norms, in total and per layer (GraNd), and projected rows of the logits
+    (eNTK features), each against a float64 per-sample tape."""
+    x, y = _write(tmp_path / "data", (6, 6, 2), 45, 4, seed=1)
+    model = {"factory": "tests.models:bn_cnn"}
+    cfg = _config(tmp_path / "data", tmp_path / "grand", model, 16, objective={"loss": "sparse_categorical_crossentropy"},
+                  reduce="frobenius")
+    manifest = runner.run(cfg, [], show_progress=False).manifest
+    assert manifest["stored"]["parameters"]["layers"] == ["conv", "bn", "head"]
+    reference = load(factory="tests.models:bn_cnn").with_dtype("float64").keras_model
+    with h5py.File(tmp_path / "grand" / "jacobians.h5") as h5:
+        norms, by_layer, loss = h5["frobenius"][:], h5["frobenius_by_layer"][:], h5["objective"][:]
+    owners = [layer.name for layer in reference.layers for _ in layer.trainable_weights]
+    for i in range(0, 45, 7):
+        with tf.GradientTape() as tape:
+            z = reference(x[i: i + 1].astype(np.float64), training=False)[0]
+            value = -(z[int(y[i])] - tf.reduce_logsumexp(z))
+        grads = tape.gradient(value, reference.trainable_variables)
+        squares = {name: 0.0 for name in ("conv", "bn", "head")}
+        for owner, g in zip(owners, grads):
+            squares[owner] += float(np.sum(np.asarray(g) ** 2))
+        np.testing.assert_allclose(loss[i], float(value), rtol=1e-5)
+        np.testing.assert_allclose(by_layer[i], np.sqrt(list(squares.values())), rtol=1e-4)
+        np.testing.assert_allclose(norms[i], np.sqrt(sum(squares.values())), rtol=1e-4)
+
+    cfg = _config(tmp_path / "data", tmp_path / "entk", model, 16, reduce="project", project={"dim": 64, "seed": 9})
+    manifest = runner.run(cfg, [], show_progress=False).manifest
+    assert manifest["self_check"]["samples_checked"] == 3 and not manifest["self_check"]["mismatches"]
+    weights = manifest["stored"]["parameters"]["weights"]
+    rows = np.concatenate([projection_rows(9, "rademacher", Weight(w["index"], w["name"], w["layer"], tuple(w["shape"]),
+                                                                   w["offset"]), 64) for w in weights])
+    with h5py.File(tmp_path / "entk" / "jacobians.h5") as h5:
+        features = h5["projection"][:]
+    assert features.shape == (45, 4, 64)
+    for i in (0, 44):
+        with tf.GradientTape(persistent=True) as tape:
+            z = reference(x[i: i + 1].astype(np.float64), training=False)[0]
+            outputs = [z[r] for r in range(4)]
+        jacobian = np.stack([np.concatenate([np.asarray(g).reshape(-1) for g in
+                                             tape.gradient(row, reference.trainable_variables)]) for row in outputs])
+        want = jacobian @ rows
+        assert np.abs(features[i] - want).max() <= 1e-4 * np.abs(want).max()
+    assert json.loads(json.dumps(manifest["stored"]))["parameters"]["objective"] == "outputs"

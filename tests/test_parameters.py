@@ -1,0 +1,348 @@
+"""The parameter side (``jacobian.wrt: parameters``): per-sample gradients and Jacobians of the weights,
+projected, as norms or whole, against a float64 per-sample tape of each sample written here (closed-form
+objectives, a plain loop), and the self-check's mutants."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from unittest import mock
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jacobeam.pipeline import config
+from jacobeam.transforms.engine import parameter_rules
+from jacobeam.transforms.engine.models import wrap_model
+from jacobeam.transforms.engine.parameter_space import BLOCK_ROWS, projection_rows
+from jacobeam.transforms.engine.parameters import ParameterEngine
+from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.self_check import KINK, MISMATCH, OK, checker_for
+from jacobeam.transforms.spec import EngineOptions, OutputSelection, ParameterSide, Reduction, SelfCheck
+from tests import models
+
+MODELS = {"mlp": (models.small_mlp, (12,)), "bn_cnn": (models.bn_cnn, (6, 6, 2)),
+          "softmax": (models.softmax_mlp, (12,))}
+_loaded: dict = {}
+
+
+def loaded(name: str, dtype: str = "float32"):
+    """The test model ``name`` in ``dtype`` (built once per process: equal weights in both dtypes)."""
+    if (name, dtype) not in _loaded:
+        _loaded[name, dtype] = wrap_model(MODELS[name][0](dtype), name)
+    return _loaded[name, dtype]
+
+
+def reference(name: str, side: ParameterSide, selection: OutputSelection, x: np.ndarray, labels: np.ndarray,
+              index: np.ndarray | None, layers=None):
+    """Per sample, float64, one sample at a time by an eager tape: the objective's value (or None) and the
+    gradient rows ``(rows, p)`` of the chosen weights, with the weights' layers; objectives in closed form."""
+    model = loaded(name, "float64").keras_model
+    chosen = [(v, layer.name) for layer in model.layers for v in layer.trainable_weights
+              if layers is None or layer.name in layers]
+    variables = [v for v, _ in chosen]
+    probabilities = name == "softmax"
+    values, grads = [], []
+    for i in range(len(x)):
+        if side.objective == "outputs":
+            rows = list(range(int(np.prod(model.output_shape[1:])))) if index is None else list(index[i])
+        else:
+            rows = [None]
+        found = []
+        for row in rows:
+            with tf.GradientTape() as tape:
+                y = tf.reshape(model(x[i: i + 1].astype(np.float64), training=False), (-1,))
+                y_label = y[int(labels[i])]
+                if side.objective == "outputs":
+                    value = y[row]
+                elif side.objective == "margin":
+                    if probabilities:
+                        value = tf.math.log(y_label) - tf.math.log(1.0 - y_label)
+                    else:
+                        rest = tf.concat([y[: int(labels[i])], y[int(labels[i]) + 1:]], 0)
+                        value = y_label - tf.math.log(tf.reduce_sum(tf.exp(rest)))
+                else:  # cross-entropy of the label, either name
+                    value = -tf.math.log(y_label) if probabilities else -(y_label - tf.reduce_logsumexp(y))
+            found.append(np.concatenate([np.asarray(g).reshape(-1) for g in tape.gradient(value, variables)]))
+        values.append(float(value))
+        grads.append(np.stack(found))
+    return values, grads, chosen
+
+
+def projected(grads, chosen, reduction: Reduction, engine) -> list[np.ndarray]:
+    """Each gradient times ``P``, rebuilt weight by weight from the definition."""
+    rows = np.concatenate([projection_rows(reduction.project_seed, reduction.project_kind, w, reduction.project_dim)
+                           for w in engine.layout.weights])
+    return [g @ rows for g in grads]
+
+
+def assert_close(actual, expected, rtol=2e-5):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape
+    scale = max(np.abs(expected).max(), 1e-30)
+    assert np.abs(actual - expected).max() <= rtol * scale, (np.abs(actual - expected).max() / scale)
+
+
+objectives = st.sampled_from([
+    (ParameterSide(objective="outputs"), OutputSelection()),
+    (ParameterSide(objective="outputs"), OutputSelection("indices", indices=(2, 0))),
+    (ParameterSide(objective="outputs"), OutputSelection("label")),
+    (ParameterSide(objective="outputs"), OutputSelection("top_k", k=2)),
+    (ParameterSide(objective="margin"), OutputSelection()),
+    (ParameterSide(objective="loss", loss="sparse_categorical_crossentropy"), OutputSelection()),
+    (ParameterSide(objective="loss", loss="categorical_crossentropy"), OutputSelection()),
+])
+
+
+@contextlib.contextmanager
+def only(path: str):
+    """The engine's paths before ``path`` made to fail at set-up: each path is tested, not just the first."""
+    with contextlib.ExitStack() as stack:
+        if path != "layer rules":
+            stack.enter_context(mock.patch.object(parameter_rules, "unsupported", lambda *_: "turned off by the test"))
+        if path == "map_fn":
+            stack.enter_context(mock.patch.object(tf, "vectorized_map", mock.Mock(side_effect=ValueError("turned off"))))
+        yield
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted(MODELS)), objective=objectives, kind=st.sampled_from(["project", "frobenius", "none"]),
+       n=st.integers(1, 13), budget=st.sampled_from([40_000, 200_000, 2 * 2**30]), seed=st.integers(0, 2**31),
+       projection=st.sampled_from(["rademacher", "gaussian"]), dim=st.sampled_from([7, 64]),
+       path=st.sampled_from(["layer rules", "vectorized_map", "map_fn"]))
+def test_per_sample_gradients_match_a_float64_tape_of_each_sample(name, objective, kind, n, budget, seed, projection, dim,
+                                                                  path):
+    side, selection = objective
+    shape = MODELS[name][1]
+    reduction = Reduction(kind=kind, project_dim=dim, project_kind=projection, project_seed=seed)
+    with only(path):
+        engine = ParameterEngine(loaded(name), shape, EngineOptions(
+            batch_size=8, memory_budget=budget, parameters=side, outputs=selection, reduce=reduction))
+    assert engine.path == path
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, *shape)).astype(np.float32)
+    outputs = engine.outputs
+    labels = rng.integers(0, outputs, n)
+    datasets = {}
+    for lo in range(0, n, engine.batch_size):  # as the DoFn calls it: batch_size samples at a time
+        part, _ = engine.compute(x[lo: lo + engine.batch_size], labels[lo: lo + engine.batch_size])
+        for key, value in part.items():
+            datasets.setdefault(key, []).append(value)
+    datasets = {key: np.concatenate(value) for key, value in datasets.items()}
+    index = datasets.get("output_index")
+    if selection.rule == "top_k":  # chosen from the float64 outputs, independently
+        y64 = np.asarray(loaded(name, "float64").keras_model(x.astype(np.float64), training=False))
+        np.testing.assert_array_equal(index, np.argsort(-y64, axis=1, kind="stable")[:, :2])
+    elif selection.rule == "label":
+        np.testing.assert_array_equal(index[:, 0], labels)
+    values, grads, chosen = reference(name, side, selection, x, labels, index)
+    rows = () if side.objective != "outputs" else ((outputs,) if selection.count is None else (selection.count,))
+    if side.objective != "outputs":
+        assert_close(datasets["objective"], values)
+    if kind == "none":
+        assert_close(datasets["gradient"], np.stack(grads).reshape(n, *rows, -1))
+    elif kind == "project":
+        assert_close(datasets["projection"], np.stack(projected(grads, chosen, reduction, engine)).reshape(n, *rows, dim))
+    else:
+        layers = list(dict.fromkeys(layer for _, layer in chosen))
+        sizes = [int(np.prod(v.shape)) for v, _ in chosen]
+        starts = np.cumsum([0, *sizes])
+        by_layer = np.array([[math.sqrt(sum(float(np.sum(g[:, starts[k]: starts[k + 1]] ** 2))
+                                            for k, (_, owner) in enumerate(chosen) if owner == layer))
+                              for layer in layers] for g in grads])
+        assert_close(datasets["frobenius_by_layer"], by_layer)
+        assert_close(datasets["frobenius"], [np.linalg.norm(g) for g in grads])
+        assert len(engine.layout.layers) == len(layers)  # the float64 copy's unnamed layers are named anew
+
+
+def test_the_defaults_on_more_samples_than_a_batch_and_named_layers():
+    """Default batch size and memory budget, 300 samples (not a multiple of the batch), two named layers."""
+    side = ParameterSide(objective="margin", layers=("conv", "head"))
+    engine = ParameterEngine(loaded("bn_cnn"), (6, 6, 2), EngineOptions(parameters=side, reduce=Reduction(kind="project",
+                                                                                                    project_dim=2048)))
+    assert engine.batch_size == 256
+    rng = np.random.default_rng(7)
+    x, labels = rng.normal(size=(300, 6, 6, 2)).astype(np.float32), rng.integers(0, 4, 300)
+    stored = np.concatenate([engine.compute(x[lo: lo + 256], labels[lo: lo + 256])[0]["projection"] for lo in (0, 256)])
+    picked = rng.choice(300, 12, replace=False)
+    values, grads, chosen = reference("bn_cnn", side, OutputSelection(), x[picked], labels[picked], None,
+                                      layers=("conv", "head"))
+    assert [w.layer for w in engine.layout.weights] == [layer for _, layer in chosen]
+    assert_close(stored[picked], np.stack(projected(grads, chosen, engine.options.reduce, engine))[:, 0])
+
+
+def test_the_projection_is_the_documented_bits_of_philox_words():
+    """``P``'s rademacher rows, rebuilt here from the definition's words (little-endian bits), and its
+    gaussian rows from ``stateless_normal``: what a user reads in the module's docstring."""
+    from jacobeam.transforms.engine.parameter_space import Weight
+
+    weight = Weight(index=3, name="w", layer="l", shape=(BLOCK_ROWS + 5,), offset=0)
+    rows = projection_rows(11, "rademacher", weight, 40)
+    for block in (0, 1):
+        words = tf.random.stateless_uniform((BLOCK_ROWS, 2), [11, 3 * 2**32 + block], minval=None, maxval=None,
+                                            dtype=tf.int32, alg="philox").numpy().view(np.uint32)
+        bits = (words[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
+        want = (bits.reshape(BLOCK_ROWS, 64)[:, :40] * 2.0 - 1.0).astype(np.float32) / np.float32(math.sqrt(40))
+        got = rows[block * BLOCK_ROWS: (block + 1) * BLOCK_ROWS]
+        np.testing.assert_array_equal(got, want[: len(got)])
+    normal = projection_rows(11, "gaussian", weight, 40)
+    want = tf.random.stateless_normal((BLOCK_ROWS, 40), [11, 3 * 2**32 + 1], alg="philox").numpy() / np.float32(math.sqrt(40))
+    np.testing.assert_allclose(normal[BLOCK_ROWS:], want[:5], rtol=1e-6)
+
+
+def test_refusals_name_what_is_wrong():
+    with pytest.raises(ModelError, match=r"no trainable layer or weight \['nope'\]"):
+        ParameterEngine(loaded("mlp"), (12,), EngineOptions(parameters=ParameterSide(layers=("nope",))))
+    with pytest.raises(ModelError, match="not a Keras model"):
+        plain = wrap_model(tf.function(lambda x: 2 * x), "plain")
+        ParameterEngine(plain, (3,), EngineOptions(parameters=ParameterSide()))
+    too_big = r"reduce: none would store 1,465 entries per sample for mlp \(293 weight entries x 5 row\(s\)\)"
+    with pytest.raises(ModelError, match=too_big):
+        _too_big_gradient()
+    engine = ParameterEngine(loaded("mlp"), (12,), EngineOptions(parameters=ParameterSide(objective="margin")))
+    with pytest.raises(ModelError, match="label 7 is not an output index 0..4"):
+        engine.compute(np.zeros((2, 12), np.float32), np.array([1, 7]))
+
+
+def _too_big_gradient():
+    """reduce: none of a model whose gradient is larger than stored whole: refused, pointing to project."""
+    import jacobeam.transforms.engine.parameters as parameters
+
+    saved = parameters.MOST_GRADIENT_BYTES
+    parameters.MOST_GRADIENT_BYTES = 100
+    try:
+        ParameterEngine(loaded("mlp"), (12,), EngineOptions(parameters=ParameterSide(), reduce=Reduction(kind="none")))
+    finally:
+        parameters.MOST_GRADIENT_BYTES = saved
+
+
+def test_config_keys_and_their_refusals():
+    base = {"model": {"builtin": "mlp"}, "input": {"paths": ["x/*.npz"], "key": "x"}, "output": {"path": "o"}}
+    parsed = config.validate({**base, "jacobian": {"wrt": "parameters", "objective": "margin", "labels": {"key": "y"},
+                                                   "reduce": "project"}}).jacobian
+    options = parsed.engine_options()
+    assert options.parameters == ParameterSide(objective="margin") and options.wrt is None
+    assert options.reduce.project_dim == 2048 and options.needs_labels
+    assert config.validate({**base, "jacobian": {"reduce": "project"}}).jacobian.project.dim == 256
+    named = config.validate({**base, "jacobian": {"wrt": {"parameters": "head"}, "objective": {
+        "loss": "sparse_categorical_crossentropy"}, "labels": {"key": "y"}, "reduce": "frobenius",
+        "project": {"dim": 16}}}).jacobian.engine_options()
+    assert named.parameters == ParameterSide(layers=("head",), objective="loss", loss="sparse_categorical_crossentropy")
+    assert named.reduce.project_dim == 16
+    for jacobian, message in [
+        ({"objective": "margin"}, "objective: is what wrt: parameters differentiates"),
+        ({"wrt": "parameters", "objective": "margin"}, "objective: margin needs labels"),
+        ({"wrt": "parameters", "reduce": "trace"}, "reduce: trace is not for wrt: parameters"),
+        ({"wrt": "parameters", "aggregate": "mean"}, "aggregate: is for the input side"),
+        ({"wrt": "parameters", "objective": "margin", "labels": {"key": "y"}, "outputs": "argmax"},
+         "outputs must be all"),
+        ({"wrt": "parameters", "objective": {"loss": "mse"}}, "loss"),
+    ]:
+        with pytest.raises(config.ConfigError, match=message):
+            config.validate({**base, "jacobian": jacobian})
+
+
+# --- the self-check and its mutants ---------------------------------------------------------------------
+
+def _inputs(kind: str, rng) -> np.ndarray:
+    """Ordinary inputs of the conv net: noise, a flat image, saturated units."""
+    if kind == "flat":
+        return np.full((1, 6, 6, 2), 0.3, np.float32)
+    if kind == "saturated":
+        return (40.0 * rng.normal(size=(1, 6, 6, 2))).astype(np.float32)
+    return rng.normal(size=(1, 6, 6, 2)).astype(np.float32)
+
+
+MUTANTS = {
+    "scaled": lambda d, other: {**d, **{k: v * 1.001 for k, v in d.items() if k in ("projection", "frobenius", "gradient")}},
+    "negated": lambda d, other: {**d, **{k: -v for k, v in d.items() if k in ("projection", "gradient")},
+                                  **({"frobenius_by_layer": d["frobenius_by_layer"][:, ::-1]} if "frobenius" in d else {})},
+    "zeroed": lambda d, other: {**d, **{k: 0 * v for k, v in d.items() if k in ("projection", "frobenius", "gradient")}},
+    "swapped sample": lambda d, other: {**d, **{k: other[k] for k in ("projection", "frobenius", "frobenius_by_layer",
+                                                                   "gradient") if k in d}},
+    "norm x1.5": lambda d, other: {**d, **({"frobenius": d["frobenius"] * 1.5} if "frobenius" in d else
+                                          {k: v * 1.5 for k, v in d.items() if k in ("projection", "gradient")})},
+    "one layer's norm x1.5": lambda d, other: {**d, **({"frobenius_by_layer": d["frobenius_by_layer"] * np.r_[
+        1.0, 1.0, 1.5, 1.0][None, : d["frobenius_by_layer"].shape[1]]} if "frobenius" in d else
+        {k: v * 1.5 for k, v in d.items() if k in ("projection", "gradient")})},
+}
+
+
+@pytest.fixture(scope="module")
+def checked_engines():
+    built = {}
+    for kind in ("project", "frobenius", "none"):
+        for side in (ParameterSide(objective="margin"), ParameterSide(objective="loss", loss="sparse_categorical_crossentropy")):
+            options = EngineOptions(parameters=side, reduce=Reduction(kind=kind, project_dim=32))
+            engine = ParameterEngine(loaded("bn_cnn"), (6, 6, 2), options)
+            built[kind, side.objective] = engine, checker_for(engine, SelfCheck())
+    return built
+
+
+@pytest.mark.parametrize("inputs", ["noise", "flat", "saturated"])
+@pytest.mark.parametrize("kind", ["project", "frobenius", "none"])
+def test_every_mutant_is_a_mismatch_and_the_engine_passes(checked_engines, kind, inputs):
+    rng = np.random.default_rng(3)
+    for objective in ("margin", "loss"):
+        engine, checker = checked_engines[kind, objective]
+        x = np.concatenate([_inputs(inputs, rng), _inputs("noise", rng)])
+        labels = np.array([1, 2])
+        datasets, _ = engine.compute(x, labels)
+        mine = {k: v[:1] for k, v in datasets.items()}
+        other = {k: v[1:] for k, v in datasets.items()}
+        record = checker.check([x[:1]], mine, 0, 1)
+        assert record["verdict"] in (OK, KINK), record
+        for name, mutant in MUTANTS.items():
+            verdict = checker.check([x[:1]], mutant(mine, other), 0, 1)
+            assert verdict["verdict"] == MISMATCH, (name, verdict)
+
+
+def test_a_wrong_projection_block_and_a_wrong_row_are_mismatches():
+    """The engine's projection with one block of one weight drawn for another block; and the label's row
+    stored for another output row."""
+    import jacobeam.transforms.engine.parameters as parameters
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(3, 12)).astype(np.float32)
+    options = EngineOptions(parameters=ParameterSide(), outputs=OutputSelection("label"),
+                            reduce=Reduction(kind="project", project_dim=16))
+    right = ParameterEngine(loaded("mlp"), (12,), options)
+    checker = checker_for(right, SelfCheck())
+    original = parameters.projection_block
+
+    def shifted(seed, kind, weight, block, dim, dtype):  # weight 0's block from weight 1's stream
+        return original(seed, kind, tf.where(tf.equal(weight, 0), 1, weight), block, dim, dtype)
+
+    parameters.projection_block = shifted
+    try:
+        wrong = ParameterEngine(loaded("mlp"), (12,), options)
+    finally:
+        parameters.projection_block = original
+    labels = np.array([0, 3, 4])
+    stored, _ = wrong.compute(x, labels)
+    good, _ = right.compute(x, labels)
+    for i in range(3):
+        assert checker.check([x[i: i + 1]], {k: v[i: i + 1] for k, v in good.items()}, i, int(labels[i]))["verdict"] == OK
+        assert checker.check([x[i: i + 1]], {k: v[i: i + 1] for k, v in stored.items()}, i, int(labels[i]))["verdict"] \
+            == MISMATCH
+    other_row = {k: v[:1] for k, v in right.compute(x[:1], np.array([2]))[0].items()}
+    record = checker.check([x[:1]], {**other_row, "output_index": np.array([[0]])}, 0, 0)
+    assert record["verdict"] == MISMATCH
+    record = checker.check([x[:1]], other_row, 0, 0)
+    assert record["verdict"] == MISMATCH and "output_index" in record["detail"]
+
+
+def test_outputs_as_probabilities_read_as_such():
+    """A model ending in a softmax: margin and cross-entropy from its probabilities (no double softmax)."""
+    engine = ParameterEngine(loaded("softmax"), (12,), EngineOptions(parameters=ParameterSide(objective="margin"),
+                                                                    reduce=Reduction(kind="frobenius")))
+    assert engine.describe()["outputs_are"] == "probabilities"
+    x = np.random.default_rng(0).normal(size=(4, 12)).astype(np.float32)
+    p = np.asarray(loaded("softmax", "float64").keras_model(x.astype(np.float64)))
+    labels = np.array([0, 1, 2, 1])
+    stored, _ = engine.compute(x, labels)
+    want = np.log(p[np.arange(4), labels]) - np.log1p(-p[np.arange(4), labels])
+    assert_close(stored["objective"], want)

@@ -1,0 +1,139 @@
+"""Per-sample weight gradients by layer rules: one batched backward pass, then each layer's per-sample
+gradients from its input and the gradient at its output, as Opacus and BackPACK do.
+
+Elements (a sample, or a sample's output row) do not interact in a batch, so the gradient of the
+elements' summed objective at a layer's pre-activation ``z`` is, row by row, each element's own. A
+``Dense`` layer's per-sample kernel gradient is then ``x^T dz`` of the element (summed over any positions
+before its last axis), a ``Conv2D``'s the contraction of its input patches (``tf.image.extract_patches``,
+in the kernel's ``(kh, kw, c_in)`` order) with ``dz`` over the output positions, and an inference-mode
+``BatchNormalization``'s ``gamma`` and ``beta`` gradients ``dz * x_hat`` and ``dz`` summed over positions.
+pfor, by contrast, runs a ``Conv2DBackpropFilter`` per sample in a ``while_loop``.
+
+The model runs layer by layer (``Sequential`` in order, a functional model through its graph), with the
+differentiated layers called by the rules' own forward code (the layer's ``kernel``, ``bias`` and
+activation, computed the way its ``call`` does) so that ``z`` is a tensor of the tape; every other layer
+as itself, in inference mode. A model with a differentiated weight in any other layer, or a nested model,
+is left to ``vectorized_map`` (``unsupported``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+_RULED = (keras.layers.Dense, keras.layers.Conv2D, keras.layers.BatchNormalization)
+
+
+def unsupported(keras_model: Any, variables: Sequence[tf.Variable]) -> str | None:
+    """Why the weights ``variables`` of ``keras_model`` have no layer rule, or None."""
+    if not (isinstance(keras_model, keras.Sequential) or hasattr(keras_model, "_run_through_graph")):
+        return f"{type(keras_model).__name__} is not a Sequential or functional model"
+    owners = {id(v): layer for layer in keras_model.layers for v in layer.trainable_weights}
+    for layer in keras_model.layers:
+        if isinstance(layer, keras.Model):
+            return f"{layer.name}: a nested model"
+    for variable in variables:
+        layer = owners.get(id(variable))
+        if layer is None:
+            return f"{variable.name}: not a weight of a top-level layer"
+        if type(layer) not in _RULED:
+            return f"{layer.name}: no per-sample rule for {type(layer).__name__}"
+        if isinstance(layer, keras.layers.Conv2D) and (layer.groups != 1 or layer.data_format != "channels_last"):
+            return f"{layer.name}: a grouped or channels-first Conv2D"
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.axis not in (-1, len(layer.input.shape) - 1):
+            return f"{layer.name}: BatchNormalization over an axis other than the last"
+    return None
+
+
+def gradients(keras_model: Any, variables: Sequence[tf.Variable], xs: list[tf.Tensor],
+              objective: Callable[[tf.Tensor], tf.Tensor]) -> tuple[tf.Tensor, list[tf.Tensor]]:
+    """``(values (N,), [per-element gradient (N, *shape) of each of variables])``: ``objective`` maps the
+    model's outputs ``(N, *out)`` to each element's scalar."""
+    wanted = {id(v) for v in variables}
+    saved: dict[int, tuple[Any, tf.Tensor, tf.Tensor]] = {}  # id(variable) -> (layer, input, z)
+    with tf.GradientTape() as tape:
+        y = _run(keras_model, xs, lambda layer, x: _forward(layer, x, wanted, saved))
+        values = objective(y)
+        total = tf.reduce_sum(values)
+    layers = {id(layer): (layer, x, z) for layer, x, z in saved.values()}
+    zs = [z for _, _, z in layers.values()]
+    dzs = dict(zip(layers, tape.gradient(total, zs, unconnected_gradients=tf.UnconnectedGradients.ZERO)))
+    found: dict[int, tf.Tensor] = {}
+    for key, (layer, x, _) in layers.items():
+        found.update(_per_sample(layer, x, dzs[key], wanted))
+    return values, [found[id(v)] for v in variables]
+
+
+def _run(model: Any, xs: list[tf.Tensor], ruled: Callable[[Any, tf.Tensor], tf.Tensor]) -> tf.Tensor:
+    def call(op):
+        def apply(*args, **kwargs):
+            if type(op) in _RULED and any(True for _ in op.trainable_weights):
+                return ruled(op, args[0])
+            if getattr(op, "_call_has_training_arg", False):
+                kwargs["training"] = False
+            return op(*args, **kwargs)
+
+        return apply
+
+    if isinstance(model, keras.Sequential):
+        x = xs[0]
+        for layer in model.layers:
+            if type(layer) is not keras.layers.InputLayer:
+                x = call(layer)(x)
+        return x
+    return model._run_through_graph(xs, operation_fn=call)
+
+
+def _forward(layer: Any, x: tf.Tensor, wanted: set[int], saved: dict) -> tf.Tensor:
+    """The layer's output for ``x``, its differentiated pre-activation ``z`` kept with its input."""
+    if isinstance(layer, keras.layers.BatchNormalization):
+        mean, variance = tf.cast(layer.moving_mean, x.dtype), tf.cast(layer.moving_variance, x.dtype)
+        x_hat = (x - mean) * tf.math.rsqrt(variance + layer.epsilon)
+        z = x_hat * layer.gamma if layer.scale else x_hat
+        z = z + layer.beta if layer.center else z
+        keep = x_hat
+    else:
+        if isinstance(layer, keras.layers.Dense):
+            z = tf.tensordot(x, layer.kernel, [[x.shape.rank - 1], [0]])
+        else:
+            z = layer.convolution_op(x, layer.kernel)
+        if layer.use_bias:
+            z = z + layer.bias
+        keep = x
+    for variable in layer.trainable_weights:
+        if id(variable) in wanted:
+            saved[id(variable)] = (layer, keep, z)
+    activation = getattr(layer, "activation", None)
+    return activation(z) if activation is not None else z
+
+
+def _per_sample(layer: Any, x: tf.Tensor, dz: tf.Tensor, wanted: set[int]) -> dict[int, tf.Tensor]:
+    """Each differentiated weight's per-element gradient from the layer's input (``x_hat`` for
+    BatchNormalization) and ``dz``."""
+    n = tf.shape(dz)[0]
+    out: dict[int, tf.Tensor] = {}
+    positions = list(range(1, dz.shape.rank - 1))  # axes summed over: all but the element's and the channels'
+    if isinstance(layer, keras.layers.BatchNormalization):
+        grads = {"gamma": tf.reduce_sum(dz * x, positions), "beta": tf.reduce_sum(dz, positions)}
+    else:
+        if isinstance(layer, keras.layers.Dense):
+            flat_x = tf.reshape(x, (n, -1, x.shape[-1]))
+            kernel = tf.matmul(flat_x, tf.reshape(dz, (n, -1, dz.shape[-1])), transpose_a=True)
+        else:
+            kh, kw = layer.kernel_size
+            sh, sw = layer.strides
+            dh, dw = layer.dilation_rate
+            patches = tf.image.extract_patches(x, [1, kh, kw, 1], [1, sh, sw, 1], [1, dh, dw, 1], layer.padding.upper())
+            kernel = tf.matmul(tf.reshape(patches, (n, -1, patches.shape[-1])), tf.reshape(dz, (n, -1, dz.shape[-1])),
+                               transpose_a=True)
+        grads = {"kernel": tf.reshape(kernel, (n, *layer.kernel.shape))}
+        if layer.use_bias:
+            grads["bias"] = tf.reduce_sum(dz, positions)
+    for name, value in grads.items():
+        variable = getattr(layer, name, None)
+        if variable is not None and id(variable) in wanted:
+            out[id(variable)] = value
+    return out

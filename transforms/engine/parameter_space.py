@@ -1,0 +1,191 @@
+"""The parameter side's definitions, shared by the engine, its self-check and a user rebuilding what a run
+stored: which weights are differentiated (``ParameterLayout``), the per-sample objective
+(``objective_value``) and the seeded projection of the parameter axis (``projection_block``).
+
+The projection ``P`` ``(p, dim)`` of ``jacobian.project`` on the parameter side is never formed whole (a
+ResNet-18's would be 90 GB at dim 2,048): it is defined block by block. The rows of weight ``v`` (its
+entries flattened in C order) are cut into blocks of ``BLOCK_ROWS``; block ``j`` of weight ``v`` is
+``(BLOCK_ROWS, dim)`` random entries from the Philox stream of seed ``(seed, v * 2**32 + j)``, divided by
+``sqrt(dim)``, the rows past the weight's end dropped. Rademacher signs are the bits of
+``tf.random.stateless_uniform`` int32 words ``(BLOCK_ROWS, ceil(dim / 32))``: entry ``(i, c)`` is ``+1``
+where bit ``c % 32`` of word ``(i, c // 32)`` is set, else ``-1``; gaussian entries are
+``tf.random.stateless_normal``'s. TensorFlow documents these streams as identical on CPU and GPU for a
+given seed and version; the manifest records the TensorFlow version with the seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from jacobeam.transforms.errors import ModelError
+
+BLOCK_ROWS = 4096  # rows of P generated at a time (a weight's flat entries per block)
+OBJECTIVES = ("outputs", "margin", "loss")
+# Keras losses of a class label, by name: what the labels are turned into for each.
+LOSSES = {"sparse_categorical_crossentropy": "index", "categorical_crossentropy": "one_hot"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """One differentiated weight: its position in the model's ``trainable_variables``, its name, its
+    layer's name, its shape and where its entries begin on the parameter axis."""
+
+    index: int
+    name: str
+    layer: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterLayout:
+    """The parameter axis: the chosen weights, in the model's order, flattened and concatenated."""
+
+    weights: tuple[Weight, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(w.size for w in self.weights)
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """The layers owning the weights, in order of their first weight: the columns of
+        ``frobenius_by_layer``."""
+        return tuple(dict.fromkeys(w.layer for w in self.weights))
+
+    def describe(self) -> dict[str, Any]:
+        """For the manifest: enough to cut a stored gradient back into weights and rebuild ``P``."""
+        return {
+            "size": self.size,
+            "projection_block_rows": BLOCK_ROWS,
+            "layers": list(self.layers),
+            "weights": [{"index": w.index, "name": w.name, "layer": w.layer, "shape": list(w.shape), "offset": w.offset}
+                        for w in self.weights],
+        }
+
+
+def layout(keras_model, names: Sequence[str] | None, source: str) -> tuple[ParameterLayout, list[tf.Variable]]:
+    """The weights to differentiate: every trainable weight of ``keras_model``, or those of the layers or
+    weights named in ``names`` (a layer's name takes all its trainable weights; a weight's full name
+    ``layer/kernel`` or its path takes one). Refuses names the model does not have, naming them."""
+    variables = list(keras_model.trainable_variables)
+    if not variables:
+        raise ModelError(f"jacobian.wrt: parameters: {source} has no trainable weights")
+    owners = _owners(keras_model)
+    wanted = set(names or ())
+    chosen, found = [], set()
+    for index, variable in enumerate(variables):
+        layer = owners.get(id(variable), "")
+        labels = {layer, getattr(variable, "path", variable.name), variable.name, f"{layer}/{variable.name}"}
+        if names is None or labels & wanted:
+            chosen.append((index, variable, layer))
+            found |= labels & wanted
+    missing = sorted(wanted - found)
+    if missing:
+        known = sorted({owner for owner in owners.values()})
+        raise ModelError(f"jacobian.wrt: {source} has no trainable layer or weight {missing}; its trainable layers "
+                         f"are {known}")
+    weights, offset = [], 0
+    for index, variable, layer in chosen:
+        shape = tuple(int(d) for d in variable.shape)
+        name = getattr(variable, "path", None) or f"{layer}/{variable.name}"
+        weights.append(Weight(index, name, layer, shape, offset))
+        offset += math.prod(shape)
+    return ParameterLayout(tuple(weights)), [variable for _, variable, _ in chosen]
+
+
+def _owners(keras_model) -> dict[int, str]:
+    """The name of the innermost layer holding each trainable weight, by the weight's ``id``."""
+    owners: dict[int, str] = {}
+    for layer in keras_model._flatten_layers(include_self=False, recursive=True):
+        for variable in layer.trainable_weights:
+            owners[id(variable)] = layer.name  # deeper layers come later and win
+    return owners
+
+
+def projection_block(seed: int, kind: str, weight: int, block: int, dim: int, dtype) -> tf.Tensor:
+    """Block ``block`` of weight position ``weight`` of ``P``: ``(BLOCK_ROWS, dim)`` (module docstring)."""
+    key = tf.stack([tf.cast(seed, tf.int64), tf.cast(weight, tf.int64) * 2**32 + tf.cast(block, tf.int64)])
+    if kind == "gaussian":
+        values = tf.random.stateless_normal((BLOCK_ROWS, dim), key, dtype=tf.float32, alg="philox")
+    else:  # 32 signs from each random word: Philox's cost, which dominates a block's, divided by 32
+        words = tf.random.stateless_uniform((BLOCK_ROWS, -(-dim // 32)), key, minval=None, maxval=None,
+                                            dtype=tf.int32, alg="philox")
+        bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(words[:, :, None], tf.range(32, dtype=tf.int32)), 1)
+        values = tf.cast(tf.reshape(bits, (BLOCK_ROWS, -1))[:, :dim], tf.float32) * 2.0 - 1.0
+    return tf.cast(values, dtype) / tf.cast(math.sqrt(dim), dtype)
+
+
+def projection_blocks(seed: int, kind: str, weight: Weight, dim: int) -> Iterator[tuple[int, int, np.ndarray]]:
+    """The rows of ``P`` for one weight, block by block: ``(start, stop, rows)`` with ``rows`` ``(stop - start,
+    dim)`` float64 for the weight's flat entries ``[start, stop)``."""
+    for j in range(-(-weight.size // BLOCK_ROWS)):
+        start, stop = j * BLOCK_ROWS, min((j + 1) * BLOCK_ROWS, weight.size)
+        yield start, stop, np.asarray(projection_block(seed, kind, weight.index, j, dim, tf.float32), np.float64)[: stop - start]
+
+
+def projection_rows(seed: int, kind: str, weight: Weight, dim: int) -> np.ndarray:
+    """The rows of ``P`` for one weight, ``(weight.size, dim)`` float64: what a user rebuilding a stored
+    projection computes (``P = concatenate([projection_rows(...) for each weight])``, where it fits in
+    memory; else ``projection_blocks``)."""
+    return np.concatenate([rows for _, _, rows in projection_blocks(seed, kind, weight, dim)])
+
+
+def rows_shape(side, selection, output_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The rows each sample's stored values have: ``()`` for an objective, the output shape for every
+    output row, ``(k,)`` for a selection of ``k``."""
+    if side.objective != "outputs":
+        return ()
+    return tuple(output_shape) if selection.count is None else (selection.count,)
+
+
+def outputs_are_probabilities(keras_model) -> bool:
+    """Whether the model's last layer ends in a softmax (its outputs are probabilities, not logits): how
+    ``margin`` and the losses read them (Keras's ``from_logits``)."""
+    from jacobeam.transforms.engine.models import _activation_name
+
+    try:
+        last = keras_model.outputs[0]._keras_history.operation
+    except (AttributeError, IndexError, ValueError, TypeError):
+        layers = getattr(keras_model, "layers", None) or []
+        last = layers[-1] if layers else None
+    if last is None:
+        return False
+    return type(last).__name__ == "Softmax" or _activation_name(last) == "softmax"
+
+
+def objective_values(kind: str, loss: str | None, probabilities: bool, y: tf.Tensor, labels: tf.Tensor,
+                     rows: tf.Tensor) -> tf.Tensor:
+    """Each element's scalar objective ``(N,)`` from its flat outputs ``y`` ``(N, m)``: ``outputs``, its output
+    ``rows``; ``margin``, TRAK's ``log p_y - log(1 - p_y)`` of its label ``y``; ``loss``, the Keras loss
+    ``loss`` of its label (``from_logits`` unless the model ends in a softmax)."""
+    if kind == "outputs":
+        return tf.gather(y, tf.cast(rows, tf.int32), batch_dims=1)
+    labels = tf.cast(labels, tf.int32)
+    if kind == "margin":
+        if probabilities:
+            p = tf.gather(y, labels, batch_dims=1)
+            return tf.math.log(p) - tf.math.log1p(-p)
+        others = tf.where(tf.equal(tf.range(tf.shape(y)[1])[None], labels[:, None]), tf.cast(-np.inf, y.dtype), y)
+        return tf.gather(y, labels, batch_dims=1) - tf.reduce_logsumexp(others, axis=1)
+    import keras
+
+    function = keras.losses.get(loss)
+    target = labels if LOSSES[loss] == "index" else tf.one_hot(labels, tf.shape(y)[1], dtype=y.dtype)
+    return tf.reshape(function(target, y, from_logits=not probabilities), (-1,))
+
+
+def objective_value(kind: str, loss: str | None, probabilities: bool, y: tf.Tensor, label: tf.Tensor,
+                    row: tf.Tensor) -> tf.Tensor:
+    """One element's objective from its flat outputs ``y`` ``(m,)`` (``objective_values`` of one)."""
+    return objective_values(kind, loss, probabilities, y[None], label[None], row[None])[0]

@@ -1,0 +1,353 @@
+"""``ParameterEngine``: per-sample gradients and Jacobians with respect to a model's weights
+(``jacobian.wrt: parameters``), reduced inside the compiled function to what is stored.
+
+Each element of a call is one sample and one scalar: an output row (``objective: outputs``, each row of
+the selection its own element) or the sample's objective (``margin``, a loss). ``tf.vectorized_map``
+turns the per-element gradient into batched kernels (a dense layer's per-sample weight gradient becomes a
+batched outer product, not a loop), as ``torch.func.vmap(grad)`` and JAX's ``vmap(grad)`` do. Where pfor
+cannot convert the model, a ``tf.map_fn`` loop of the same gradient runs instead, and says so.
+
+What a call stores, per sample (``rows``: ``()`` for an objective, the output shape for ``outputs: all``,
+``(k,)`` for a selection; ``p`` differentiated weight entries):
+
+- ``projection`` ``(n, *rows, dim)``: the gradient times the seeded ``P`` (``reduce: project``), block by
+  block (``parameter_space``), never forming ``P`` or ``(n, p)`` products beyond one block;
+- ``frobenius`` ``(n,)`` and ``frobenius_by_layer`` ``(n, L)``: the gradient's norm, in total and per layer
+  (``reduce: frobenius``; GraNd scores for a loss), sums of squares in float64;
+- ``gradient`` ``(n, *rows, p)``: the gradient itself (``reduce: none``), only where it is small;
+- ``output``, and ``output_index`` for a selection, ``objective`` for an objective, as on the input side.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from jacobeam.transforms import model_identity
+from jacobeam.transforms.engine import model_checks, parameter_rules
+from jacobeam.transforms.engine.diagnostics import AGREEMENT, activation_size, per_sample_relative_error
+from jacobeam.transforms.engine.models import LoadedModel
+from jacobeam.transforms.engine.parameter_space import (
+    BLOCK_ROWS,
+    layout,
+    objective_value,
+    objective_values,
+    outputs_are_probabilities,
+    projection_block,
+    rows_shape,
+)
+from jacobeam.transforms.errors import ModelError
+from jacobeam.transforms.spec import EngineOptions, store_dtype
+
+log = logging.getLogger(__name__)
+
+REDUCTIONS = ("project", "frobenius", "none")
+# reduce: none stores each sample's whole gradient: refused beyond this many bytes per sample.
+MOST_GRADIENT_BYTES = 64 * 2**20
+_PROBE_SEED = 0
+
+
+class ParameterEngine:
+    """Per-sample derivatives of a Keras model's outputs (or objective) with respect to its weights.
+
+    Args:
+        model: the loaded model; a Keras model (its weights are what is differentiated).
+        input_shapes: one sample's shape, or ``{input name: shape}``.
+        options: ``EngineOptions`` with ``parameters`` set.
+
+    ``compute(x, labels)`` returns ``(datasets, None)`` (module docstring); ``labels`` ``(n,)`` are the
+    samples' labels for ``margin``, a loss or ``outputs: label``.
+
+    Raises:
+        ModelError: the model is not a Keras model, has no such weights, its samples interact inside a
+            batch, or the options do not fit it.
+    """
+
+    def __init__(self, model: LoadedModel, input_shapes, options: EngineOptions):
+        began = time.perf_counter()
+        side = options.parameters
+        if side is None:
+            raise ValueError("ParameterEngine needs EngineOptions.parameters")
+        if options.reduce.kind not in REDUCTIONS:
+            raise ModelError(f"jacobian.reduce: {options.reduce.kind} is not for wrt: parameters (use one of "
+                             f"{', '.join(REDUCTIONS)})")
+        self.options, self.side = options, side
+        self.fingerprint = model.fingerprint()
+        self.model_identity = model_identity.digest(model.identity) if model.identity else None
+        if model.keras_model is None:
+            raise ModelError(f"jacobian.wrt: parameters: {model.source} is not a Keras model (a SavedModel or a plain "
+                             "tf.Module): its weights cannot be differentiated one layer at a time")
+        self.model = model.with_dtype(options.compute_dtype)
+        source = self.model.source
+        self.input_names, self.input_shapes = model_checks.resolve_inputs(self.model, input_shapes)
+        self.wrt = list(range(len(self.input_names)))
+        keras_model = self.model.keras_model
+        self.layout, self._variables = layout(keras_model, side.layers, source)
+        self._described_layout = self.layout.describe()
+        self.probabilities = outputs_are_probabilities(keras_model)
+        self.telemetry: dict[str, Any] = {}
+        dtype = tf.as_dtype(options.compute_dtype)
+        self._dtype = dtype
+        specs = [tf.TensorSpec((None, *shape), dtype) for shape in self.input_shapes]
+        self._forward_fn = tf.function(lambda xs: self.model.call(list(xs)), input_signature=[specs], autograph=False)
+        self.output_shape = model_checks.output_shape(
+            self._forward, self._probe(2), source, self.input_shapes, options.check_batch_independence,
+            options.compute_dtype,
+        )
+        self.outputs = math.prod(self.output_shape)
+        self._check_selection(source)
+        self.rows_shape = rows_shape(side, options.outputs, self.output_shape)
+        rows = math.prod(self.rows_shape)
+        itemsize = np.dtype(options.compute_dtype).itemsize
+        if options.reduce.kind == "none" and rows * self.layout.size * np.dtype(store_dtype(options.store_dtype)).itemsize \
+                > MOST_GRADIENT_BYTES:
+            raise ModelError(
+                f"jacobian.reduce: none would store {rows * self.layout.size:,} entries per sample for {source} "
+                f"({self.layout.size:,} weight entries x {rows} row(s)): use reduce: project or frobenius, or name "
+                "fewer layers in jacobian.wrt"
+            )
+        self._activations = activation_size(self._forward_fn.get_concrete_function(specs).graph)
+        # One element's working set: its gradient and its forward pass kept for the backward one, each a few
+        # times over; and a call's: a block of P and its product.
+        per_element = itemsize * (3 * self.layout.size + 3 * max(self._activations, 1) + 2 * options.reduce.project_dim)
+        per_call = itemsize * 2 * BLOCK_ROWS * options.reduce.project_dim if options.reduce.kind == "project" else 0
+        fit = (options.memory_budget - per_call) // per_element
+        self.elements = int(max(1, min(options.batch_size * rows, fit)))
+        self.path = self._choose(source)
+        self._traces_after_setup = self._step.experimental_get_tracing_count()
+        self.telemetry["setup_seconds"] = round(time.perf_counter() - began, 3)
+        log.info("parameter engine ready for %s: %d weight entries in %d layers, %s, %d element(s) per call",
+                 source, self.layout.size, len(self.layout.layers), self.path, self.elements)
+
+    # -- set-up ------------------------------------------------------------------------------------
+
+    def _probe(self, n: int) -> list[np.ndarray]:
+        rng = np.random.default_rng(_PROBE_SEED)
+        return [rng.standard_normal((n, *shape)).astype(self.options.compute_dtype) for shape in self.input_shapes]
+
+    def _forward(self, xs: Sequence[np.ndarray]) -> np.ndarray:
+        return np.asarray(self._forward_fn([tf.constant(x) for x in xs]))
+
+    def _check_selection(self, source: str) -> None:
+        selection, objective = self.options.outputs, self.side.objective
+        if objective != "outputs" and selection.rule != "all":
+            raise ModelError(f"jacobian.objective: {objective} is one value per sample; jacobian.outputs must be all")
+        if selection.rule == "indices" and max(selection.indices) >= self.outputs:
+            raise ModelError(f"jacobian.outputs: {source} has {self.outputs} outputs; indices {list(selection.indices)}")
+        if selection.rule == "top_k" and selection.k > self.outputs:
+            raise ModelError(f"jacobian.outputs: top_k {selection.k} of {self.outputs} outputs of {source}")
+        if objective != "outputs" and self.outputs < 2:
+            raise ModelError(f"jacobian.objective: {objective} needs a classifier's outputs; {source} has one output")
+
+    def _choose(self, source: str) -> str:
+        """The first path that agrees with a loop of per-element tape gradients on two probe samples: layer
+        rules (where every differentiated weight has one), then ``vectorized_map``, else that loop itself;
+        a vectorised conversion of a model is trusted only once it agrees (as the input side's planner does)."""
+        xs, labels = self._probe(2), np.arange(2) % self.outputs
+        loop = self._compiled("map_fn")
+        expected = None
+        paths = ["vectorized_map"]
+        reason = parameter_rules.unsupported(self.model.keras_model, self._variables)
+        if reason is None:
+            paths.insert(0, "layer rules")
+        else:
+            self.telemetry["layer_rules"] = reason
+        for path in paths:
+            try:
+                step = self._compiled(path)
+                found = self._call(step, xs, labels)
+                expected = self._call(loop, xs, labels) if expected is None else expected
+                for name, value in found.items():
+                    error = per_sample_relative_error(value, expected[name])
+                    if not error <= AGREEMENT[self.options.compute_dtype]:
+                        raise ValueError(f"{name} disagrees with a loop of per-sample gradients (relative error {error:.2g})")
+            except (ValueError, TypeError, NotImplementedError, tf.errors.InvalidArgumentError,
+                    tf.errors.UnimplementedError) as err:
+                why = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+                log.warning("%s: per-sample gradients by %s failed (%s)", source, path, why)
+                self.telemetry[f"{path.replace(' ', '_')}_failure"] = why
+                continue
+            self._step = step
+            return path
+        self._step = loop
+        return "map_fn"
+
+    # -- the compiled step ---------------------------------------------------------------------------
+
+    def _compiled(self, path: str):
+        """``(xs (N, ...) per input, labels (N,), rows (N,)) -> {name: (N, ...)}`` for N elements, by ``path``:
+        ``layer rules``, ``vectorized_map`` or ``map_fn``."""
+        model, variables, side = self.model, self._variables, self.side
+        reduction, probabilities = self.options.reduce, self.probabilities
+        weights = self.layout.weights
+        layer_of = {layer: i for i, layer in enumerate(self.layout.layers)}
+        dtype = self._dtype
+
+        def element(args):
+            *parts, label, row = args
+            with tf.GradientTape() as tape:
+                y = tf.reshape(model.call([x[None] for x in parts]), (-1,))
+                value = objective_value(side.objective, side.loss, probabilities, y, label, row)
+            grads = tape.gradient(value, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            return value, [tf.reshape(g, (-1,)) for g in grads]
+
+        def reduce(values, grads):
+            out = {"objective": values}
+            if reduction.kind == "none":
+                out["gradient"] = tf.concat(grads, axis=1)
+            elif reduction.kind == "frobenius":
+                squares = [tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), axis=1) for g in grads]
+                by_layer = [tf.zeros_like(squares[0]) for _ in layer_of]
+                for weight, square in zip(weights, squares):
+                    by_layer[layer_of[weight.layer]] += square
+                out["squares_by_layer"] = tf.stack(by_layer, axis=1)
+            else:
+                out["projection"] = tf.add_n([_projected(g, w.index, reduction, dtype) for g, w in zip(grads, weights)])
+            return out
+
+        def step(xs, labels, rows):
+            if path == "layer rules":
+                def objective(y):
+                    flat = tf.reshape(y, (tf.shape(y)[0], -1))
+                    return objective_values(side.objective, side.loss, probabilities, flat, labels, rows)
+
+                values, grads = parameter_rules.gradients(model.keras_model, variables, list(xs), objective)
+                grads = [tf.reshape(g, (-1, w.size)) for g, w in zip(grads, weights)]
+            elif path == "vectorized_map":
+                values, grads = tf.vectorized_map(element, (*xs, labels, rows), fallback_to_while_loop=False)
+            else:
+                signature = (tf.TensorSpec((), dtype), [tf.TensorSpec((w.size,), dtype) for w in weights])
+                values, grads = tf.map_fn(element, (*xs, labels, rows), fn_output_signature=signature)
+            return reduce(values, grads)
+
+        specs = [tf.TensorSpec((None, *shape), dtype) for shape in self.input_shapes]
+        return tf.function(step, input_signature=[specs, tf.TensorSpec((None,), tf.int32), tf.TensorSpec((None,), tf.int32)],
+                           autograph=False)
+
+    def _call(self, step, xs: Sequence[np.ndarray], labels: np.ndarray | None, index: np.ndarray | None = None) -> dict:
+        """Every element of the samples ``xs`` (one per sample and row), ``elements`` at a time; numpy, per
+        element."""
+        n, per = len(xs[0]), max(1, math.prod(self.rows_shape))
+        if index is None:  # outputs: all (each output row), or an objective (one element)
+            index = np.broadcast_to(np.arange(per, dtype=np.int64), (n, per)) if self.side.objective == "outputs" \
+                else np.zeros((n, 1), np.int64)
+        sample = np.repeat(np.arange(n), per)
+        rows = np.asarray(index, np.int32).reshape(-1)
+        label = np.zeros(n, np.int32) if labels is None else np.asarray(labels).astype(np.int32)
+        pieces: list[dict] = []
+        for lo in range(0, len(sample), self.elements):
+            take = sample[lo: lo + self.elements]
+            found = step([tf.constant(x[take]) for x in xs], tf.constant(label[take]), tf.constant(rows[lo: lo + self.elements]))
+            pieces.append({k: v.numpy() for k, v in found.items()})
+        return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+
+    # -- computing -----------------------------------------------------------------------------------
+
+    def _select(self, y: np.ndarray, labels: np.ndarray | None) -> np.ndarray | None:
+        """The output rows ``(n, k)`` differentiated per sample (None for all rows or an objective)."""
+        selection, n = self.options.outputs, len(y)
+        if self.side.objective != "outputs" or selection.rule == "all":
+            return None
+        if selection.rule == "indices":
+            return np.broadcast_to(np.asarray(selection.indices, np.int64), (n, len(selection.indices)))
+        if selection.rule == "label":
+            return np.asarray(labels, np.int64).reshape(n, 1)
+        return np.argsort(-y.reshape(n, -1), axis=1, kind="stable")[:, : selection.count].astype(np.int64)
+
+    def compute(self, x: np.ndarray | Mapping[str, np.ndarray], labels: np.ndarray | None = None) -> tuple[dict, None]:
+        """The datasets to store for a batch (module docstring), and None (no aggregates on this side)."""
+        xs = [x[name] for name in self.input_names] if isinstance(x, Mapping) else [x]
+        xs = [np.asarray(part, self.options.compute_dtype) for part in xs]
+        n = len(xs[0])
+        needs_labels = self.options.needs_labels
+        if needs_labels:
+            if labels is None:
+                raise ModelError("the samples come without labels, which the objective or outputs: label needs")
+            labels = np.asarray(labels)
+            bad = (labels < 0) | (labels >= self.outputs) | (labels != np.round(labels))
+            if bad.any():
+                raise ModelError(f"label {float(labels[bad][0]):g} is not an output index 0..{self.outputs - 1}")
+        y = self._forward(xs)
+        index = self._select(y, labels)
+        raw = self._call(self._step, xs, labels, index)
+        return self._datasets(y, index, raw, n), None
+
+    def _datasets(self, y: np.ndarray, index: np.ndarray | None, raw: dict, n: int) -> dict[str, np.ndarray]:
+        dtype = store_dtype(self.options.store_dtype)
+        rows = self.rows_shape
+        out = {"output": y.astype(dtype)}
+        if index is not None:
+            out["output_index"] = np.asarray(index, np.int64)
+        if self.side.objective != "outputs":
+            out["objective"] = raw["objective"].reshape(n).astype(dtype)
+        if "projection" in raw:
+            out["projection"] = raw["projection"].reshape(n, *rows, -1).astype(dtype)
+        if "gradient" in raw:
+            out["gradient"] = raw["gradient"].reshape(n, *rows, -1).astype(dtype)
+        if "squares_by_layer" in raw:
+            by_layer = raw["squares_by_layer"].reshape(n, -1, len(self.layout.layers)).sum(axis=1)
+            out["frobenius"] = np.sqrt(by_layer.sum(axis=1)).astype(dtype)
+            out["frobenius_by_layer"] = np.sqrt(by_layer).astype(dtype)
+        return out
+
+    def __call__(self, x, labels=None) -> dict[str, np.ndarray]:
+        return self.compute(x, labels)[0]
+
+    # -- reporting -----------------------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per call that keep one call's elements within the memory budget."""
+        return int(max(1, min(self.options.batch_size, self.elements // max(1, math.prod(self.rows_shape)))))
+
+    @property
+    def activations(self) -> int:
+        return self._activations
+
+    def describe(self) -> dict[str, Any]:
+        """What runs and why (the input side's keys, for the metrics and the manifest, and this side's)."""
+        return {
+            "mode": "parameters",
+            "path": self.path,
+            "jit_compile": False,
+            "reasons": [f"per-sample gradients of {self.layout.size:,} weight entries in {len(self.layout.layers)} layers "
+                        f"by {self.path}, {self.elements} (sample, row) element(s) per call"],
+            "retraces_after_setup": self._step.experimental_get_tracing_count() - self._traces_after_setup,
+            "pfor_fallbacks": [],
+            "oom_retries": 0,
+            "batch_size": self.batch_size,
+            "elements_per_call": self.elements,
+            "parameters": self.layout.size,
+            "layers": len(self.layout.layers),
+            "objective": self.side.objective,
+            "layout": self._described_layout,
+            "outputs_are": "probabilities" if self.probabilities else "logits",
+            "compute_dtype": self.options.compute_dtype,
+            "store_dtype": self.options.store_dtype,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            **self.telemetry,
+        }
+
+
+def _projected(grads: tf.Tensor, weight: int, reduction, dtype) -> tf.Tensor:
+    """``grads`` ``(N, size)`` of one weight times its rows of ``P``, ``(N, dim)``, one block at a time."""
+    size = int(grads.shape[1])
+    blocks = -(-size // BLOCK_ROWS)
+    seed, kind, dim = reduction.project_seed, reduction.project_kind, reduction.project_dim
+    if blocks == 1:
+        return tf.matmul(grads, projection_block(seed, kind, weight, 0, dim, dtype)[:size])
+    padded = tf.pad(grads, [[0, 0], [0, blocks * BLOCK_ROWS - size]])
+    stacked = tf.transpose(tf.reshape(padded, (-1, blocks, BLOCK_ROWS)), (1, 0, 2))  # (blocks, N, BLOCK_ROWS)
+
+    def body(j, total):
+        return j + 1, total + tf.matmul(stacked[j], projection_block(seed, kind, weight, j, dim, dtype))
+
+    total = tf.zeros((tf.shape(grads)[0], dim), dtype)
+    return tf.while_loop(lambda j, _: j < blocks, body, (tf.constant(0), total))[1]
