@@ -38,13 +38,13 @@ def _config(data: Path, out: Path, model: dict, per_shard: int, **jacobian):
     })
 
 
-def _margin_gradient(model, x: np.ndarray, label: int, variables) -> np.ndarray:
-    """TRAK's margin's gradient of one sample, float64, by an eager tape (closed form of the margin)."""
+def _margin_gradient(model, x: np.ndarray, label: int, variables) -> tuple[float, np.ndarray]:
+    """TRAK's margin of one sample and its gradient, float64, by an eager tape (closed form of the margin)."""
     with tf.GradientTape() as tape:
         z = tf.reshape(model(x[None].astype(np.float64), training=False), (-1,))
         rest = tf.concat([z[:label], z[label + 1:]], 0)
         margin = z[label] - tf.reduce_logsumexp(rest)
-    return np.concatenate([np.asarray(g).reshape(-1) for g in tape.gradient(margin, variables)])
+    return float(margin), np.concatenate([np.asarray(g).reshape(-1) for g in tape.gradient(margin, variables)])
 
 
 @pytest.mark.slow
@@ -69,7 +69,8 @@ def test_trak_features_of_a_cifar_resnet_resume_bit_for_bit_and_rebuild_from_the
     variables = model.trainable_variables
     assert [list(v.shape) for v in variables] == [w["shape"] for w in stored["weights"]]
     for i in (0, 150, 299):
-        g = _margin_gradient(model, x[i], int(y[i]), variables)
+        margin, g = _margin_gradient(model, x[i], int(y[i]), variables)
+        np.testing.assert_allclose(objective[i], margin, rtol=1e-5)
         want = g @ rows
         assert np.abs(projection[i] - want).max() <= 1e-4 * np.abs(want).max()
 
