@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from jacobeam.transforms.engine.reductions import DESCRIPTIONS
+from jacobeam.transforms.engine.reductions import DESCRIPTIONS, PARAMETER_DESCRIPTIONS
 from jacobeam.transforms.errors import JacobeamError
 from jacobeam.transforms.finalize import view_datasets
 from jacobeam.transforms.inputs.readers import from_a_pipeline, iter_slices, manifest_sources
@@ -180,8 +180,28 @@ class _Contents:
         labels = [index.tolist() for index in self.index] if output_rows and self.index is not None else None
         self.panels.append(_Panel([title(k, m) for k, m in enumerate(values)], list(values), "matrix", labels))
 
+    def _parameters(self, side: dict[str, Any]) -> None:
+        """``wrt: parameters``: the distribution of per-sample gradient norms (GraNd scores for a loss), the
+        mean norm per layer, the objective's distribution, a projection's or gradient's norms."""
+        view, what = self.view, "gradient" if side.get("objective") != "outputs" else "Jacobian"
+        if "frobenius" in view:
+            self.scalar("frobenius", f"norm of the per-sample {what}")
+            by_layer = self.chosen("frobenius_by_layer").astype(np.float64)
+            titles = [f"norm per layer ({by_layer.shape[1]} layers, model order)"] * len(by_layer)
+            self.panels.append(_Panel(titles, list(by_layer), "curve"))
+        for name, label in (("projection", "norm of g P (estimates |g|)"), ("gradient", f"norm of the per-sample {what}")):
+            if name in view:
+                self.histogram([name], _frobenius, label)
+        if "objective" in view:
+            objective = side["objective"] if side["objective"] != "loss" else side.get("loss")
+            self.scalar("objective", f"objective ({objective})")
+
     def collect(self) -> None:
         view, kind = self.view, self.kind
+        side = (self.manifest.get("stored") or {}).get("parameters")
+        if side is not None:
+            self._parameters(side)
+            return
         names = [name for name in self.inputs if name in view_datasets(view)]  # those of jacobian.wrt
         if names:
             self._jacobians(names)
@@ -373,7 +393,8 @@ def draw(folder: str, manifest: dict[str, Any], ids: Sequence[int] | None = None
     for k, histogram in enumerate(histograms):
         span = grid[sample_rows, :] if len(histograms) == 1 else grid[sample_rows, k % width]
         _draw_histogram(figure.add_subplot(span), histogram, ids)
-    figure.suptitle(f"reduce: {contents.kind} ({DESCRIPTIONS.get(contents.kind, contents.kind)})")
+    described = (PARAMETER_DESCRIPTIONS if (manifest.get("stored") or {}).get("parameters") else DESCRIPTIONS)
+    figure.suptitle(f"reduce: {contents.kind} ({described.get(contents.kind, contents.kind)})")
     return figure, notes
 
 

@@ -233,3 +233,18 @@ def bn_cnn(dtype: str = "float32") -> keras.Model:
     seeded_batchnorm(model, seed=4)
     return model
 
+
+
+def sequence_mlp(dtype: str = "float32") -> keras.Model:
+    """x[3, 8] -> Dense 16 tanh at each of the 3 positions -> Flatten -> Dense 4: a Dense layer with positions
+    (its per-sample gradient sums over them; its norm by Gram matrices) and one without."""
+    model = keras.Sequential(
+        [
+            keras.Input((3, 8), dtype=dtype),
+            keras.layers.Dense(16, activation="tanh", dtype=dtype, name="per_position"),
+            keras.layers.Flatten(dtype=dtype, name="flatten"),
+            keras.layers.Dense(4, dtype=dtype, name="head"),
+        ]
+    )
+    seeded_weights(model, seed=6)
+    return model

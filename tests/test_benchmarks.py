@@ -116,3 +116,11 @@ def test_the_incremental_benchmark_computes_only_the_new_samples_and_times_both_
 
     assert len(found["runs"]) == len(found["floors"]) == 1
     assert 0 < found["imports"] < found["floor"] and 0 < found["batch"] < found["floor"] and found["version"] > 0
+
+
+@pytest.mark.slow
+def test_the_parameter_side_benchmark_checks_each_rows_gradients_against_a_float64_tape():
+    from benchmarks.parameters import run_row
+
+    result = run_row("jacobeam", "mlp", 256)
+    assert result["gradient_rel_error"] < 1e-5 and result["samples_per_second"] > 0 and result["path"] == "layer rules"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from jacobeam.pipeline import config, runner
+from jacobeam.pipeline import config, plot, runner
 from jacobeam.pipeline.verify import verify
 from jacobeam.transforms.engine.models import load
 from jacobeam.transforms.engine.parameter_space import Weight, projection_rows
@@ -110,6 +110,11 @@ def test_grand_scores_and_entk_features_of_a_small_conv_net(tmp_path):
         np.testing.assert_allclose(loss[i], float(value), rtol=1e-5)
         np.testing.assert_allclose(by_layer[i], np.sqrt(list(squares.values())), rtol=1e-4)
         np.testing.assert_allclose(norms[i], np.sqrt(sum(squares.values())), rtol=1e-4)
+    pytest.importorskip("matplotlib")
+    figure, _ = plot.draw(str(tmp_path / "grand"), manifest)
+    titles = [axis.get_title() for axis in figure.axes]
+    assert any("norm of the per-sample gradient" in t for t in titles) and any("objective" in t for t in titles)
+    assert any("norm per layer (3 layers" in t for t in titles)
 
     cfg = _config(tmp_path / "data", tmp_path / "entk", model, 16, reduce="project", project={"dim": 64, "seed": 9})
     manifest = runner.run(cfg, [], show_progress=False).manifest

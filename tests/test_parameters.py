@@ -25,7 +25,7 @@ from jacobeam.transforms.spec import EngineOptions, OutputSelection, ParameterSi
 from tests import models
 
 MODELS = {"mlp": (models.small_mlp, (12,)), "bn_cnn": (models.bn_cnn, (6, 6, 2)),
-          "softmax": (models.softmax_mlp, (12,))}
+          "softmax": (models.softmax_mlp, (12,)), "sequence": (models.sequence_mlp, (3, 8))}
 _loaded: dict = {}
 
 
@@ -346,3 +346,32 @@ def test_outputs_as_probabilities_read_as_such():
     stored, _ = engine.compute(x, labels)
     want = np.log(p[np.arange(4), labels]) - np.log1p(-p[np.arange(4), labels])
     assert_close(stored["objective"], want)
+
+
+@pytest.mark.parametrize("positions, width, height", [(1, 7, 5), (3, 8, 16), (40, 6, 3)])  # |a||b|, Gram, formed
+def test_kernel_norms_without_the_gradient_match_the_formed_gradients(positions, width, height):
+    rng = np.random.default_rng(positions)
+    a, b = rng.normal(size=(5, positions, width)), rng.normal(size=(5, positions, height))
+    want = np.array([np.sum((a[i].T @ b[i]) ** 2) for i in range(5)])
+    got = parameter_rules._kernel_squares(tf.constant(a, tf.float32), tf.constant(b, tf.float32)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["sequence", "mlp", "bn_cnn"])
+def test_ghost_norms_of_the_layer_rules_match_a_float64_tape(name):
+    """reduce: frobenius by layer rules never forms a kernel's gradient where its positions are fewer than its
+    entries (the sequence model's first Dense layer: 3 positions); the norms are the tape's."""
+    side, shape = ParameterSide(objective="loss", loss="sparse_categorical_crossentropy"), MODELS[name][1]
+    engine = ParameterEngine(loaded(name), shape, EngineOptions(parameters=side, reduce=Reduction(kind="frobenius")))
+    assert engine.path == "layer rules"
+    rng = np.random.default_rng(11)
+    x, labels = rng.normal(size=(9, *shape)).astype(np.float32), rng.integers(0, engine.outputs, 9)
+    stored, _ = engine.compute(x, labels)
+    _, grads, chosen = reference(name, side, OutputSelection(), x, labels, None)
+    layers = list(dict.fromkeys(layer for _, layer in chosen))
+    starts = np.cumsum([0, *[int(np.prod(v.shape)) for v, _ in chosen]])
+    by_layer = np.array([[math.sqrt(sum(float(np.sum(g[:, starts[k]: starts[k + 1]] ** 2))
+                                        for k, (_, owner) in enumerate(chosen) if owner == layer)) for layer in layers]
+                         for g in grads])
+    assert_close(stored["frobenius_by_layer"], by_layer)
+    assert_close(stored["frobenius"], np.sqrt((by_layer**2).sum(axis=1)))

@@ -49,9 +49,11 @@ def unsupported(keras_model: Any, variables: Sequence[tf.Variable]) -> str | Non
 
 
 def gradients(keras_model: Any, variables: Sequence[tf.Variable], xs: list[tf.Tensor],
-              objective: Callable[[tf.Tensor], tf.Tensor]) -> tuple[tf.Tensor, list[tf.Tensor]]:
+              objective: Callable[[tf.Tensor], tf.Tensor], squares: bool = False) -> tuple[tf.Tensor, list[tf.Tensor]]:
     """``(values (N,), [per-element gradient (N, *shape) of each of variables])``: ``objective`` maps the
-    model's outputs ``(N, *out)`` to each element's scalar."""
+    model's outputs ``(N, *out)`` to each element's scalar. ``squares``: each gradient's squared norm
+    ``(N,)`` instead, a kernel's without forming it where its positions are fewer than its entries
+    (``_kernel_squares``)."""
     wanted = {id(v) for v in variables}
     saved: dict[int, tuple[Any, tf.Tensor, tf.Tensor]] = {}  # id(variable) -> (layer, input, z)
     with tf.GradientTape() as tape:
@@ -63,7 +65,7 @@ def gradients(keras_model: Any, variables: Sequence[tf.Variable], xs: list[tf.Te
     dzs = dict(zip(layers, tape.gradient(total, zs, unconnected_gradients=tf.UnconnectedGradients.ZERO)))
     found: dict[int, tf.Tensor] = {}
     for key, (layer, x, _) in layers.items():
-        found.update(_per_sample(layer, x, dzs[key], wanted))
+        found.update(_per_sample(layer, x, dzs[key], wanted, squares))
     return values, [found[id(v)] for v in variables]
 
 
@@ -110,9 +112,9 @@ def _forward(layer: Any, x: tf.Tensor, wanted: set[int], saved: dict) -> tf.Tens
     return activation(z) if activation is not None else z
 
 
-def _per_sample(layer: Any, x: tf.Tensor, dz: tf.Tensor, wanted: set[int]) -> dict[int, tf.Tensor]:
-    """Each differentiated weight's per-element gradient from the layer's input (``x_hat`` for
-    BatchNormalization) and ``dz``."""
+def _per_sample(layer: Any, x: tf.Tensor, dz: tf.Tensor, wanted: set[int], squares: bool) -> dict[int, tf.Tensor]:
+    """Each differentiated weight's per-element gradient (or its squared norm) from the layer's input
+    (``x_hat`` for BatchNormalization) and ``dz``."""
     n = tf.shape(dz)[0]
     out: dict[int, tf.Tensor] = {}
     positions = list(range(1, dz.shape.rank - 1))  # axes summed over: all but the element's and the channels'
@@ -120,20 +122,40 @@ def _per_sample(layer: Any, x: tf.Tensor, dz: tf.Tensor, wanted: set[int]) -> di
         grads = {"gamma": tf.reduce_sum(dz * x, positions), "beta": tf.reduce_sum(dz, positions)}
     else:
         if isinstance(layer, keras.layers.Dense):
-            flat_x = tf.reshape(x, (n, -1, x.shape[-1]))
-            kernel = tf.matmul(flat_x, tf.reshape(dz, (n, -1, dz.shape[-1])), transpose_a=True)
+            inputs = tf.reshape(x, (n, -1, x.shape[-1]))
         else:
             kh, kw = layer.kernel_size
             sh, sw = layer.strides
             dh, dw = layer.dilation_rate
             patches = tf.image.extract_patches(x, [1, kh, kw, 1], [1, sh, sw, 1], [1, dh, dw, 1], layer.padding.upper())
-            kernel = tf.matmul(tf.reshape(patches, (n, -1, patches.shape[-1])), tf.reshape(dz, (n, -1, dz.shape[-1])),
-                               transpose_a=True)
-        grads = {"kernel": tf.reshape(kernel, (n, *layer.kernel.shape))}
+            inputs = tf.reshape(patches, (n, -1, patches.shape[-1]))
+        outputs = tf.reshape(dz, (n, -1, dz.shape[-1]))
+        if squares:
+            grads = {"kernel": _kernel_squares(inputs, outputs)}
+        else:
+            grads = {"kernel": tf.reshape(tf.matmul(inputs, outputs, transpose_a=True), (n, *layer.kernel.shape))}
         if layer.use_bias:
             grads["bias"] = tf.reduce_sum(dz, positions)
+    if squares:
+        grads = {name: value if name == "kernel" and not isinstance(layer, keras.layers.BatchNormalization)
+                 else tf.reduce_sum(tf.square(tf.cast(value, tf.float64)), axis=1) for name, value in grads.items()}
     for name, value in grads.items():
         variable = getattr(layer, name, None)
         if variable is not None and id(variable) in wanted:
             out[id(variable)] = value
     return out
+
+
+def _kernel_squares(inputs: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
+    """``||sum_p a_p b_p^T||^2`` per element (float64) for ``inputs`` ``a`` ``(N, P, i)`` and ``outputs``
+    ``b`` ``(N, P, o)``: without forming the ``(i, o)`` gradient where the ``P x P`` Gram matrices are
+    smaller (``sum_pq (a_p . a_q)(b_p . b_q)``, TF Privacy's and Opacus' ghost norm; with one position,
+    ``|a|^2 |b|^2``), else from the gradient formed."""
+    positions, width, height = inputs.shape[1], inputs.shape[2], outputs.shape[2]
+    if positions == 1:
+        a, b = tf.cast(inputs[:, 0], tf.float64), tf.cast(outputs[:, 0], tf.float64)
+        return tf.reduce_sum(tf.square(a), 1) * tf.reduce_sum(tf.square(b), 1)
+    if positions is not None and positions * positions * (width + height) < positions * width * height:
+        a, b = tf.cast(inputs, tf.float64), tf.cast(outputs, tf.float64)  # the terms can cancel: summed in float64
+        return tf.reduce_sum(tf.matmul(a, a, transpose_b=True) * tf.matmul(b, b, transpose_b=True), axis=(1, 2))
+    return tf.reduce_sum(tf.square(tf.cast(tf.matmul(inputs, outputs, transpose_a=True), tf.float64)), axis=(1, 2))

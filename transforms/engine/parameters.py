@@ -198,16 +198,18 @@ class ParameterEngine:
             grads = tape.gradient(value, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
             return value, [tf.reshape(g, (-1,)) for g in grads]
 
+        def by_layer(squares):
+            found = [tf.zeros_like(squares[0]) for _ in layer_of]
+            for weight, square in zip(weights, squares):
+                found[layer_of[weight.layer]] += square
+            return tf.stack(found, axis=1)
+
         def reduce(values, grads):
             out = {"objective": values}
             if reduction.kind == "none":
                 out["gradient"] = tf.concat(grads, axis=1)
             elif reduction.kind == "frobenius":
-                squares = [tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), axis=1) for g in grads]
-                by_layer = [tf.zeros_like(squares[0]) for _ in layer_of]
-                for weight, square in zip(weights, squares):
-                    by_layer[layer_of[weight.layer]] += square
-                out["squares_by_layer"] = tf.stack(by_layer, axis=1)
+                out["squares_by_layer"] = by_layer([tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), axis=1) for g in grads])
             else:
                 out["projection"] = tf.add_n([_projected(g, w.index, reduction, dtype) for g, w in zip(grads, weights)])
             return out
@@ -218,6 +220,9 @@ class ParameterEngine:
                     flat = tf.reshape(y, (tf.shape(y)[0], -1))
                     return objective_values(side.objective, side.loss, probabilities, flat, labels, rows)
 
+                if reduction.kind == "frobenius":  # the norms without forming the gradients where cheaper
+                    values, squares = parameter_rules.gradients(model.keras_model, variables, list(xs), objective, True)
+                    return {"objective": values, "squares_by_layer": by_layer(squares)}
                 values, grads = parameter_rules.gradients(model.keras_model, variables, list(xs), objective)
                 grads = [tf.reshape(g, (-1, w.size)) for g, w in zip(grads, weights)]
             elif path == "vectorized_map":

@@ -1,0 +1,267 @@
+"""The parameter side against its peers: TRAK's projected per-sample gradients of the margin, on the same
+weights and batch, each row in a process of its own (its peak RSS its own), the rows' processes run in
+turn ``--rounds`` times (load from other work falls on every row alike); the median rate counts.
+
+``python -m benchmarks.parameters --model resnet20 --samples 512 --rounds 2``
+
+Rows:
+- ``jacobeam``: ``ParameterEngine`` at the defaults (``wrt: parameters``, ``objective: margin``, ``reduce:
+  project``, dim 2,048, batch 256, memory budget 2 GiB);
+- ``torch_trak``: ``torch.func.vmap(grad)`` and TRAK's ``BasicProjector`` (the ``traker`` package) as TRAK
+  uses it on a CPU (block of 100 columns, regenerated per call);
+- ``torch_trak_whole``: the same with the whole projection held (one block of 2,048 columns);
+- ``jax``: ``jax.vmap(jax.grad)`` and a Rademacher projection held whole, jitted together.
+
+Each row's per-sample gradients of two samples (before projecting) are checked against a float64 tape of
+the Keras model, so that every row computes the same thing. TF Privacy is not installed here (no row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+DIM, BATCH = 2048, 256
+ROWS = ("jacobeam", "torch_trak", "torch_trak_whole", "jax")
+
+
+def keras_model(name: str):
+    from jacobeam.transforms.engine.models import build_cifar_resnet, build_mlp
+
+    return build_cifar_resnet() if name == "resnet20" else build_mlp()
+
+
+def samples(name: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    shape = (32, 32, 3) if name == "resnet20" else (784,)
+    return rng.uniform(0, 1, (n, *shape)).astype(np.float32), rng.integers(0, 10, n)
+
+
+def reference_gradients(name: str, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The margin's per-sample gradients, float64, by a plain tape of the Keras model (weights in its order)."""
+    import tensorflow as tf
+
+    from jacobeam.transforms.engine.models import wrap_model
+
+    model = wrap_model(keras_model(name), name).with_dtype("float64").keras_model
+    found = []
+    for xi, yi in zip(x, y):
+        with tf.GradientTape() as tape:
+            z = tf.reshape(model(xi[None].astype(np.float64), training=False), (-1,))
+            margin = z[int(yi)] - tf.reduce_logsumexp(tf.concat([z[: int(yi)], z[int(yi) + 1:]], 0))
+        found.append(np.concatenate([np.asarray(g).reshape(-1) for g in tape.gradient(margin, model.trainable_variables)]))
+    return np.stack(found)
+
+
+# --- the rows -------------------------------------------------------------------------------------------
+
+def jacobeam_row(name: str):
+    from jacobeam.transforms.engine.models import wrap_model
+    from jacobeam.transforms.engine.parameters import ParameterEngine
+    from jacobeam.transforms.spec import EngineOptions, ParameterSide, Reduction
+
+    model = wrap_model(keras_model(name), name)
+    shape = (32, 32, 3) if name == "resnet20" else (784,)
+    options = dict(parameters=ParameterSide(objective="margin"), reduce=Reduction(kind="project", project_dim=DIM))
+    engine = ParameterEngine(model, shape, EngineOptions(**options))
+    full = ParameterEngine(model, shape, EngineOptions(**{**options, "reduce": Reduction(kind="none")}))
+
+    def project(x, y):
+        return engine.compute(x, y)[0]["projection"]
+
+    def gradients(x, y):
+        return full.compute(x, y)[0]["gradient"]
+
+    return project, gradients, {"path": engine.path}
+
+
+def _torch_model(name: str):
+    """The Keras model's weights in a torch function ``f(params, x) -> logits`` (channels last in, as Keras)."""
+    import torch
+    import torch.nn.functional as F
+
+    model = keras_model(name)
+    weights = [np.asarray(v) for v in model.trainable_variables]
+    names = [v.path for v in model.trainable_variables]
+    params = {n: torch.tensor(w) for n, w in zip(names, weights)}
+    stats = {layer.name: (torch.tensor(np.asarray(layer.moving_mean)), torch.tensor(np.asarray(layer.moving_variance)),
+                          layer.epsilon) for layer in model.layers if hasattr(layer, "moving_mean")}
+    if name == "mlp":
+        def f(p, x):
+            h = torch.tanh(x @ p[names[0]] + p[names[1]])
+            h = torch.tanh(h @ p[names[2]] + p[names[3]])
+            return h @ p[names[4]] + p[names[5]]
+
+        return f, params
+
+    def conv(p, x, layer, stride):
+        w = p[f"{layer}/kernel"].permute(3, 2, 0, 1)
+        k, size = w.shape[-1], x.shape[-1]
+        out = -(-size // stride)
+        total = max((out - 1) * stride + k - size, 0)  # TensorFlow's SAME: the extra row and column after
+        x = F.pad(x, (total // 2, total - total // 2, total // 2, total - total // 2))
+        return F.conv2d(x, w, stride=stride)
+
+    def norm(p, x, layer):
+        mean, var, eps = stats[layer]
+        return F.batch_norm(x, mean, var, p[f"{layer}/gamma"], p[f"{layer}/beta"], training=False, eps=eps)
+
+    def f(p, x):
+        x = x.permute(0, 3, 1, 2)
+        x = F.relu(norm(p, conv(p, x, "stem_conv", 1), "stem_bn"))
+        for stage in range(3):
+            for block in range(3):
+                at, stride = f"stage{stage + 1}_block{block + 1}", 2 if stage and not block else 1
+                h = F.relu(norm(p, conv(p, x, f"{at}_conv1", stride), f"{at}_bn1"))
+                h = norm(p, conv(p, h, f"{at}_conv2", 1), f"{at}_bn2")
+                short = norm(p, conv(p, x, f"{at}_shortcut", stride), f"{at}_shortcut_bn") if stride != 1 else x
+                x = F.relu(h + short)
+        return x.mean(dim=(2, 3)) @ p["logits/kernel"] + p["logits/bias"]
+
+    return f, params
+
+
+def torch_row(name: str, whole: bool):
+    import torch
+    from torch.func import grad, vmap
+    from trak.projectors import BasicProjector, ProjectionType
+
+    torch.set_num_threads(2)
+    f, params = _torch_model(name)
+    keys = list(params)
+
+    def margin(p, x, y):
+        z = f(p, x[None])[0]
+        hot = torch.arange(z.shape[0]) == y  # one_hot calls .item(), which vmap refuses
+        return (z * hot).sum() - torch.logsumexp(z.masked_fill(hot, float("-inf")), 0)
+
+    per_sample = vmap(grad(margin), in_dims=(None, 0, 0))
+    size = sum(v.numel() for v in params.values())
+    projector = BasicProjector(size, DIM, seed=0, proj_type=ProjectionType.rademacher, device="cpu",
+                               block_size=DIM if whole else 100)
+
+    def gradients(x, y):
+        with torch.no_grad():
+            g = per_sample(params, torch.from_numpy(x), torch.from_numpy(y))
+        return torch.cat([g[k].reshape(len(x), -1) for k in keys], 1).numpy()
+
+    def project(x, y):
+        return projector.project(torch.from_numpy(gradients(x, y)), model_id=0).numpy()
+
+    return project, gradients, {"torch": torch.__version__}
+
+
+def jax_row(name: str):
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    model = keras_model(name)
+    names = [v.path for v in model.trainable_variables]
+    params = {n: jnp.asarray(np.asarray(v)) for n, v in zip(names, model.trainable_variables)}
+    stats = {layer.name: (jnp.asarray(np.asarray(layer.moving_mean)), jnp.asarray(np.asarray(layer.moving_variance)),
+                          layer.epsilon) for layer in model.layers if hasattr(layer, "moving_mean")}
+
+    if name == "mlp":
+        def f(p, x):
+            h = jnp.tanh(x @ p[names[0]] + p[names[1]])
+            h = jnp.tanh(h @ p[names[2]] + p[names[3]])
+            return h @ p[names[4]] + p[names[5]]
+    else:
+        def conv(p, x, layer, stride):
+            return lax.conv_general_dilated(x, p[f"{layer}/kernel"], (stride, stride), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+        def norm(p, x, layer):
+            mean, var, eps = stats[layer]
+            return (x - mean) / jnp.sqrt(var + eps) * p[f"{layer}/gamma"] + p[f"{layer}/beta"]
+
+        def f(p, x):
+            x = jax.nn.relu(norm(p, conv(p, x, "stem_conv", 1), "stem_bn"))
+            for stage in range(3):
+                for block in range(3):
+                    at, stride = f"stage{stage + 1}_block{block + 1}", 2 if stage and not block else 1
+                    h = jax.nn.relu(norm(p, conv(p, x, f"{at}_conv1", stride), f"{at}_bn1"))
+                    h = norm(p, conv(p, h, f"{at}_conv2", 1), f"{at}_bn2")
+                    short = norm(p, conv(p, x, f"{at}_shortcut", stride), f"{at}_shortcut_bn") if stride != 1 else x
+                    x = jax.nn.relu(h + short)
+            return x.mean(axis=(1, 2)) @ p["logits/kernel"] + p["logits/bias"]
+
+    def margin(p, x, y):
+        z = f(p, x[None])[0]
+        return z[y] - jax.nn.logsumexp(jnp.where(jnp.arange(z.shape[0]) == y, -jnp.inf, z))
+
+    size = sum(int(np.prod(v.shape)) for v in params.values())
+    matrix = jax.random.rademacher(jax.random.PRNGKey(0), (size, DIM), dtype=jnp.float32) / np.sqrt(DIM)
+
+    @jax.jit
+    def flat(x, y):
+        g = jax.vmap(jax.grad(margin), in_axes=(None, 0, 0))(params, x, y)
+        return jnp.concatenate([g[n].reshape(x.shape[0], -1) for n in names], 1)
+
+    @jax.jit
+    def projected(x, y):
+        return flat(x, y) @ matrix
+
+    return (lambda x, y: np.asarray(projected(x, y))), (lambda x, y: np.asarray(flat(x, y))), {"jax": jax.__version__}
+
+
+def run_row(row: str, name: str, n: int) -> dict:
+    """In this process: build the row, check its gradients, time it on ``n`` samples in batches of 256."""
+    began = time.perf_counter()
+    project, gradients, about = (jacobeam_row(name) if row == "jacobeam" else jax_row(name) if row == "jax"
+                                 else torch_row(name, whole=row == "torch_trak_whole"))
+    x, y = samples(name, n)
+    project(x[:BATCH], y[:BATCH])  # warm-up: traced, compiled, first-call costs
+    first = time.perf_counter() - began
+    check = np.asarray(gradients(x[:2], y[:2]), np.float64).reshape(2, -1)
+    truth = reference_gradients(name, x[:2], y[:2])
+    error = float(np.abs(check - truth).max() / np.abs(truth).max())
+    start = time.perf_counter()
+    for lo in range(0, n, BATCH):
+        out = project(x[lo: lo + BATCH], y[lo: lo + BATCH])
+    rate = n / (time.perf_counter() - start)
+    assert np.asarray(out).shape[-1] == DIM
+    return {"row": row, "samples_per_second": rate, "first_call_seconds": first, "gradient_rel_error": error,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, **about}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["mlp", "resnet20"], default="resnet20")
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # in a worker process: one row, JSON on stdout
+    args = parser.parse_args(argv)
+    if args.row:
+        print(json.dumps(run_row(args.row, args.model, args.samples)))
+        return
+    found: dict[str, list[dict]] = {}
+    for _ in range(args.rounds):
+        for row in args.rows.split(","):
+            done = subprocess.run([sys.executable, "-m", "benchmarks.parameters", "--row", row, "--model", args.model,
+                                   "--samples", str(args.samples)], capture_output=True, text=True)
+            if done.returncode:
+                print(f"{row}: failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+                continue
+            found.setdefault(row, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
+    base = statistics.median(r["samples_per_second"] for r in found.get("jacobeam", [{"samples_per_second": 1}]))
+    print(f"{args.model}: TRAK margin gradients projected to {DIM}, {args.samples} samples in batches of {BATCH}, "
+          f"median of {args.rounds} round(s)")
+    print(f"{'row':18} {'samples/s':>10} {'x jacobeam':>10} {'first call s':>12} {'peak RSS MB':>11} {'grad rel err':>12}")
+    for row, results in found.items():
+        rate = statistics.median(r["samples_per_second"] for r in results)
+        print(f"{row:18} {rate:10.1f} {rate / base:10.2f} {statistics.median(r['first_call_seconds'] for r in results):12.1f} "
+              f"{max(r['peak_rss_mb'] for r in results):11,} {max(r['gradient_rel_error'] for r in results):12.2g}")
+
+
+if __name__ == "__main__":
+    main()
