@@ -32,15 +32,29 @@ DIM, BATCH = 2048, 256
 ROWS = ("jacobeam", "torch_trak", "torch_trak_whole", "jax")
 
 
+# The CIFAR-size ResNets by (blocks per stage, widths): the built-in cifar_resnet and a ResNet-18.
+RESNETS = {"resnet20": (3, (16, 32, 64)), "resnet18": (2, (64, 128, 256, 512))}
+
+
 def keras_model(name: str):
     from jacobeam.transforms.engine.models import build_cifar_resnet, build_mlp
 
-    return build_cifar_resnet() if name == "resnet20" else build_mlp()
+    if name in RESNETS:
+        blocks, widths = RESNETS[name]
+        return build_cifar_resnet(blocks=blocks, widths=widths)
+    return build_mlp()
+
+
+def _stages(name: str):
+    """``(name prefix, stride)`` of each residual block, in order."""
+    blocks, widths = RESNETS[name]
+    return [(f"stage{stage + 1}_block{block + 1}", 2 if stage and not block else 1)
+            for stage in range(len(widths)) for block in range(blocks)]
 
 
 def samples(name: str, n: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
-    shape = (32, 32, 3) if name == "resnet20" else (784,)
+    shape = (32, 32, 3) if name in RESNETS else (784,)
     return rng.uniform(0, 1, (n, *shape)).astype(np.float32), rng.integers(0, 10, n)
 
 
@@ -68,7 +82,7 @@ def jacobeam_row(name: str):
     from jacobeam.transforms.spec import EngineOptions, ParameterSide, Reduction
 
     model = wrap_model(keras_model(name), name)
-    shape = (32, 32, 3) if name == "resnet20" else (784,)
+    shape = (32, 32, 3) if name in RESNETS else (784,)
     options = dict(parameters=ParameterSide(objective="margin"), reduce=Reduction(kind="project", project_dim=DIM))
     engine = ParameterEngine(model, shape, EngineOptions(**options))
     full = ParameterEngine(model, shape, EngineOptions(**{**options, "reduce": Reduction(kind="none")}))
@@ -116,13 +130,11 @@ def _torch_model(name: str):
     def f(p, x):
         x = x.permute(0, 3, 1, 2)
         x = F.relu(norm(p, conv(p, x, "stem_conv", 1), "stem_bn"))
-        for stage in range(3):
-            for block in range(3):
-                at, stride = f"stage{stage + 1}_block{block + 1}", 2 if stage and not block else 1
-                h = F.relu(norm(p, conv(p, x, f"{at}_conv1", stride), f"{at}_bn1"))
-                h = norm(p, conv(p, h, f"{at}_conv2", 1), f"{at}_bn2")
-                short = norm(p, conv(p, x, f"{at}_shortcut", stride), f"{at}_shortcut_bn") if stride != 1 else x
-                x = F.relu(h + short)
+        for at, stride in _stages(name):
+            h = F.relu(norm(p, conv(p, x, f"{at}_conv1", stride), f"{at}_bn1"))
+            h = norm(p, conv(p, h, f"{at}_conv2", 1), f"{at}_bn2")
+            short = norm(p, conv(p, x, f"{at}_shortcut", stride), f"{at}_shortcut_bn") if stride != 1 else x
+            x = F.relu(h + short)
         return x.mean(dim=(2, 3)) @ p["logits/kernel"] + p["logits/bias"]
 
     return f, params
@@ -185,13 +197,11 @@ def jax_row(name: str):
 
         def f(p, x):
             x = jax.nn.relu(norm(p, conv(p, x, "stem_conv", 1), "stem_bn"))
-            for stage in range(3):
-                for block in range(3):
-                    at, stride = f"stage{stage + 1}_block{block + 1}", 2 if stage and not block else 1
-                    h = jax.nn.relu(norm(p, conv(p, x, f"{at}_conv1", stride), f"{at}_bn1"))
-                    h = norm(p, conv(p, h, f"{at}_conv2", 1), f"{at}_bn2")
-                    short = norm(p, conv(p, x, f"{at}_shortcut", stride), f"{at}_shortcut_bn") if stride != 1 else x
-                    x = jax.nn.relu(h + short)
+            for at, stride in _stages(name):
+                h = jax.nn.relu(norm(p, conv(p, x, f"{at}_conv1", stride), f"{at}_bn1"))
+                h = norm(p, conv(p, h, f"{at}_conv2", 1), f"{at}_bn2")
+                short = norm(p, conv(p, x, f"{at}_shortcut", stride), f"{at}_shortcut_bn") if stride != 1 else x
+                x = jax.nn.relu(h + short)
             return x.mean(axis=(1, 2)) @ p["logits/kernel"] + p["logits/bias"]
 
     def margin(p, x, y):
@@ -235,7 +245,7 @@ def run_row(row: str, name: str, n: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["mlp", "resnet20"], default="resnet20")
+    parser.add_argument("--model", choices=["mlp", *RESNETS], default="resnet20")
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rows", default=",".join(ROWS))

@@ -375,3 +375,32 @@ def test_ghost_norms_of_the_layer_rules_match_a_float64_tape(name):
                          for g in grads])
     assert_close(stored["frobenius_by_layer"], by_layer)
     assert_close(stored["frobenius"], np.sqrt((by_layer**2).sum(axis=1)))
+
+
+def test_the_first_batch_is_checked_against_the_loop_and_an_out_of_memory_call_retried_smaller():
+    options = EngineOptions(parameters=ParameterSide(objective="margin"), reduce=Reduction(kind="project", project_dim=8))
+    rng = np.random.default_rng(2)
+    x, labels = rng.normal(size=(11, 12)).astype(np.float32), rng.integers(0, 5, 11)
+
+    wrong = ParameterEngine(loaded("mlp"), (12,), options)
+    right = wrong._step
+    wrong._step = lambda *args: {**right(*args), "projection": 1.5 * right(*args)["projection"]}  # agreed on the probe
+    for _ in range(2):  # refused, and refused again
+        with pytest.raises(ModelError, match="disagree with a loop of per-sample tape gradients on the first batch"):
+            wrong.compute(x, labels)
+
+    engine = ParameterEngine(loaded("mlp"), (12,), options)
+    want, _ = engine.compute(x, labels)
+    assert engine.describe()["first_batch_check"]["samples"] == 8
+    step, sizes = engine._step, []
+
+    def small_only(xs, *rest):  # as if more than 3 elements did not fit
+        sizes.append(int(xs[0].shape[0]))
+        if sizes[-1] > 3:
+            raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+        return step(xs, *rest)
+
+    engine._step, engine.elements = small_only, 16
+    got, _ = engine.compute(x, labels)
+    assert_close(got["projection"], want["projection"])  # other calls, other round-off
+    assert engine.elements == 2 and engine.telemetry["oom_retries"] == 3 and sizes[:4] == [11, 8, 4, 2]

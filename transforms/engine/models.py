@@ -112,11 +112,12 @@ def build_cnn(seed: int = BUILTIN_SEED, dtype: str = "float32") -> keras.Model:
     return model
 
 
-def build_cifar_resnet(seed: int = BUILTIN_SEED, dtype: str = "float32", blocks: int = 3) -> keras.Model:
-    """A CIFAR-size ResNet (ResNet-20 for ``blocks`` 3: 0.27M weights): x[32, 32, 3] -> conv 16 -> three stages
-    of ``blocks`` basic residual blocks (16, 32, 64 channels; BatchNorm, ReLU; stride 2 and a 1x1 shortcut
-    where the width changes) -> global average pool -> Dense 10 (logits). BatchNorm runs in inference mode
-    with seeded statistics."""
+def build_cifar_resnet(seed: int = BUILTIN_SEED, dtype: str = "float32", blocks: int = 3,
+                       widths: tuple[int, ...] = (16, 32, 64)) -> keras.Model:
+    """A CIFAR-size ResNet (the default, ResNet-20: 0.27M weights; ``blocks=2, widths=(64, 128, 256, 512)``,
+    ResNet-18: 11M): x[32, 32, 3] -> conv ``widths[0]`` -> a stage of ``blocks`` basic residual blocks per
+    width (BatchNorm, ReLU; stride 2 and a 1x1 shortcut where the width changes) -> global average pool ->
+    Dense 10 (logits). BatchNorm runs in inference mode with seeded statistics."""
     layers = keras.layers
 
     def conv(x, name, width, stride=1, size=3):
@@ -126,8 +127,8 @@ def build_cifar_resnet(seed: int = BUILTIN_SEED, dtype: str = "float32", blocks:
         return layers.BatchNormalization(dtype=dtype, name=name)(x)
 
     inputs = keras.Input((32, 32, 3), dtype=dtype)
-    x = layers.ReLU(dtype=dtype)(norm(conv(inputs, "stem_conv", 16), "stem_bn"))
-    for stage, width in enumerate((16, 32, 64)):
+    x = layers.ReLU(dtype=dtype)(norm(conv(inputs, "stem_conv", widths[0]), "stem_bn"))
+    for stage, width in enumerate(widths):
         for block in range(blocks):
             at, stride = f"stage{stage + 1}_block{block + 1}", 2 if stage and not block else 1
             y = layers.ReLU(dtype=dtype)(norm(conv(x, f"{at}_conv1", width, stride), f"{at}_bn1"))

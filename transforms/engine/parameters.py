@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import resource
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -52,6 +53,7 @@ REDUCTIONS = ("project", "frobenius", "none")
 # reduce: none stores each sample's whole gradient: refused beyond this many bytes per sample.
 MOST_GRADIENT_BYTES = 64 * 2**20
 _PROBE_SEED = 0
+_FIRST_BATCH = 8  # samples of the first real batch checked against the loop
 
 
 class ParameterEngine:
@@ -121,6 +123,9 @@ class ParameterEngine:
         fit = (options.memory_budget - per_call) // per_element
         self.elements = int(max(1, min(options.batch_size * rows, fit)))
         self.path = self._choose(source)
+        # The seeded probe may miss what real data reaches (saturated units): the first real batch is
+        # checked against the loop too (``_check_first_batch``), once, as the input side's engine does.
+        self._unchecked, self._refused, self._first_batch = self.path != "map_fn", None, threading.Lock()
         self._traces_after_setup = self._step.experimental_get_tracing_count()
         self.telemetry["setup_seconds"] = round(time.perf_counter() - began, 3)
         log.info("parameter engine ready for %s: %d weight entries in %d layers, %s, %d element(s) per call",
@@ -151,7 +156,7 @@ class ParameterEngine:
         rules (where every differentiated weight has one), then ``vectorized_map``, else that loop itself;
         a vectorised conversion of a model is trusted only once it agrees (as the input side's planner does)."""
         xs, labels = self._probe(2), np.arange(2) % self.outputs
-        loop = self._compiled("map_fn")
+        loop = self._loop = self._compiled("map_fn")
         expected = None
         paths = ["vectorized_map"]
         reason = parameter_rules.unsupported(self.model.keras_model, self._variables)
@@ -247,10 +252,22 @@ class ParameterEngine:
         rows = np.asarray(index, np.int32).reshape(-1)
         label = np.zeros(n, np.int32) if labels is None else np.asarray(labels).astype(np.int32)
         pieces: list[dict] = []
-        for lo in range(0, len(sample), self.elements):
-            take = sample[lo: lo + self.elements]
-            found = step([tf.constant(x[take]) for x in xs], tf.constant(label[take]), tf.constant(rows[lo: lo + self.elements]))
+        lo = 0
+        while lo < len(sample):
+            hi = lo + self.elements
+            try:
+                found = step([tf.constant(x[sample[lo:hi]]) for x in xs], tf.constant(label[sample[lo:hi]]),
+                             tf.constant(rows[lo:hi]))
+            except tf.errors.ResourceExhaustedError as err:  # fewer elements per call, for this call and later ones
+                if self.elements == 1:
+                    raise ModelError(f"{self.model.source}: out of memory even for one element per call (memory_budget "
+                                     f"{self.options.memory_budget:,} bytes): {str(err).strip().splitlines()[0][:200]}") from err
+                self.elements = max(1, self.elements // 2)
+                self.telemetry["oom_retries"] = self.telemetry.get("oom_retries", 0) + 1
+                log.warning("%s: out of memory: retrying with %d element(s) per call", self.model.source, self.elements)
+                continue
             pieces.append({k: v.numpy() for k, v in found.items()})
+            lo = hi
         return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
 
     # -- computing -----------------------------------------------------------------------------------
@@ -279,10 +296,41 @@ class ParameterEngine:
             bad = (labels < 0) | (labels >= self.outputs) | (labels != np.round(labels))
             if bad.any():
                 raise ModelError(f"label {float(labels[bad][0]):g} is not an output index 0..{self.outputs - 1}")
+        if self._refused is not None:
+            raise ModelError(self._refused)
         y = self._forward(xs)
         index = self._select(y, labels)
         raw = self._call(self._step, xs, labels, index)
+        if self._unchecked:
+            self._check_first_batch(xs, labels, index, raw)
         return self._datasets(y, index, raw, n), None
+
+    def _check_first_batch(self, xs, labels, index, raw: dict) -> None:
+        """Once: up to ``_FIRST_BATCH`` samples of the first real batch by the loop of per-element tape
+        gradients, against the chosen path; on disagreement the engine refuses this and every later call.
+        Samples whose loop values are not all finite are not judged (derivatives undefined there)."""
+        with self._first_batch:
+            if self._refused is not None:
+                raise ModelError(self._refused)
+            if not self._unchecked:
+                return
+            m = min(len(xs[0]), _FIRST_BATCH)
+            per = max(1, math.prod(self.rows_shape))
+            expected = self._call(self._loop, [x[:m] for x in xs], None if labels is None else labels[:m],
+                                  None if index is None else index[:m])
+            for name, want in expected.items():
+                got = raw[name][: m * per]
+                finite = np.all(np.isfinite(want.reshape(len(want), -1)), axis=1)
+                error = per_sample_relative_error(got[finite], want[finite]) if finite.any() else 0.0
+                if not error <= AGREEMENT[self.options.compute_dtype]:
+                    self._refused = (
+                        f"{self.model.source}: per-sample gradients by {self.path} disagree with a loop of per-sample "
+                        f"tape gradients on the first batch's samples ({name}: relative error {error:.2g}), though they "
+                        "agreed on the probe: refused"
+                    )
+                    raise ModelError(self._refused)
+            self._unchecked = False
+            self.telemetry["first_batch_check"] = {"reference": "map_fn", "samples": m}
 
     def _datasets(self, y: np.ndarray, index: np.ndarray | None, raw: dict, n: int) -> dict[str, np.ndarray]:
         dtype = store_dtype(self.options.store_dtype)
@@ -326,7 +374,7 @@ class ParameterEngine:
                         f"by {self.path}, {self.elements} (sample, row) element(s) per call"],
             "retraces_after_setup": self._step.experimental_get_tracing_count() - self._traces_after_setup,
             "pfor_fallbacks": [],
-            "oom_retries": 0,
+            "oom_retries": self.telemetry.get("oom_retries", 0),
             "batch_size": self.batch_size,
             "elements_per_call": self.elements,
             "parameters": self.layout.size,
