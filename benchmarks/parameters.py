@@ -76,14 +76,15 @@ def reference_gradients(name: str, x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 # --- the rows -------------------------------------------------------------------------------------------
 
-def jacobeam_row(name: str):
+def jacobeam_row(name: str, batch: int = BATCH):
     from jacobeam.transforms.engine.models import wrap_model
     from jacobeam.transforms.engine.parameters import ParameterEngine
     from jacobeam.transforms.spec import EngineOptions, ParameterSide, Reduction
 
     model = wrap_model(keras_model(name), name)
     shape = (32, 32, 3) if name in RESNETS else (784,)
-    options = dict(parameters=ParameterSide(objective="margin"), reduce=Reduction(kind="project", project_dim=DIM))
+    options = dict(batch_size=batch, parameters=ParameterSide(objective="margin"),
+                   reduce=Reduction(kind="project", project_dim=DIM))
     engine = ParameterEngine(model, shape, EngineOptions(**options))
     full = ParameterEngine(model, shape, EngineOptions(**{**options, "reduce": Reduction(kind="none")}))
 
@@ -223,20 +224,21 @@ def jax_row(name: str):
     return (lambda x, y: np.asarray(projected(x, y))), (lambda x, y: np.asarray(flat(x, y))), {"jax": jax.__version__}
 
 
-def run_row(row: str, name: str, n: int) -> dict:
-    """In this process: build the row, check its gradients, time it on ``n`` samples in batches of 256."""
+def run_row(row: str, name: str, n: int, batch: int = BATCH) -> dict:
+    """In this process: build the row, check its gradients, time it on ``n`` samples in batches of ``batch``
+    (jacobeam's engine built for it: ``jacobian.batch_size``)."""
     began = time.perf_counter()
-    project, gradients, about = (jacobeam_row(name) if row == "jacobeam" else jax_row(name) if row == "jax"
+    project, gradients, about = (jacobeam_row(name, batch) if row == "jacobeam" else jax_row(name) if row == "jax"
                                  else torch_row(name, whole=row == "torch_trak_whole"))
     x, y = samples(name, n)
-    project(x[:BATCH], y[:BATCH])  # warm-up: traced, compiled, first-call costs
+    project(x[:batch], y[:batch])  # warm-up: traced, compiled, first-call costs
     first = time.perf_counter() - began
     check = np.asarray(gradients(x[:2], y[:2]), np.float64).reshape(2, -1)
     truth = reference_gradients(name, x[:2], y[:2])
     error = float(np.abs(check - truth).max() / np.abs(truth).max())
     start = time.perf_counter()
-    for lo in range(0, n, BATCH):
-        out = project(x[lo: lo + BATCH], y[lo: lo + BATCH])
+    for lo in range(0, n, batch):
+        out = project(x[lo: lo + batch], y[lo: lo + batch])
     rate = n / (time.perf_counter() - start)
     assert np.asarray(out).shape[-1] == DIM
     return {"row": row, "samples_per_second": rate, "first_call_seconds": first, "gradient_rel_error": error,
@@ -249,22 +251,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--batch", type=int, default=BATCH, help="samples per call of every row (default 256)")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # in a worker process: one row, JSON on stdout
     args = parser.parse_args(argv)
     if args.row:
-        print(json.dumps(run_row(args.row, args.model, args.samples)))
+        print(json.dumps(run_row(args.row, args.model, args.samples, args.batch)))
         return
     found: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
         for row in args.rows.split(","):
             done = subprocess.run([sys.executable, "-m", "benchmarks.parameters", "--row", row, "--model", args.model,
-                                   "--samples", str(args.samples)], capture_output=True, text=True)
+                                   "--samples", str(args.samples), "--batch", str(args.batch)], capture_output=True, text=True)
             if done.returncode:
                 print(f"{row}: failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
                 continue
             found.setdefault(row, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
     base = statistics.median(r["samples_per_second"] for r in found.get("jacobeam", [{"samples_per_second": 1}]))
-    print(f"{args.model}: TRAK margin gradients projected to {DIM}, {args.samples} samples in batches of {BATCH}, "
+    print(f"{args.model}: TRAK margin gradients projected to {DIM}, {args.samples} samples in batches of {args.batch}, "
           f"median of {args.rounds} round(s)")
     print(f"{'row':18} {'samples/s':>10} {'x jacobeam':>10} {'first call s':>12} {'peak RSS MB':>11} {'grad rel err':>12}")
     for row, results in found.items():

@@ -233,8 +233,10 @@ class ParameterSelfChecker:
         began = time.perf_counter()
         _, first = self._references()
         exact = "float64"
-        y_truth = self._per_row(exact, xs, label, np.zeros(1, np.int64))[0]
-        y_own = self._per_row(self.compute, xs, label, np.zeros(1, np.int64))[0] if self.compute != exact else y_truth
+        y_truth = y_own = None
+        if self.side.objective == "outputs" and self.selection.rule in ("argmax", "top_k"):  # rows chosen by outputs
+            y_truth = self._per_row(exact, xs, label, np.zeros(1, np.int64))[0]
+            y_own = self._per_row(self.compute, xs, label, np.zeros(1, np.int64))[0] if self.compute != exact else y_truth
         index, rows_differ = self._rows_of(y_truth, y_own, stored, label)
         rows = self._rows(index)
         computed = [self._per_row(exact, xs, label, rows)]

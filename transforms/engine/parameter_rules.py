@@ -18,6 +18,7 @@ is left to ``vectorized_map`` (``unsupported``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,11 +50,14 @@ def unsupported(keras_model: Any, variables: Sequence[tf.Variable]) -> str | Non
 
 
 def gradients(keras_model: Any, variables: Sequence[tf.Variable], xs: list[tf.Tensor],
-              objective: Callable[[tf.Tensor], tf.Tensor], squares: bool = False) -> tuple[tf.Tensor, list[tf.Tensor]]:
+              objective: Callable[[tf.Tensor], tf.Tensor], squares: bool = False,
+              reduce: Callable[[int, tf.Tensor], tf.Tensor] | None = None) -> tuple[tf.Tensor, list[tf.Tensor]]:
     """``(values (N,), [per-element gradient (N, *shape) of each of variables])``: ``objective`` maps the
     model's outputs ``(N, *out)`` to each element's scalar. ``squares``: each gradient's squared norm
     ``(N,)`` instead, a kernel's without forming it where its positions are fewer than its entries
-    (``_kernel_squares``)."""
+    (``_kernel_squares``). ``reduce(position in variables, gradient)``: applied to each gradient as it is
+    formed; layer by layer, each layer's gradients formed only once the previous layer's are reduced, so
+    that one layer's are held at a time (``largest_transient``), not all of them."""
     wanted = {id(v) for v in variables}
     saved: dict[int, tuple[Any, tf.Tensor, tf.Tensor]] = {}  # id(variable) -> (layer, input, z)
     with tf.GradientTape() as tape:
@@ -63,10 +67,38 @@ def gradients(keras_model: Any, variables: Sequence[tf.Variable], xs: list[tf.Te
     layers = {id(layer): (layer, x, z) for layer, x, z in saved.values()}
     zs = [z for _, _, z in layers.values()]
     dzs = dict(zip(layers, tape.gradient(total, zs, unconnected_gradients=tf.UnconnectedGradients.ZERO)))
+    position = {id(v): i for i, v in enumerate(variables)}
     found: dict[int, tf.Tensor] = {}
+    previous: list[tf.Tensor] = []
     for key, (layer, x, _) in layers.items():
-        found.update(_per_sample(layer, x, dzs[key], wanted, squares))
+        with tf.control_dependencies(previous):
+            made = _per_sample(layer, x, dzs[key], wanted, squares)
+            if reduce is not None:
+                made = {vid: reduce(position[vid], value) for vid, value in made.items()}
+        found.update(made)
+        previous = list(made.values())
     return values, [found[id(v)] for v in variables]
+
+
+def largest_transient(keras_model: Any, variables: Sequence[tf.Variable]) -> int:
+    """Entries per element of the largest layer's share of ``gradients`` with ``reduce``: its input patches
+    (or input) and its weights' gradients, the most held at once beyond the forward and backward passes."""
+    wanted = {id(v) for v in variables}
+    largest = 0
+    for layer in keras_model.layers:
+        if type(layer) not in _RULED or not any(id(v) in wanted for v in layer.trainable_weights):
+            continue
+        size = sum(_entries(v.shape) for v in layer.trainable_weights)
+        inputs, outputs = _entries(layer.input.shape[1:]), _entries(layer.output.shape[1:])
+        if isinstance(layer, keras.layers.Conv2D):
+            kh, kw = layer.kernel_size
+            inputs = outputs // layer.filters * kh * kw * layer.input.shape[-1]  # patches: positions x receptive field
+        largest = max(largest, size + inputs + outputs)
+    return largest
+
+
+def _entries(shape) -> int:
+    return math.prod(int(dim) for dim in shape)
 
 
 def _run(model: Any, xs: list[tf.Tensor], ruled: Callable[[Any, tf.Tensor], tf.Tensor]) -> tf.Tensor:

@@ -89,7 +89,6 @@ class ParameterEngine:
         self.model = model.with_dtype(options.compute_dtype)
         source = self.model.source
         self.input_names, self.input_shapes = model_checks.resolve_inputs(self.model, input_shapes)
-        self.wrt = list(range(len(self.input_names)))
         keras_model = self.model.keras_model
         self.layout, self._variables = layout(keras_model, side.layers, source)
         self._described_layout = self.layout.describe()
@@ -107,7 +106,6 @@ class ParameterEngine:
         self._check_selection(source)
         self.rows_shape = rows_shape(side, options.outputs, self.output_shape)
         rows = math.prod(self.rows_shape)
-        itemsize = np.dtype(options.compute_dtype).itemsize
         if options.reduce.kind == "none" and rows * self.layout.size * np.dtype(store_dtype(options.store_dtype)).itemsize \
                 > MOST_GRADIENT_BYTES:
             raise ModelError(
@@ -116,13 +114,9 @@ class ParameterEngine:
                 "fewer layers in jacobian.wrt"
             )
         self._activations = activation_size(self._forward_fn.get_concrete_function(specs).graph)
-        # One element's working set: its gradient and its forward pass kept for the backward one, each a few
-        # times over; and a call's: a block of P and its product.
-        per_element = itemsize * (3 * self.layout.size + 3 * max(self._activations, 1) + 2 * options.reduce.project_dim)
-        per_call = itemsize * 2 * BLOCK_ROWS * options.reduce.project_dim if options.reduce.kind == "project" else 0
-        fit = (options.memory_budget - per_call) // per_element
-        self.elements = int(max(1, min(options.batch_size * rows, fit)))
+        self.elements = self._size("vectorized_map")
         self.path = self._choose(source)
+        self.elements = self._size(self.path)
         # The seeded probe may miss what real data reaches (saturated units): the first real batch is
         # checked against the loop too (``_check_first_batch``), once, as the input side's engine does.
         self._unchecked, self._refused, self._first_batch = self.path != "map_fn", None, threading.Lock()
@@ -132,6 +126,20 @@ class ParameterEngine:
                  source, self.layout.size, len(self.layout.layers), self.path, self.elements)
 
     # -- set-up ------------------------------------------------------------------------------------
+
+    def _size(self, path: str) -> int:
+        """Elements per call that keep a call's working set within the memory budget: per element, its
+        forward pass kept for the backward one and its gradients (every weight's at once, or, by layer rules
+        reducing as they go, one layer's: ``parameter_rules.largest_transient``), each a few times over;
+        per call, a block of ``P`` and its product."""
+        options, itemsize = self.options, np.dtype(self.options.compute_dtype).itemsize
+        held = self.layout.size
+        if path == "layer rules" and options.reduce.kind in ("project", "frobenius"):
+            held = parameter_rules.largest_transient(self.model.keras_model, self._variables)
+        per_element = itemsize * (3 * held + 3 * max(self._activations, 1) + 2 * options.reduce.project_dim)
+        per_call = itemsize * 2 * BLOCK_ROWS * options.reduce.project_dim if options.reduce.kind == "project" else 0
+        fit = (options.memory_budget - per_call) // per_element
+        return int(max(1, min(options.batch_size * max(1, math.prod(self.rows_shape)), fit)))
 
     def _probe(self, n: int) -> list[np.ndarray]:
         rng = np.random.default_rng(_PROBE_SEED)
@@ -228,6 +236,13 @@ class ParameterEngine:
                 if reduction.kind == "frobenius":  # the norms without forming the gradients where cheaper
                     values, squares = parameter_rules.gradients(model.keras_model, variables, list(xs), objective, True)
                     return {"objective": values, "squares_by_layer": by_layer(squares)}
+                if reduction.kind == "project":  # each weight projected as soon as formed: one layer's held
+                    def project(k, g):
+                        return _projected(tf.reshape(g, (-1, weights[k].size)), weights[k].index, reduction, dtype)
+
+                    values, products = parameter_rules.gradients(model.keras_model, variables, list(xs), objective,
+                                                                 reduce=project)
+                    return {"objective": values, "projection": tf.add_n(products)}
                 values, grads = parameter_rules.gradients(model.keras_model, variables, list(xs), objective)
                 grads = [tf.reshape(g, (-1, w.size)) for g, w in zip(grads, weights)]
             elif path == "vectorized_map":
