@@ -120,7 +120,12 @@ def test_the_incremental_benchmark_computes_only_the_new_samples_and_times_both_
 
 @pytest.mark.slow
 def test_the_parameter_side_benchmark_checks_each_rows_gradients_against_a_float64_tape():
-    from benchmarks.parameters import run_row
+    import json
+    import subprocess
+    import sys
 
-    result = run_row("jacobeam", "mlp", 256)
+    # In a process of its own, as the benchmark runs each row: W1's projected gradients take gigabytes.
+    done = subprocess.run([sys.executable, "-m", "benchmarks.parameters", "--row", "jacobeam", "--model", "mlp",
+                           "--samples", "64", "--batch", "64"], capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["gradient_rel_error"] < 1e-5 and result["samples_per_second"] > 0 and result["path"] == "layer rules"

@@ -313,8 +313,8 @@ def test_a_wrong_projection_block_and_a_wrong_row_are_mismatches():
     checker = checker_for(right, SelfCheck())
     original = parameters.projection_block
 
-    def shifted(seed, kind, weight, block, dim, dtype):  # weight 0's block from weight 1's stream
-        return original(seed, kind, tf.where(tf.equal(weight, 0), 1, weight), block, dim, dtype)
+    def shifted(seed, kind, weight, block, dim, dtype, *rows):  # weight 0's block from weight 1's stream
+        return original(seed, kind, tf.where(tf.equal(weight, 0), 1, weight), block, dim, dtype, *rows)
 
     parameters.projection_block = shifted
     try:

@@ -155,11 +155,11 @@ class ParameterSelfChecker:
         if self._block_product is None:
             from jacobeam.transforms.engine.parameter_space import projection_block
 
-            @tf.function(input_signature=[tf.TensorSpec((None, BLOCK_ROWS), tf.float64), tf.TensorSpec((), tf.int64),
+            @tf.function(input_signature=[tf.TensorSpec((None, None), tf.float64), tf.TensorSpec((), tf.int64),
                                           tf.TensorSpec((), tf.int64)], autograph=False)
             def block_product(g, weight, block):
                 rows = tf.cast(projection_block(reduction.project_seed, reduction.project_kind, weight, block,
-                                                reduction.project_dim, tf.float32), tf.float64)
+                                                reduction.project_dim, tf.float32, tf.shape(g)[1]), tf.float64)
                 return tf.matmul(g, rows)
 
             self._block_product = block_product
@@ -167,9 +167,7 @@ class ParameterSelfChecker:
         product = np.zeros((len(stacked), reduction.project_dim))
         for weight in self.engine.layout.weights:
             for j, start in enumerate(range(0, weight.size, BLOCK_ROWS)):
-                part = np.zeros((len(stacked), BLOCK_ROWS))
-                stop = min(start + BLOCK_ROWS, weight.size)
-                part[:, : stop - start] = stacked[:, weight.offset + start: weight.offset + stop]
+                part = stacked[:, weight.offset + start: weight.offset + min(start + BLOCK_ROWS, weight.size)]
                 product += self._block_product(tf.constant(part), tf.constant(weight.index, tf.int64),
                                                tf.constant(j, tf.int64)).numpy()
         return np.split(product, np.cumsum([len(g) for g in gradients])[:-1])

@@ -113,16 +113,19 @@ def _owners(keras_model) -> dict[int, str]:
     return owners
 
 
-def projection_block(seed: int, kind: str, weight: int, block: int, dim: int, dtype) -> tf.Tensor:
-    """Block ``block`` of weight position ``weight`` of ``P``: ``(BLOCK_ROWS, dim)`` (module docstring)."""
+def projection_block(seed: int, kind: str, weight: int, block: int, dim: int, dtype, rows: int = BLOCK_ROWS) -> tf.Tensor:
+    """Block ``block`` of weight position ``weight`` of ``P``: ``(BLOCK_ROWS, dim)`` (module docstring), or its
+    first ``rows`` rows, drawn alone: Philox fills a shape in row-major counter order, so a shorter draw is
+    the longer one's first rows (``tests/test_parameters.py`` checks it), and a weight of 16 entries need not
+    draw 4,096 rows."""
     key = tf.stack([tf.cast(seed, tf.int64), tf.cast(weight, tf.int64) * 2**32 + tf.cast(block, tf.int64)])
     if kind == "gaussian":
-        values = tf.random.stateless_normal((BLOCK_ROWS, dim), key, dtype=tf.float32, alg="philox")
-    else:  # 32 signs from each random word: Philox's cost, which dominates a block's, divided by 32
-        words = tf.random.stateless_uniform((BLOCK_ROWS, -(-dim // 32)), key, minval=None, maxval=None,
+        values = tf.random.stateless_normal((rows, dim), key, dtype=tf.float32, alg="philox")
+    else:  # 32 signs from each random word: Philox's cost divided by 32
+        words = tf.random.stateless_uniform((rows, -(-dim // 32)), key, minval=None, maxval=None,
                                             dtype=tf.int32, alg="philox")
         bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(words[:, :, None], tf.range(32, dtype=tf.int32)), 1)
-        values = tf.cast(tf.reshape(bits, (BLOCK_ROWS, -1))[:, :dim], tf.float32) * 2.0 - 1.0
+        values = tf.cast(tf.reshape(bits, (rows, -1))[:, :dim], tf.float32) * 2.0 - 1.0
     return tf.cast(values, dtype) / tf.cast(math.sqrt(dim), dtype)
 
 
@@ -131,7 +134,7 @@ def projection_blocks(seed: int, kind: str, weight: Weight, dim: int) -> Iterato
     dim)`` float64 for the weight's flat entries ``[start, stop)``."""
     for j in range(-(-weight.size // BLOCK_ROWS)):
         start, stop = j * BLOCK_ROWS, min((j + 1) * BLOCK_ROWS, weight.size)
-        yield start, stop, np.asarray(projection_block(seed, kind, weight.index, j, dim, tf.float32), np.float64)[: stop - start]
+        yield start, stop, np.asarray(projection_block(seed, kind, weight.index, j, dim, tf.float32, stop - start), np.float64)
 
 
 def projection_rows(seed: int, kind: str, weight: Weight, dim: int) -> np.ndarray:

@@ -410,7 +410,7 @@ def _projected(grads: tf.Tensor, weight: int, reduction, dtype) -> tf.Tensor:
     blocks = -(-size // BLOCK_ROWS)
     seed, kind, dim = reduction.project_seed, reduction.project_kind, reduction.project_dim
     if blocks == 1:
-        return tf.matmul(grads, projection_block(seed, kind, weight, 0, dim, dtype)[:size])
+        return tf.matmul(grads, projection_block(seed, kind, weight, 0, dim, dtype, size))
     padded = tf.pad(grads, [[0, 0], [0, blocks * BLOCK_ROWS - size]])
     stacked = tf.transpose(tf.reshape(padded, (-1, blocks, BLOCK_ROWS)), (1, 0, 2))  # (blocks, N, BLOCK_ROWS)
 
