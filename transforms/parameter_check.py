@@ -19,17 +19,12 @@ from typing import Any
 import numpy as np
 
 from jacobeam.transforms.self_check import (
-    KINK,
-    KINK_DIRECTIONS,
-    KINK_NOTE,
-    MISMATCH,
-    NOISE_FACTOR,
-    OK,
-    SEED,
     TRUTH_FLOAT64,
     _finfo,
     _Judgement,
-    rounded,
+    moved_points,
+    tied,
+    verdict,
 )
 from jacobeam.transforms.spec import SelfCheck, store_dtype
 
@@ -212,11 +207,8 @@ class ParameterSelfChecker:
         got = np.asarray(stored.get("output_index", np.zeros((1, 0))), np.int64).reshape(-1)
         if np.array_equal(got, want):
             return want[None], None
-        if selection.rule in ("argmax", "top_k") and len(got) == len(want) and len(set(got.tolist())) == len(got) \
-                and all(0 <= i < len(y_truth) for i in got):
-            band = max(self.tolerance * float(np.abs(y_truth).max()), NOISE_FACTOR * float(np.abs(y_own - y_truth).max()))
-            if np.all(np.abs(y_truth[got] - y_truth[want]) <= band):
-                return got[None], None
+        if selection.rule in ("argmax", "top_k") and tied(self.tolerance, y_truth, y_own, got, want):
+            return got[None], None
         return want[None], f"output_index: stored rows {got.tolist()}, the reference chooses {want.tolist()} ({why})"
 
     def _rows(self, index: np.ndarray | None) -> np.ndarray:
@@ -245,44 +237,13 @@ class ParameterSelfChecker:
         truth, *owns = [self._datasets(*found, index, product) for found, product in zip(computed, products)]
         names = [name for name, value in truth.items() if value.dtype.kind == "f"]
         judged = _Judgement(self, names, truth, stored, owns, {name: None for name in names}, len(rows))
-        verdict, nearest = OK, None
-        if rows_differ:
-            verdict = MISMATCH
-        elif judged.worst_ratio() > 1:
-            nearest = min(judged.ratio_against(moved) for moved in self._moved(xs, label, rows, index, sample_id))
-            verdict = KINK if nearest <= 1 else MISMATCH
-        worst, bounds = judged.worst(), judged.bounds()
-        record: dict[str, Any] = {
-            "id": int(sample_id),
-            "verdict": verdict,
-            "dataset": "output_index" if rows_differ else worst,
-            "max_rel_error": "inf" if rows_differ else rounded(judged.errors[worst]),
-            "errors": {name: rounded(value) for name, value in judged.errors.items()},
-            "noise": {name: rounded(value) for name, value in judged.noise.items()},
-            "bound": rounded(bounds[worst]),
-            "tolerance": self.tolerance,
-            "reference": self.method,
-            "truth": self.truth,
-        }
-        if rows_differ:
-            record["detail"] = rows_differ
-        elif verdict == MISMATCH:
-            record["failing"] = judged.failing()
-        if nearest is not None:
-            record["nearest"] = rounded(nearest)
-        if verdict == KINK:
-            record["note"] = KINK_NOTE
-        record["timing"] = {"seconds": round(time.perf_counter() - began, 4), "traced": first}
-        return record, bounds
+        moved = lambda: self._moved(xs, label, rows, index, sample_id)  # noqa: E731 (only at a failure)
+        return verdict(self, judged, rows_differ, moved, sample_id, began, first)
 
     def _moved(self, xs, label, rows, index, sample_id):
         """The truth at the sample's entries each moved by up to one unit of rounding of the compute dtype
         (as ``SelfChecker._moved``): the derivatives near a sample at a kink."""
-        rng = np.random.default_rng((SEED, int(sample_id)))
-        for _ in range(KINK_DIRECTIONS):
-            steps = [rng.uniform(-1.0, 1.0, np.shape(x)) * np.spacing(np.abs(np.asarray(x, self.compute))) for x in xs]
-            for way in (1.0, -1.0):
-                points = [np.asarray(x, np.float64) + way * step for x, step in zip(xs, steps)]
-                found = self._per_row("float64", points, label, rows)
-                product = self._projected([found[2]])[0] if self.engine.options.reduce.kind == "project" else None
-                yield self._datasets(*found, index, product)
+        for points in moved_points(xs, self.compute, sample_id):
+            found = self._per_row("float64", points, label, rows)
+            product = self._projected([found[2]])[0] if self.engine.options.reduce.kind == "project" else None
+            yield self._datasets(*found, index, product)

@@ -301,36 +301,8 @@ class SelfChecker:
             # verdict is the one measuring both would give (on ResNet50 this saves a third of a check).
             judged = _Judgement(self, names, reference, stored, [*owns, self.datasets(own, mine, index, pad=True)[0]],
                                 scales, rows)
-        verdict, nearest = OK, None
-        if rows_differ:
-            verdict = MISMATCH
-        elif judged.worst_ratio() > 1:
-            nearest = min(judged.ratio_against(moved) for moved in self._moved(exact, exact_dtype, xs, index, sample_id))
-            verdict = KINK if nearest <= 1 else MISMATCH
-        worst = judged.worst()
-        bounds = judged.bounds()
-        record: dict[str, Any] = {
-            "id": int(sample_id),
-            "verdict": verdict,
-            "dataset": "output_index" if rows_differ else worst,
-            "max_rel_error": "inf" if rows_differ else rounded(judged.errors[worst]),
-            "errors": {name: rounded(value) for name, value in judged.errors.items()},
-            "noise": {name: rounded(value) for name, value in judged.noise.items()},
-            "bound": rounded(bounds[worst]),
-            "tolerance": self.tolerance,
-            "reference": self.method,
-            "truth": self.truth,
-        }
-        if rows_differ:
-            record["detail"] = rows_differ
-        elif verdict == MISMATCH:
-            record["failing"] = judged.failing()
-        if nearest is not None:  # how far from the nearest derivative the moved points found, in bounds
-            record["nearest"] = rounded(nearest)
-        if verdict == KINK:
-            record["note"] = KINK_NOTE
-        record["timing"] = {"seconds": round(time.perf_counter() - began, 4), "traced": first}
-        return record, bounds
+        moved = lambda: self._moved(exact, exact_dtype, xs, index, sample_id)  # noqa: E731 (only at a failure)
+        return verdict(self, judged, rows_differ, moved, sample_id, began, first)
 
     def _rows_of(self, at, mine, stored, label) -> tuple[np.ndarray | None, str | None]:
         """The rows ``(1, k)`` the sample's reference differentiates (None for all), chosen again without the
@@ -353,31 +325,75 @@ class SelfChecker:
         got = np.asarray(stored.get("output_index", np.zeros((1, 0))), np.int64).reshape(-1)
         if np.array_equal(got, want):
             return want[None], None
-        if selection.rule in ("argmax", "top_k") and self._tied(truth, mine, got, want):
-            return got[None], None
+        if selection.rule in ("argmax", "top_k"):
+            own = self._outputs_of(self.compute, mine) if self.compute != "float64" else truth
+            if tied(self.tolerance, truth, own, got, want):
+                return got[None], None
         return want[None], f"output_index: stored rows {got.tolist()}, the reference chooses {want.tolist()} ({why})"
-
-    def _tied(self, truth: np.ndarray, mine, got: np.ndarray, want: np.ndarray) -> bool:
-        """Whether the stored rows ``got`` are as good a choice as ``want``: distinct outputs whose true values
-        are, rank by rank, within float32's noise of the largest ones (measured: the compute dtype's own
-        outputs against the truth's)."""
-        if len(got) != len(want) or len(set(got.tolist())) != len(got) or not all(0 <= i < len(truth) for i in got):
-            return False
-        noise = float(np.abs(self._outputs_of(self.compute, mine) - truth).max()) if self.compute != "float64" else 0.0
-        band = max(self.tolerance * float(np.abs(truth).max()), NOISE_FACTOR * noise)
-        return bool(np.all(np.abs(truth[got] - truth[want]) <= band))
 
     def _moved(self, function, dtype, xs, index, sample_id) -> Iterator[dict[str, np.ndarray]]:
         """The truth (``function``, computing in ``dtype``) at the sample's entries each moved by up to one
         unit of rounding of the compute dtype (seeded uniform fractions of its spacing, both ways): the
         derivatives near the sample, one datasets dict per moved point."""
-        rng = np.random.default_rng((SEED, int(sample_id)))
-        for _ in range(KINK_DIRECTIONS):
-            steps = [rng.uniform(-1.0, 1.0, np.shape(x)) * np.spacing(np.abs(np.asarray(x, self.compute))) for x in xs]
-            for way in (1.0, -1.0):
-                points = [(np.asarray(x, np.float64) + way * step).astype(dtype) for x, step in zip(xs, steps)]
-                yield self.datasets(function, points, index)[0]
+        for points in moved_points(xs, self.compute, sample_id):
+            yield self.datasets(function, [point.astype(dtype) for point in points], index)[0]
 
+
+
+def verdict(checker, judged: _Judgement, rows_differ: str | None, moved, sample_id: int, began: float,
+            first: bool) -> tuple[dict[str, Any], dict[str, float]]:
+    """A checked sample's record and each dataset's bound, from its judgement (``rows_differ``: what is
+    wrong with the stored rows, or None; ``moved``: a callable giving the datasets at the moved points,
+    called only where a value fails, to tell a kink from a mismatch)."""
+    outcome, nearest = OK, None
+    if rows_differ:
+        outcome = MISMATCH
+    elif judged.worst_ratio() > 1:
+        nearest = min(judged.ratio_against(point) for point in moved())
+        outcome = KINK if nearest <= 1 else MISMATCH
+    worst, bounds = judged.worst(), judged.bounds()
+    record: dict[str, Any] = {
+        "id": int(sample_id),
+        "verdict": outcome,
+        "dataset": "output_index" if rows_differ else worst,
+        "max_rel_error": "inf" if rows_differ else rounded(judged.errors[worst]),
+        "errors": {name: rounded(value) for name, value in judged.errors.items()},
+        "noise": {name: rounded(value) for name, value in judged.noise.items()},
+        "bound": rounded(bounds[worst]),
+        "tolerance": checker.tolerance,
+        "reference": checker.method,
+        "truth": checker.truth,
+    }
+    if rows_differ:
+        record["detail"] = rows_differ
+    elif outcome == MISMATCH:
+        record["failing"] = judged.failing()
+    if nearest is not None:  # how far from the nearest derivative the moved points found, in bounds
+        record["nearest"] = rounded(nearest)
+    if outcome == KINK:
+        record["note"] = KINK_NOTE
+    record["timing"] = {"seconds": round(time.perf_counter() - began, 4), "traced": first}
+    return record, bounds
+
+
+def tied(tolerance: float, truth: np.ndarray, own: np.ndarray, got: np.ndarray, want: np.ndarray) -> bool:
+    """Whether the stored rows ``got`` are as good a choice as ``want``: distinct outputs whose true values
+    are, rank by rank, within float32's noise of the largest ones (measured: the compute dtype's own
+    outputs ``own`` against the truth's)."""
+    if len(got) != len(want) or len(set(got.tolist())) != len(got) or not all(0 <= i < len(truth) for i in got):
+        return False
+    band = max(tolerance * float(np.abs(truth).max()), NOISE_FACTOR * float(np.abs(own - truth).max()))
+    return bool(np.all(np.abs(truth[got] - truth[want]) <= band))
+
+
+def moved_points(xs: Sequence[np.ndarray], compute: str, sample_id: int) -> Iterator[list[np.ndarray]]:
+    """The sample's entries each moved by up to one unit of rounding of the compute dtype (seeded uniform
+    fractions of its spacing, both ways), in float64: where the derivatives near a sample at a kink are."""
+    rng = np.random.default_rng((SEED, int(sample_id)))
+    for _ in range(KINK_DIRECTIONS):
+        steps = [rng.uniform(-1.0, 1.0, np.shape(x)) * np.spacing(np.abs(np.asarray(x, compute))) for x in xs]
+        for way in (1.0, -1.0):
+            yield [np.asarray(x, np.float64) + way * step for x, step in zip(xs, steps)]
 
 class _Judgement:
     """One sample's datasets judged row by row against the truth (the rule of the module docstring).
