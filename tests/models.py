@@ -248,3 +248,24 @@ def sequence_mlp(dtype: str = "float32") -> keras.Model:
     )
     seeded_weights(model, seed=6)
     return model
+
+
+TEXT_VOCABULARY = 11
+
+
+def token_model(dtype: str = "float32") -> keras.Model:
+    """ids[6] (token ids 0..10, as floats) -> Embedding 8 -> LayerNorm -> Dense 8 tanh at each position ->
+    global average pool -> Dense 4: Embedding and LayerNormalization, the layers of a text model (ids
+    repeat within a sample, so an embedding row's gradient adds positions)."""
+    model = keras.Sequential(
+        [
+            keras.Input((6,), dtype=dtype),
+            keras.layers.Embedding(TEXT_VOCABULARY, 8, dtype=dtype, name="embed"),
+            keras.layers.LayerNormalization(dtype=dtype, name="norm"),
+            keras.layers.Dense(8, activation="tanh", dtype=dtype, name="mix"),
+            keras.layers.GlobalAveragePooling1D(dtype=dtype, name="pool"),
+            keras.layers.Dense(4, dtype=dtype, name="head"),
+        ]
+    )
+    seeded_weights(model, seed=8)
+    return model

@@ -25,7 +25,8 @@ from jacobeam.transforms.spec import EngineOptions, OutputSelection, ParameterSi
 from tests import models
 
 MODELS = {"mlp": (models.small_mlp, (12,)), "bn_cnn": (models.bn_cnn, (6, 6, 2)),
-          "softmax": (models.softmax_mlp, (12,)), "sequence": (models.sequence_mlp, (3, 8))}
+          "softmax": (models.softmax_mlp, (12,)), "sequence": (models.sequence_mlp, (3, 8)),
+          "tokens": (models.token_model, (6,))}
 _loaded: dict = {}
 
 
@@ -34,6 +35,14 @@ def loaded(name: str, dtype: str = "float32"):
     if (name, dtype) not in _loaded:
         _loaded[name, dtype] = wrap_model(MODELS[name][0](dtype), name)
     return _loaded[name, dtype]
+
+
+def draw(name: str, rng, n: int) -> np.ndarray:
+    """``n`` inputs of the test model ``name``: token ids (as floats) for ``tokens``, else normal noise."""
+    shape = (n, *MODELS[name][1])
+    if name == "tokens":
+        return rng.integers(0, models.TEXT_VOCABULARY, shape).astype(np.float32)
+    return rng.normal(size=shape).astype(np.float32)
 
 
 def reference(name: str, side: ParameterSide, selection: OutputSelection, x: np.ndarray, labels: np.ndarray,
@@ -66,7 +75,8 @@ def reference(name: str, side: ParameterSide, selection: OutputSelection, x: np.
                         value = y_label - tf.math.log(tf.reduce_sum(tf.exp(rest)))
                 else:  # cross-entropy of the label, either name
                     value = -tf.math.log(y_label) if probabilities else -(y_label - tf.reduce_logsumexp(y))
-            found.append(np.concatenate([np.asarray(g).reshape(-1) for g in tape.gradient(value, variables)]))
+            found.append(np.concatenate([np.asarray(tf.convert_to_tensor(g)).reshape(-1)
+                                         for g in tape.gradient(value, variables)]))
         values.append(float(value))
         grads.append(np.stack(found))
     return values, grads, chosen
@@ -123,7 +133,7 @@ def test_per_sample_gradients_match_a_float64_tape_of_each_sample(name, objectiv
             batch_size=8, memory_budget=budget, parameters=side, outputs=selection, reduce=reduction))
     assert engine.path == path
     rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, *shape)).astype(np.float32)
+    x = draw(name, rng, n)
     outputs = engine.outputs
     labels = rng.integers(0, outputs, n)
     datasets = {}
@@ -300,6 +310,22 @@ def test_every_mutant_is_a_mismatch_and_the_engine_passes(checked_engines, kind,
             assert verdict["verdict"] == MISMATCH, (name, verdict)
 
 
+@pytest.mark.parametrize("kind", ["project", "frobenius", "none"])
+def test_every_mutant_is_a_mismatch_on_a_text_model(kind):
+    """Embedding and LayerNormalization by their layer rules, checked against the float64 tape: the engine
+    passes, every mutant fails."""
+    engine = ParameterEngine(loaded("tokens"), (6,), EngineOptions(parameters=ParameterSide(objective="margin"),
+                                                                   reduce=Reduction(kind=kind, project_dim=32)))
+    assert engine.path == "layer rules"
+    checker = checker_for(engine, SelfCheck())
+    x, labels = draw("tokens", np.random.default_rng(4), 2), np.array([3, 0])
+    datasets, _ = engine.compute(x, labels)
+    mine, other = {k: v[:1] for k, v in datasets.items()}, {k: v[1:] for k, v in datasets.items()}
+    assert checker.check([x[:1]], mine, 0, 3)["verdict"] == OK
+    for name, mutant in MUTANTS.items():
+        assert checker.check([x[:1]], mutant(mine, other), 0, 3)["verdict"] == MISMATCH, name
+
+
 def test_a_wrong_projection_block_and_a_wrong_row_are_mismatches():
     """The engine's projection with one block of one weight drawn for another block; and the label's row
     stored for another output row."""
@@ -357,16 +383,21 @@ def test_kernel_norms_without_the_gradient_match_the_formed_gradients(positions,
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["sequence", "mlp", "bn_cnn"])
+@pytest.mark.parametrize("name", ["sequence", "mlp", "bn_cnn", "tokens"])
 def test_ghost_norms_of_the_layer_rules_match_a_float64_tape(name):
     """reduce: frobenius by layer rules never forms a kernel's gradient where its positions are fewer than its
-    entries (the sequence model's first Dense layer: 3 positions); the norms are the tape's."""
+    entries (the sequence model's first Dense layer: 3 positions), nor an embedding's (6 positions, 88 entries);
+    the norms are the tape's."""
     side, shape = ParameterSide(objective="loss", loss="sparse_categorical_crossentropy"), MODELS[name][1]
-    engine = ParameterEngine(loaded(name), shape, EngineOptions(parameters=side, reduce=Reduction(kind="frobenius")))
-    assert engine.path == "layer rules"
-    rng = np.random.default_rng(11)
-    x, labels = rng.normal(size=(9, *shape)).astype(np.float32), rng.integers(0, engine.outputs, 9)
-    stored, _ = engine.compute(x, labels)
+    formed = mock.Mock(side_effect=AssertionError("an embedding's gradient formed"))
+    ways = mock.Mock(wraps=parameter_rules.kernel_norm_way)
+    with mock.patch.object(parameter_rules, "_embedding_gradient", formed), \
+            mock.patch.object(parameter_rules, "kernel_norm_way", ways):
+        engine = ParameterEngine(loaded(name), shape, EngineOptions(parameters=side, reduce=Reduction(kind="frobenius")))
+        assert engine.path == "layer rules"
+        rng = np.random.default_rng(11)
+        x, labels = draw(name, rng, 9), rng.integers(0, engine.outputs, 9)
+        stored, _ = engine.compute(x, labels)
     _, grads, chosen = reference(name, side, OutputSelection(), x, labels, None)
     layers = list(dict.fromkeys(layer for _, layer in chosen))
     starts = np.cumsum([0, *[int(np.prod(v.shape)) for v, _ in chosen]])
@@ -375,6 +406,11 @@ def test_ghost_norms_of_the_layer_rules_match_a_float64_tape(name):
                          for g in grads])
     assert_close(stored["frobenius_by_layer"], by_layer)
     assert_close(stored["frobenius"], np.sqrt((by_layer**2).sum(axis=1)))
+    chosen_ways = {(c.args, r) for c, r in zip(ways.call_args_list, [parameter_rules.kernel_norm_way(*c.args)
+                                                                      for c in ways.call_args_list])}
+    assert all(args[0] is not None for args, _ in chosen_ways)  # the positions known when the graph is built
+    if name == "sequence":
+        assert ((3, 8, 16), "gram") in chosen_ways
 
 
 def test_the_first_batch_is_checked_against_the_loop_and_an_out_of_memory_call_retried_smaller():

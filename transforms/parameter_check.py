@@ -117,7 +117,7 @@ class ParameterSelfChecker:
                 y = tf.reshape(model.call(list(xs)), (-1,))
                 value = objective_value(side.objective, side.loss, engine.probabilities, y, label, row)
             grads = tape.gradient(value, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return y, value, grads
+            return y, value, [tf.convert_to_tensor(g) for g in grads]  # an embedding's: IndexedSlices
 
         return gradient
 

@@ -6,8 +6,9 @@ elements' summed objective at a layer's pre-activation ``z`` is, row by row, eac
 ``Dense`` layer's per-sample kernel gradient is then ``x^T dz`` of the element (summed over any positions
 before its last axis), a ``Conv2D``'s the contraction of its input patches (``tf.image.extract_patches``,
 in the kernel's ``(kh, kw, c_in)`` order) with ``dz`` over the output positions, and an inference-mode
-``BatchNormalization``'s ``gamma`` and ``beta`` gradients ``dz * x_hat`` and ``dz`` summed over positions.
-pfor, by contrast, runs a ``Conv2DBackpropFilter`` per sample in a ``while_loop``.
+``BatchNormalization``'s or a ``LayerNormalization``'s ``gamma`` and ``beta`` gradients ``dz * x_hat`` and
+``dz`` summed over positions, and an ``Embedding``'s the rows of ``dz`` added into the rows of the ids the
+element looked up. pfor, by contrast, runs a ``Conv2DBackpropFilter`` per sample in a ``while_loop``.
 
 The model runs layer by layer (``Sequential`` in order, a functional model through its graph), with the
 differentiated layers called by the rules' own forward code (the layer's ``kernel``, ``bias`` and
@@ -25,7 +26,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-_RULED = (keras.layers.Dense, keras.layers.Conv2D, keras.layers.BatchNormalization)
+_NORMALIZATIONS = (keras.layers.BatchNormalization, keras.layers.LayerNormalization)
+_RULED = (keras.layers.Dense, keras.layers.Conv2D, keras.layers.Embedding, *_NORMALIZATIONS)
 
 
 def unsupported(keras_model: Any, variables: Sequence[tf.Variable]) -> str | None:
@@ -44,8 +46,14 @@ def unsupported(keras_model: Any, variables: Sequence[tf.Variable]) -> str | Non
             return f"{layer.name}: no per-sample rule for {type(layer).__name__}"
         if isinstance(layer, keras.layers.Conv2D) and (layer.groups != 1 or layer.data_format != "channels_last"):
             return f"{layer.name}: a grouped or channels-first Conv2D"
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.axis not in (-1, len(layer.input.shape) - 1):
+        last = len(layer.input.shape) - 1
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.axis not in (-1, last):
             return f"{layer.name}: BatchNormalization over an axis other than the last"
+        if isinstance(layer, keras.layers.LayerNormalization) and (
+                layer.rms_scaling or [a % (last + 1) for a in _axes(layer.axis)] != [last]):
+            return f"{layer.name}: LayerNormalization over axes other than the last, or with rms_scaling"
+        if isinstance(layer, keras.layers.Embedding) and (layer.mask_zero or layer.lora_enabled or layer.quantization_mode):
+            return f"{layer.name}: an Embedding with mask_zero, LoRA or quantization"
     return None
 
 
@@ -97,6 +105,18 @@ def largest_transient(keras_model: Any, variables: Sequence[tf.Variable]) -> int
     return largest
 
 
+def _by_position(x: tf.Tensor, n: tf.Tensor) -> tf.Tensor:
+    """``x`` ``(N, *positions, channels)`` as ``(N, P, channels)``, ``P`` static where the positions are (the
+    ghost norms choose their way by it)."""
+    positions = x.shape[1:-1]
+    count = _entries(positions) if positions.is_fully_defined() else -1
+    return tf.reshape(x, (n, count, x.shape[-1]))
+
+
+def _axes(axis) -> list[int]:
+    return [axis] if isinstance(axis, int) else list(axis)
+
+
 def _entries(shape) -> int:
     return math.prod(int(dim) for dim in shape)
 
@@ -129,6 +149,15 @@ def _forward(layer: Any, x: tf.Tensor, wanted: set[int], saved: dict) -> tf.Tens
         z = x_hat * layer.gamma if layer.scale else x_hat
         z = z + layer.beta if layer.center else z
         keep = x_hat
+    elif isinstance(layer, keras.layers.LayerNormalization):
+        x_hat = keras.ops.layer_normalization(x, None, None, -1, layer.epsilon)
+        z = x_hat * layer.gamma if layer.scale else x_hat
+        z = z + layer.beta if layer.center else z
+        keep = x_hat
+    elif isinstance(layer, keras.layers.Embedding):
+        ids = x if x.dtype in (tf.int32, tf.int64) else tf.cast(x, tf.int32)  # as the layer's call casts them
+        keep = tf.where(ids < 0, ids + layer.input_dim, ids)  # and as keras.ops.take wraps negative ids
+        z = tf.gather(layer.embeddings, keep)
     else:
         if isinstance(layer, keras.layers.Dense):
             z = tf.tensordot(x, layer.kernel, [[x.shape.rank - 1], [0]])
@@ -149,28 +178,37 @@ def _per_sample(layer: Any, x: tf.Tensor, dz: tf.Tensor, wanted: set[int], squar
     (``x_hat`` for BatchNormalization) and ``dz``."""
     n = tf.shape(dz)[0]
     out: dict[int, tf.Tensor] = {}
+    squared: set[str] = set()  # the weights whose squared norms are computed without their gradients
     positions = list(range(1, dz.shape.rank - 1))  # axes summed over: all but the element's and the channels'
-    if isinstance(layer, keras.layers.BatchNormalization):
+    if isinstance(layer, _NORMALIZATIONS):
         grads = {"gamma": tf.reduce_sum(dz * x, positions), "beta": tf.reduce_sum(dz, positions)}
+    elif isinstance(layer, keras.layers.Embedding):
+        ids, rows = _by_position(x[..., None], n)[..., 0], _by_position(dz, n)
+        count = ids.shape[1]
+        if squares and count is not None and count**2 <= layer.input_dim * layer.output_dim:
+            grads, squared = {"embeddings": _embedding_squares(ids, rows)}, {"embeddings"}
+        else:
+            grads = {"embeddings": _embedding_gradient(ids, rows, layer)}
     else:
         if isinstance(layer, keras.layers.Dense):
-            inputs = tf.reshape(x, (n, -1, x.shape[-1]))
+            inputs = _by_position(x, n)
         else:
             kh, kw = layer.kernel_size
             sh, sw = layer.strides
             dh, dw = layer.dilation_rate
             patches = tf.image.extract_patches(x, [1, kh, kw, 1], [1, sh, sw, 1], [1, dh, dw, 1], layer.padding.upper())
-            inputs = tf.reshape(patches, (n, -1, patches.shape[-1]))
-        outputs = tf.reshape(dz, (n, -1, dz.shape[-1]))
+            inputs = _by_position(patches, n)
+        outputs = _by_position(dz, n)
         if squares:
-            grads = {"kernel": _kernel_squares(inputs, outputs)}
+            grads, squared = {"kernel": _kernel_squares(inputs, outputs)}, {"kernel"}
         else:
             grads = {"kernel": tf.reshape(tf.matmul(inputs, outputs, transpose_a=True), (n, *layer.kernel.shape))}
         if layer.use_bias:
             grads["bias"] = tf.reduce_sum(dz, positions)
     if squares:
-        grads = {name: value if name == "kernel" and not isinstance(layer, keras.layers.BatchNormalization)
-                 else tf.reduce_sum(tf.square(tf.cast(value, tf.float64)), axis=1) for name, value in grads.items()}
+        grads = {name: value if name in squared else tf.reduce_sum(tf.reshape(tf.square(tf.cast(value, tf.float64)),
+                                                                               (n, -1)), axis=1)
+                 for name, value in grads.items()}
     for name, value in grads.items():
         variable = getattr(layer, name, None)
         if variable is not None and id(variable) in wanted:
@@ -178,16 +216,44 @@ def _per_sample(layer: Any, x: tf.Tensor, dz: tf.Tensor, wanted: set[int], squar
     return out
 
 
+def kernel_norm_way(positions: int | None, width: int, height: int) -> str:
+    """How ``_kernel_squares`` computes a kernel's norm: ``outer`` (one position), ``gram`` (the Gram
+    matrices are smaller than the gradient) or ``formed``."""
+    if positions == 1:
+        return "outer"
+    if positions is not None and positions * positions * (width + height) < positions * width * height:
+        return "gram"
+    return "formed"
+
+
 def _kernel_squares(inputs: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
     """``||sum_p a_p b_p^T||^2`` per element (float64) for ``inputs`` ``a`` ``(N, P, i)`` and ``outputs``
     ``b`` ``(N, P, o)``: without forming the ``(i, o)`` gradient where the ``P x P`` Gram matrices are
     smaller (``sum_pq (a_p . a_q)(b_p . b_q)``, TF Privacy's and Opacus' ghost norm; with one position,
     ``|a|^2 |b|^2``), else from the gradient formed."""
-    positions, width, height = inputs.shape[1], inputs.shape[2], outputs.shape[2]
-    if positions == 1:
+    way = kernel_norm_way(inputs.shape[1], inputs.shape[2], outputs.shape[2])
+    if way == "outer":
         a, b = tf.cast(inputs[:, 0], tf.float64), tf.cast(outputs[:, 0], tf.float64)
         return tf.reduce_sum(tf.square(a), 1) * tf.reduce_sum(tf.square(b), 1)
-    if positions is not None and positions * positions * (width + height) < positions * width * height:
+    if way == "gram":
         a, b = tf.cast(inputs, tf.float64), tf.cast(outputs, tf.float64)  # the terms can cancel: summed in float64
         return tf.reduce_sum(tf.matmul(a, a, transpose_b=True) * tf.matmul(b, b, transpose_b=True), axis=(1, 2))
     return tf.reduce_sum(tf.square(tf.cast(tf.matmul(inputs, outputs, transpose_a=True), tf.float64)), axis=(1, 2))
+
+
+def _embedding_gradient(ids: tf.Tensor, rows: tf.Tensor, layer: Any) -> tf.Tensor:
+    """Each element's ``(vocabulary, width)`` gradient: its rows of ``dz`` ``(N, P, width)`` added into the
+    rows of its ids ``(N, P)`` (an id looked up twice gets both)."""
+    n, vocabulary = tf.shape(ids)[0], layer.input_dim
+    segments = tf.cast(ids, tf.int64) + tf.cast(vocabulary, tf.int64) * tf.range(tf.cast(n, tf.int64))[:, None]
+    summed = tf.math.unsorted_segment_sum(tf.reshape(rows, (-1, rows.shape[-1])), tf.reshape(segments, (-1,)),
+                                          tf.cast(n, tf.int64) * vocabulary)
+    return tf.reshape(summed, (n, vocabulary, rows.shape[-1]))
+
+
+def _embedding_squares(ids: tf.Tensor, rows: tf.Tensor) -> tf.Tensor:
+    """An embedding gradient's squared norm per element (float64) without forming it: ``sum_pq [id_p = id_q]
+    (dz_p . dz_q)`` (TF Privacy's embedding rule, by a masked Gram matrix of the element's positions)."""
+    same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), tf.float64)
+    b = tf.cast(rows, tf.float64)
+    return tf.reduce_sum(same * tf.matmul(b, b, transpose_b=True), axis=(1, 2))
