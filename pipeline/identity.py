@@ -80,6 +80,9 @@ def run_identity(config: dict[str, Any]) -> dict[str, Any]:
     jacobian = dict(config.get("jacobian", {}))
     if jacobian.get("objective") == "outputs":  # the default, what a run without the key (added later) computed
         del jacobian["objective"]
+    project = jacobian.get("project")
+    if isinstance(project, dict) and project.get("structure") == "dense":  # likewise
+        jacobian["project"] = {k: v for k, v in project.items() if k != "structure"}
     flatten("jacobian.", jacobian)
     return comparable(identity)
 

@@ -125,7 +125,9 @@ def test_the_parameter_side_benchmark_checks_each_rows_gradients_against_a_float
     import sys
 
     # In a process of its own, as the benchmark runs each row: W1's projected gradients take gigabytes.
-    done = subprocess.run([sys.executable, "-m", "benchmarks.parameters", "--row", "jacobeam", "--model", "mlp",
-                           "--samples", "64", "--batch", "64"], capture_output=True, text=True, check=True)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["gradient_rel_error"] < 1e-5 and result["samples_per_second"] > 0 and result["path"] == "layer rules"
+    for task in ("trak", "grand"):
+        done = subprocess.run([sys.executable, "-m", "benchmarks.parameters", "--row", "jacobeam", "--model", "mlp",
+                               "--samples", "64", "--batch", "64", "--task", task], capture_output=True, text=True,
+                              check=True)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        assert result["error"] < 1e-5 and result["samples_per_second"] > 0 and result["path"] == "layer rules", task

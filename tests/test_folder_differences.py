@@ -50,11 +50,12 @@ def test_run_identity_holds_every_jacobian_key_but_threads_and_self_check():
     identity = run_identity(cfg)
     jacobian = _leaves("jacobian.", cfg["jacobian"])
     assert "jacobian.threads" in jacobian and "jacobian.self_check.samples" in jacobian  # the config has them
-    # jacobian.objective came later: its default, what every earlier run computed, is left out (their keys hold).
-    left_out = ("jacobian.threads", "jacobian.objective")
+    # jacobian.objective and project.structure came later: their defaults, what every earlier run computed, are
+    # left out (their keys hold).
+    left_out = ("jacobian.threads", "jacobian.objective", "jacobian.project.structure")
     expected = {k: v for k, v in jacobian.items() if k not in left_out and not k.startswith("jacobian.self_check.")}
     assert {k: v for k, v in identity.items() if k.startswith("jacobian.")} == expected
-    assert jacobian["jacobian.objective"] == "outputs"
+    assert jacobian["jacobian.objective"] == "outputs" and jacobian["jacobian.project.structure"] == "dense"
     assert "jacobian.project.seed" in identity  # nested keys too, dotted
     assert identity["output.samples_per_shard"] == 16 and identity["model.factory"] == "pkg.mod:model"
     assert not any(k.startswith(("input.paths", "output.path", "output.compression", "input.on_bad_sample")) for k in identity)

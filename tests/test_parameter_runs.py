@@ -127,21 +127,27 @@ def test_grand_scores_and_entk_features_of_a_small_conv_net(tmp_path):
     assert any("norm of the per-sample gradient" in t for t in titles) and any("objective" in t for t in titles)
     assert any("norm per layer (3 layers" in t for t in titles)
 
-    cfg = _config(tmp_path / "data", tmp_path / "entk", model, 16, reduce="project", project={"dim": 64, "seed": 9})
-    manifest = runner.run(cfg, [], show_progress=False).manifest
-    assert manifest["self_check"]["samples_checked"] == 3 and not manifest["self_check"]["mismatches"]
-    weights = manifest["stored"]["parameters"]["weights"]
-    rows = np.concatenate([projection_rows(9, "rademacher", Weight(w["index"], w["name"], w["layer"], tuple(w["shape"]),
-                                                                   w["offset"]), 64) for w in weights])
-    with h5py.File(tmp_path / "entk" / "jacobians.h5") as h5:
-        features = h5["projection"][:]
-    assert features.shape == (45, 4, 64)
-    for i in (0, 44):
-        with tf.GradientTape(persistent=True) as tape:
-            z = reference(x[i: i + 1].astype(np.float64), training=False)[0]
-            outputs = [z[r] for r in range(4)]
-        jacobian = np.stack([np.concatenate([np.asarray(g).reshape(-1) for g in
-                                             tape.gradient(row, reference.trainable_variables)]) for row in outputs])
-        want = jacobian @ rows
-        assert np.abs(features[i] - want).max() <= 1e-4 * np.abs(want).max()
+    for structure in ("dense", "kronecker"):  # P rebuilt from what the manifest records
+        out = tmp_path / f"entk_{structure}"
+        cfg = _config(tmp_path / "data", out, model, 16, reduce="project",
+                      project={"dim": 64, "seed": 9, "structure": structure})
+        manifest = runner.run(cfg, [], show_progress=False).manifest
+        assert manifest["self_check"]["samples_checked"] == 3 and not manifest["self_check"]["mismatches"]
+        weights, recorded = manifest["stored"]["parameters"]["weights"], manifest["stored"]["projection"]
+        rows = np.concatenate([projection_rows(recorded["seed"], recorded["kind"], Weight(
+            w["index"], w["name"], w["layer"], tuple(w["shape"]), w["offset"]), recorded["dim"],
+            recorded.get("structure", "dense")) for w in weights])
+        assert recorded.get("kronecker_factors", [8, 8]) == [8, 8] and ("structure" in recorded) == (structure != "dense")
+        with h5py.File(out / "jacobians.h5") as h5:
+            features = h5["projection"][:]
+        assert features.shape == (45, 4, 64)
+        for i in (0, 44):
+            with tf.GradientTape(persistent=True) as tape:
+                z = reference(x[i: i + 1].astype(np.float64), training=False)[0]
+                outputs = [z[r] for r in range(4)]
+            jacobian = np.stack([np.concatenate([np.asarray(g).reshape(-1) for g in
+                                                 tape.gradient(row, reference.trainable_variables)]) for row in outputs])
+            want = jacobian @ rows
+            assert np.abs(features[i] - want).max() <= 1e-4 * np.abs(want).max(), structure
+        _jacobeam("verify", str(out), "--samples", "4")
     assert json.loads(json.dumps(manifest["stored"]))["parameters"]["objective"] == "outputs"

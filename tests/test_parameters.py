@@ -5,6 +5,7 @@ objectives, a plain loop), and the self-check's mutants."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from unittest import mock
 
@@ -84,8 +85,8 @@ def reference(name: str, side: ParameterSide, selection: OutputSelection, x: np.
 
 def projected(grads, chosen, reduction: Reduction, engine) -> list[np.ndarray]:
     """Each gradient times ``P``, rebuilt weight by weight from the definition."""
-    rows = np.concatenate([projection_rows(reduction.project_seed, reduction.project_kind, w, reduction.project_dim)
-                           for w in engine.layout.weights])
+    rows = np.concatenate([projection_rows(reduction.project_seed, reduction.project_kind, w, reduction.project_dim,
+                                           reduction.project_structure) for w in engine.layout.weights])
     return [g @ rows for g in grads]
 
 
@@ -122,12 +123,13 @@ def only(path: str):
 @given(name=st.sampled_from(sorted(MODELS)), objective=objectives, kind=st.sampled_from(["project", "frobenius", "none"]),
        n=st.integers(1, 13), budget=st.sampled_from([40_000, 200_000, 2 * 2**30]), seed=st.integers(0, 2**31),
        projection=st.sampled_from(["rademacher", "gaussian"]), dim=st.sampled_from([7, 64]),
-       path=st.sampled_from(["layer rules", "vectorized_map", "map_fn"]))
+       path=st.sampled_from(["layer rules", "vectorized_map", "map_fn"]), structure=st.sampled_from(["dense", "kronecker"]))
 def test_per_sample_gradients_match_a_float64_tape_of_each_sample(name, objective, kind, n, budget, seed, projection, dim,
-                                                                  path):
+                                                                  path, structure):
     side, selection = objective
     shape = MODELS[name][1]
-    reduction = Reduction(kind=kind, project_dim=dim, project_kind=projection, project_seed=seed)
+    reduction = Reduction(kind=kind, project_dim=dim, project_kind=projection, project_seed=seed,
+                          project_structure=structure)
     with only(path):
         engine = ParameterEngine(loaded(name), shape, EngineOptions(
             batch_size=8, memory_budget=budget, parameters=side, outputs=selection, reduce=reduction))
@@ -203,6 +205,34 @@ def test_the_projection_is_the_documented_bits_of_philox_words():
     np.testing.assert_allclose(normal[BLOCK_ROWS:], want[:5], rtol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
+def test_the_kronecker_projection_is_the_documented_product_of_two_philox_draws(kind):
+    """``structure: kronecker``: a matrix weight's rows of ``P`` are ``kron(A, B)``, ``A`` and ``B`` rebuilt here
+    from the definition's streams ``(seed, -(2v + 1))`` and ``(seed, -(2v + 2))``; a vector weight's rows are
+    its dense blocks."""
+    from jacobeam.transforms.engine.parameter_space import Weight, kronecker_factors
+
+    assert kronecker_factors(2048) == (32, 64) and kronecker_factors(7) == (1, 7) and kronecker_factors(64) == (8, 8)
+
+    def draw(stream, rows, k):
+        key = [11, stream]
+        if kind == "gaussian":
+            return tf.random.stateless_normal((rows, k), key, alg="philox").numpy() / np.float32(math.sqrt(k))
+        words = tf.random.stateless_uniform((rows, -(-k // 32)), key, minval=None, maxval=None, dtype=tf.int32,
+                                            alg="philox").numpy().view(np.uint32)
+        bits = (words[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
+        return (bits.reshape(rows, -1)[:, :k] * 2.0 - 1.0).astype(np.float32) / np.float32(math.sqrt(k))
+
+    kernel = Weight(index=3, name="w", layer="l", shape=(3, 3, 2, 5), offset=0)
+    a, b = draw(-7, 18, 8), draw(-8, 5, 12)  # v = 3: streams -(2v + 1) and -(2v + 2); 96 = 8 x 12
+    got = projection_rows(11, kind, kernel, 96, "kronecker")
+    np.testing.assert_allclose(got, np.kron(a.astype(np.float64), b.astype(np.float64)), rtol=1e-6)
+    g = np.random.default_rng(0).normal(size=(18, 5))  # A^T G B, flattened in C order, is g . P
+    np.testing.assert_allclose(g.reshape(-1) @ got, (a.T @ g @ b).reshape(-1), rtol=1e-5)
+    bias = Weight(index=4, name="b", layer="l", shape=(5,), offset=90)
+    np.testing.assert_array_equal(projection_rows(11, kind, bias, 96, "kronecker"), projection_rows(11, kind, bias, 96))
+
+
 def test_refusals_name_what_is_wrong():
     with pytest.raises(ModelError, match=r"no trainable layer or weight \['nope'\]"):
         ParameterEngine(loaded("mlp"), (12,), EngineOptions(parameters=ParameterSide(layers=("nope",))))
@@ -242,7 +272,16 @@ def test_config_keys_and_their_refusals():
         "project": {"dim": 16}}}).jacobian.engine_options()
     assert named.parameters == ParameterSide(layers=("head",), objective="loss", loss="sparse_categorical_crossentropy")
     assert named.reduce.project_dim == 16
+    kronecker = {"wrt": "parameters", "reduce": "project", "project": {"structure": "kronecker"}}
+    assert config.validate({**base, "jacobian": kronecker}).jacobian.engine_options().reduce.project_structure == "kronecker"
+    from jacobeam.pipeline.identity import run_identity
+
+    dense = config.to_dict(config.validate({**base, "jacobian": {"wrt": "parameters", "reduce": "project"}}))
+    assert "jacobian.project.structure" not in run_identity(dense)  # a run from before the key keeps its identity
+    assert run_identity(config.to_dict(config.validate({**base, "jacobian": kronecker})))["jacobian.project.structure"] \
+        == "kronecker"
     for jacobian, message in [
+        ({"reduce": "project", "project": {"structure": "kronecker"}}, "project.structure: kronecker projects the weights"),
         ({"objective": "margin"}, "objective: is what wrt: parameters differentiates"),
         ({"wrt": "parameters", "objective": "margin"}, "objective: margin needs labels"),
         ({"wrt": "parameters", "reduce": "trace"}, "reduce: trace is not for wrt: parameters"),
@@ -327,8 +366,8 @@ def test_every_mutant_is_a_mismatch_on_a_text_model(kind):
 
 
 def test_a_wrong_projection_block_and_a_wrong_row_are_mismatches():
-    """The engine's projection with one block of one weight drawn for another block; and the label's row
-    stored for another output row."""
+    """The engine's projection with one block of one weight drawn for another block (and, Kronecker, one
+    weight's factors drawn from another's streams); and the label's row stored for another output row."""
     import jacobeam.transforms.engine.parameters as parameters
 
     rng = np.random.default_rng(5)
@@ -347,12 +386,32 @@ def test_a_wrong_projection_block_and_a_wrong_row_are_mismatches():
         wrong = ParameterEngine(loaded("mlp"), (12,), options)
     finally:
         parameters.projection_block = original
+    kronecker = dataclasses.replace(options, reduce=dataclasses.replace(options.reduce, project_structure="kronecker"))
+    right_factors = ParameterEngine(loaded("mlp"), (12,), kronecker)
+    factors_checker = checker_for(right_factors, SelfCheck())
+    factors = parameters.projection_factors
+
+    def swapped(seed, kind, weight, matrix, dim, dtype):  # A and B of weight 0 drawn from weight 1's streams
+        return factors(seed, kind, tf.where(tf.equal(weight, 0), 1, weight), matrix, dim, dtype)
+
+    parameters.projection_factors = swapped
+    try:
+        wrong_factors = ParameterEngine(loaded("mlp"), (12,), kronecker)
+    finally:
+        parameters.projection_factors = factors
     labels = np.array([0, 3, 4])
     stored, _ = wrong.compute(x, labels)
     good, _ = right.compute(x, labels)
     for i in range(3):
         assert checker.check([x[i: i + 1]], {k: v[i: i + 1] for k, v in good.items()}, i, int(labels[i]))["verdict"] == OK
         assert checker.check([x[i: i + 1]], {k: v[i: i + 1] for k, v in stored.items()}, i, int(labels[i]))["verdict"] \
+            == MISMATCH
+    stored, _ = wrong_factors.compute(x, labels)
+    good, _ = right_factors.compute(x, labels)
+    for i in range(3):
+        sample = [x[i: i + 1]]
+        assert factors_checker.check(sample, {k: v[i: i + 1] for k, v in good.items()}, i, int(labels[i]))["verdict"] == OK
+        assert factors_checker.check(sample, {k: v[i: i + 1] for k, v in stored.items()}, i, int(labels[i]))["verdict"] \
             == MISMATCH
     other_row = {k: v[:1] for k, v in right.compute(x[:1], np.array([2]))[0].items()}
     record = checker.check([x[:1]], {**other_row, "output_index": np.array([[0]])}, 0, 0)

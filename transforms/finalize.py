@@ -499,6 +499,11 @@ def _stored(spec: JobSpec, records=()) -> dict[str, Any]:
             "kind": reduction.project_kind,
             "seed": reduction.project_seed,
         }
+        if reduction.project_structure != "dense":  # a dense projection's record as before the key existed
+            from jacobeam.transforms.engine.parameter_space import kronecker_factors
+
+            stored["projection"].update(structure=reduction.project_structure,
+                                        kronecker_factors=list(kronecker_factors(reduction.project_dim)))
     if reduction.kind == "basis":
         stored["basis"] = {"input": reduction.basis_input, "output": reduction.basis_output}
     if spec.engine.parameters is not None:

@@ -144,7 +144,7 @@ class ParameterSelfChecker:
         it (``P`` whole would be gigabytes): each block generated and multiplied in one compiled call."""
         import tensorflow as tf
 
-        from jacobeam.transforms.engine.parameter_space import BLOCK_ROWS
+        from jacobeam.transforms.engine.parameter_space import BLOCK_ROWS, factored, projection_factors
 
         reduction = self.engine.options.reduce
         if self._block_product is None:
@@ -161,6 +161,14 @@ class ParameterSelfChecker:
         stacked = np.concatenate(gradients)
         product = np.zeros((len(stacked), reduction.project_dim))
         for weight in self.engine.layout.weights:
+            matrix = factored(weight) if reduction.project_structure == "kronecker" else None
+            if matrix is not None:  # kron(A, B): A^T G B, in float64
+                a, b = (np.asarray(f, np.float64) for f in projection_factors(
+                    reduction.project_seed, reduction.project_kind, weight.index, matrix, reduction.project_dim,
+                    tf.float32))
+                g = stacked[:, weight.offset: weight.offset + weight.size].reshape(-1, *matrix)
+                product += np.einsum("nil,ik->nkl", g @ b, a).reshape(len(stacked), -1)
+                continue
             for j, start in enumerate(range(0, weight.size, BLOCK_ROWS)):
                 part = stacked[:, weight.offset + start: weight.offset + min(start + BLOCK_ROWS, weight.size)]
                 product += self._block_product(tf.constant(part), tf.constant(weight.index, tf.int64),

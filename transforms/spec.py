@@ -97,6 +97,7 @@ class Reduction:
     project_dim: int = 256
     project_kind: Literal["rademacher", "gaussian"] = "rademacher"
     project_seed: int = 0
+    project_structure: Literal["dense", "kronecker"] = "dense"  # kronecker: the parameter side only
     basis_input: str | None = None  # .npy (d, q): V in U^T J V
     basis_output: str | None = None  # .npy (m, p): U in U^T J V
 

@@ -124,6 +124,13 @@ class ProjectConfig(Section):
         description="Seed of `numpy.random.default_rng`, which draws `P`; the manifest records it "
         "(`stored.projection`) so that `P` can be rebuilt.",
     )
+    structure: Literal["dense", "kronecker"] = Field(
+        "dense",
+        description="`wrt: parameters` only: `dense`, every entry of `P` drawn; `kronecker`, each weight of two "
+        "or more axes (a matrix `(i, o)`) projected by `kron(A, B)`, `A` `(i, k_in)` and `B` `(o, k_out)` with "
+        "`k_in * k_out = dim` (LoGra's projection: a layer's inputs and output gradients projected before "
+        "their product, at about the cost of a backward pass; see docs/what-to-store.md).",
+    )
 
 
 class ParametersWrt(Section):
@@ -377,6 +384,9 @@ class JacobianConfig(Section):
             if self.objective != "outputs":
                 raise ValueError("objective: is what wrt: parameters differentiates; the input side differentiates "
                                  "the outputs")
+            if self.project.structure != "dense":
+                raise ValueError("project.structure: kronecker projects the weights of wrt: parameters; the input "
+                                 "side's P is dense")
             return self
         if self.reduce not in PARAMETER_REDUCTIONS:
             raise ValueError(f"reduce: {self.reduce} is not for wrt: parameters; use one of "
@@ -435,6 +445,7 @@ class JacobianConfig(Section):
                 project_dim=self.project.dim,
                 project_kind=self.project.kind,
                 project_seed=self.project.seed,
+                project_structure=self.project.structure,
                 basis_input=self.basis.input,
                 basis_output=self.basis.output,
             ),

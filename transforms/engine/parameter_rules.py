@@ -59,13 +59,17 @@ def unsupported(keras_model: Any, variables: Sequence[tf.Variable]) -> str | Non
 
 def gradients(keras_model: Any, variables: Sequence[tf.Variable], xs: list[tf.Tensor],
               objective: Callable[[tf.Tensor], tf.Tensor], squares: bool = False,
-              reduce: Callable[[int, tf.Tensor], tf.Tensor] | None = None) -> tuple[tf.Tensor, list[tf.Tensor]]:
+              reduce: Callable[[int, tf.Tensor], tf.Tensor] | None = None,
+              factors: Callable[[int], tuple[tf.Tensor, tf.Tensor] | None] | None = None,
+              ) -> tuple[tf.Tensor, list[tf.Tensor]]:
     """``(values (N,), [per-element gradient (N, *shape) of each of variables])``: ``objective`` maps the
     model's outputs ``(N, *out)`` to each element's scalar. ``squares``: each gradient's squared norm
     ``(N,)`` instead, a kernel's without forming it where its positions are fewer than its entries
     (``_kernel_squares``). ``reduce(position in variables, gradient)``: applied to each gradient as it is
     formed; layer by layer, each layer's gradients formed only once the previous layer's are reduced, so
-    that one layer's are held at a time (``largest_transient``), not all of them."""
+    that one layer's are held at a time (``largest_transient``), not all of them. ``factors(position)``:
+    ``(A, B)`` for a Dense or Conv2D kernel given in place of ``reduce``, its ``A^T G B`` ``(N, k_in * k_out)``
+    from ``sum_p (A^T a_p)(B^T b_p)^T`` without forming ``G`` (``parameter_space``'s Kronecker projection)."""
     wanted = {id(v) for v in variables}
     saved: dict[int, tuple[Any, tf.Tensor, tf.Tensor]] = {}  # id(variable) -> (layer, input, z)
     with tf.GradientTape() as tape:
@@ -78,13 +82,14 @@ def gradients(keras_model: Any, variables: Sequence[tf.Variable], xs: list[tf.Te
     position = {id(v): i for i, v in enumerate(variables)}
     found: dict[int, tf.Tensor] = {}
     previous: list[tf.Tensor] = []
+    projected = {} if factors is None else {id(v): factors(i) for i, v in enumerate(variables)}
     for key, (layer, x, _) in layers.items():
-        with tf.control_dependencies(previous):
-            made = _per_sample(layer, x, dzs[key], wanted, squares)
+        with tf.control_dependencies(previous):  # in turn only where a layer's share is large (``reduce``)
+            made, done = _per_sample(layer, x, dzs[key], wanted, squares, projected)
             if reduce is not None:
-                made = {vid: reduce(position[vid], value) for vid, value in made.items()}
+                made = {vid: value if vid in done else reduce(position[vid], value) for vid, value in made.items()}
         found.update(made)
-        previous = list(made.values())
+        previous = list(made.values()) if reduce is not None else []
     return values, [found[id(v)] for v in variables]
 
 
@@ -173,12 +178,15 @@ def _forward(layer: Any, x: tf.Tensor, wanted: set[int], saved: dict) -> tf.Tens
     return activation(z) if activation is not None else z
 
 
-def _per_sample(layer: Any, x: tf.Tensor, dz: tf.Tensor, wanted: set[int], squares: bool) -> dict[int, tf.Tensor]:
+def _per_sample(layer: Any, x: tf.Tensor, dz: tf.Tensor, wanted: set[int], squares: bool,
+                projected: dict[int, Any]) -> tuple[dict[int, tf.Tensor], set[int]]:
     """Each differentiated weight's per-element gradient (or its squared norm) from the layer's input
-    (``x_hat`` for BatchNormalization) and ``dz``."""
+    (``x_hat`` for BatchNormalization) and ``dz``, or its Kronecker projection where ``projected`` gives
+    its factors; and the weights (by ``id``) so projected."""
     n = tf.shape(dz)[0]
     out: dict[int, tf.Tensor] = {}
     squared: set[str] = set()  # the weights whose squared norms are computed without their gradients
+    done: set[int] = set()
     positions = list(range(1, dz.shape.rank - 1))  # axes summed over: all but the element's and the channels'
     if isinstance(layer, _NORMALIZATIONS):
         grads = {"gamma": tf.reduce_sum(dz * x, positions), "beta": tf.reduce_sum(dz, positions)}
@@ -199,8 +207,13 @@ def _per_sample(layer: Any, x: tf.Tensor, dz: tf.Tensor, wanted: set[int], squar
             patches = tf.image.extract_patches(x, [1, kh, kw, 1], [1, sh, sw, 1], [1, dh, dw, 1], layer.padding.upper())
             inputs = _by_position(patches, n)
         outputs = _by_position(dz, n)
+        pair = projected.get(id(layer.kernel))
         if squares:
             grads, squared = {"kernel": _kernel_squares(inputs, outputs)}, {"kernel"}
+        elif pair is not None:
+            a, b = pair
+            kept = tf.matmul(tf.einsum("npi,ik->npk", inputs, a), tf.einsum("npo,ol->npl", outputs, b), transpose_a=True)
+            grads, done = {"kernel": tf.reshape(kept, (n, a.shape[1] * b.shape[1]))}, {id(layer.kernel)}
         else:
             grads = {"kernel": tf.reshape(tf.matmul(inputs, outputs, transpose_a=True), (n, *layer.kernel.shape))}
         if layer.use_bias:
@@ -213,7 +226,7 @@ def _per_sample(layer: Any, x: tf.Tensor, dz: tf.Tensor, wanted: set[int], squar
         variable = getattr(layer, name, None)
         if variable is not None and id(variable) in wanted:
             out[id(variable)] = value
-    return out
+    return out, done
 
 
 def kernel_norm_way(positions: int | None, width: int, height: int) -> str:

@@ -11,6 +11,16 @@ entries flattened in C order) are cut into blocks of ``BLOCK_ROWS``; block ``j``
 where bit ``c % 32`` of word ``(i, c // 32)`` is set, else ``-1``; gaussian entries are
 ``tf.random.stateless_normal``'s. TensorFlow documents these streams as identical on CPU and GPU for a
 given seed and version; the manifest records the TensorFlow version with the seed.
+
+``project.structure: kronecker`` (LoGra's projection) gives each weight of two or more axes, seen as a
+matrix ``(i, o)`` (``o`` its last axis, ``i`` the others flattened in C order: a Dense kernel's inputs, a
+Conv2D's ``(kh, kw, c_in)`` patch), the rows ``kron(A, B)``: ``A`` ``(i, k_in)`` and ``B`` ``(o, k_out)`` with
+``k_in * k_out = dim`` (``kronecker_factors``), drawn as above from the Philox streams of seed ``(seed,
+-(2v + 1))`` and ``(seed, -(2v + 2))`` and divided by ``sqrt(k_in)`` and ``sqrt(k_out)``. A gradient
+``G`` ``(i, o)`` of the weight projects to ``A^T G B`` flattened in C order; where ``G`` is a sum of outer
+products of a layer's inputs and output gradients, ``sum_p (A^T a_p)(B^T b_p)^T``, without forming ``G``
+(the cost of a backward pass, not of ``p x dim``). Weights of one axis (biases, normalisation scales)
+keep their dense blocks.
 """
 
 from __future__ import annotations
@@ -119,6 +129,36 @@ def projection_block(seed: int, kind: str, weight: int, block: int, dim: int, dt
     the longer one's first rows (``tests/test_parameters.py`` checks it), and a weight of 16 entries need not
     draw 4,096 rows."""
     key = tf.stack([tf.cast(seed, tf.int64), tf.cast(weight, tf.int64) * 2**32 + tf.cast(block, tf.int64)])
+    return _drawn(key, kind, rows, dim, dtype)
+
+
+def kronecker_factors(dim: int) -> tuple[int, int]:
+    """``(k_in, k_out)`` of ``project.structure: kronecker``: ``k_in`` the largest divisor of ``dim`` not
+    above its square root (2,048: 32 x 64; a prime ``dim``: 1 x ``dim``)."""
+    k_in = max(k for k in range(1, math.isqrt(dim) + 1) if dim % k == 0)
+    return k_in, dim // k_in
+
+
+def factored(weight: Weight) -> tuple[int, int] | None:
+    """The matrix ``(i, o)`` a weight is seen as by the Kronecker projection; None for a weight of one axis."""
+    if len(weight.shape) < 2:
+        return None
+    return weight.size // weight.shape[-1], weight.shape[-1]
+
+
+def projection_factors(seed: int, kind: str, weight: int, matrix: tuple[int, int], dim: int,
+                       dtype) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(A (i, k_in), B (o, k_out))`` of weight position ``weight`` seen as the matrix ``(i, o)`` (module
+    docstring): its rows of ``P`` are ``kron(A, B)``."""
+    found = []
+    for f, (rows, k) in enumerate(zip(matrix, kronecker_factors(dim))):
+        key = tf.stack([tf.cast(seed, tf.int64), -(2 * tf.cast(weight, tf.int64) + f + 1)])
+        found.append(_drawn(key, kind, rows, k, dtype))
+    return found[0], found[1]
+
+
+def _drawn(key: tf.Tensor, kind: str, rows: int, dim: int, dtype) -> tf.Tensor:
+    """``(rows, dim)`` entries of the Philox stream ``key`` (module docstring), divided by ``sqrt(dim)``."""
     if kind == "gaussian":
         values = tf.random.stateless_normal((rows, dim), key, dtype=tf.float32, alg="philox")
     else:  # 32 signs from each random word: Philox's cost divided by 32
@@ -137,10 +177,14 @@ def projection_blocks(seed: int, kind: str, weight: Weight, dim: int) -> Iterato
         yield start, stop, np.asarray(projection_block(seed, kind, weight.index, j, dim, tf.float32, stop - start), np.float64)
 
 
-def projection_rows(seed: int, kind: str, weight: Weight, dim: int) -> np.ndarray:
+def projection_rows(seed: int, kind: str, weight: Weight, dim: int, structure: str = "dense") -> np.ndarray:
     """The rows of ``P`` for one weight, ``(weight.size, dim)`` float64: what a user rebuilding a stored
     projection computes (``P = concatenate([projection_rows(...) for each weight])``, where it fits in
-    memory; else ``projection_blocks``)."""
+    memory; else ``projection_blocks``, or ``projection_factors`` for ``structure: kronecker``)."""
+    matrix = factored(weight) if structure == "kronecker" else None
+    if matrix is not None:
+        a, b = projection_factors(seed, kind, weight.index, matrix, dim, tf.float32)
+        return np.kron(np.asarray(a, np.float64), np.asarray(b, np.float64))
     return np.concatenate([rows for _, _, rows in projection_blocks(seed, kind, weight, dim)])
 
 

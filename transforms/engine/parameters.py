@@ -37,11 +37,14 @@ from jacobeam.transforms.engine.diagnostics import AGREEMENT, activation_size, p
 from jacobeam.transforms.engine.models import LoadedModel
 from jacobeam.transforms.engine.parameter_space import (
     BLOCK_ROWS,
+    Weight,
+    factored,
     layout,
     objective_value,
     objective_values,
     outputs_are_probabilities,
     projection_block,
+    projection_factors,
     rows_shape,
 )
 from jacobeam.transforms.errors import ModelError
@@ -209,7 +212,7 @@ class ParameterEngine:
                 y = tf.reshape(model.call([x[None] for x in parts]), (-1,))
                 value = objective_value(side.objective, side.loss, probabilities, y, label, row)
             grads = tape.gradient(value, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return value, [tf.reshape(g, (-1,)) for g in grads]
+            return y, value, [tf.reshape(g, (-1,)) for g in grads]
 
         def by_layer(squares):
             found = [tf.zeros_like(squares[0]) for _ in layer_of]
@@ -217,40 +220,49 @@ class ParameterEngine:
                 found[layer_of[weight.layer]] += square
             return tf.stack(found, axis=1)
 
-        def reduce(values, grads):
-            out = {"objective": values}
+        def reduce(y, values, grads):
+            out = {"output": y, "objective": values}
             if reduction.kind == "none":
                 out["gradient"] = tf.concat(grads, axis=1)
             elif reduction.kind == "frobenius":
                 out["squares_by_layer"] = by_layer([tf.reduce_sum(tf.square(tf.cast(g, tf.float64)), axis=1) for g in grads])
             else:
-                out["projection"] = tf.add_n([_projected(g, w.index, reduction, dtype) for g, w in zip(grads, weights)])
+                out["projection"] = tf.add_n([_projected(g, w, reduction, dtype) for g, w in zip(grads, weights)])
             return out
 
         def step(xs, labels, rows):
             if path == "layer rules":
+                outputs = []  # the forward pass's, kept: the datasets' outputs without another pass
+
                 def objective(y):
-                    flat = tf.reshape(y, (tf.shape(y)[0], -1))
-                    return objective_values(side.objective, side.loss, probabilities, flat, labels, rows)
+                    outputs.append(tf.reshape(y, (tf.shape(y)[0], -1)))
+                    return objective_values(side.objective, side.loss, probabilities, outputs[0], labels, rows)
 
                 if reduction.kind == "frobenius":  # the norms without forming the gradients where cheaper
                     values, squares = parameter_rules.gradients(model.keras_model, variables, list(xs), objective, True)
-                    return {"objective": values, "squares_by_layer": by_layer(squares)}
+                    return {"output": outputs[0], "objective": values, "squares_by_layer": by_layer(squares)}
                 if reduction.kind == "project":  # each weight projected as soon as formed: one layer's held
                     def project(k, g):
-                        return _projected(tf.reshape(g, (-1, weights[k].size)), weights[k].index, reduction, dtype)
+                        return _projected(tf.reshape(g, (-1, weights[k].size)), weights[k], reduction, dtype)
+
+                    def factors(k):  # a kernel's A and B, its inputs and output gradients projected before their product
+                        matrix = factored(weights[k]) if reduction.project_structure == "kronecker" else None
+                        return None if matrix is None else projection_factors(
+                            reduction.project_seed, reduction.project_kind, weights[k].index, matrix,
+                            reduction.project_dim, dtype)
 
                     values, products = parameter_rules.gradients(model.keras_model, variables, list(xs), objective,
-                                                                 reduce=project)
-                    return {"objective": values, "projection": tf.add_n(products)}
+                                                                 reduce=project, factors=factors)
+                    return {"output": outputs[0], "objective": values, "projection": tf.add_n(products)}
                 values, grads = parameter_rules.gradients(model.keras_model, variables, list(xs), objective)
-                grads = [tf.reshape(g, (-1, w.size)) for g, w in zip(grads, weights)]
+                y, grads = outputs[0], [tf.reshape(g, (-1, w.size)) for g, w in zip(grads, weights)]
             elif path == "vectorized_map":
-                values, grads = tf.vectorized_map(element, (*xs, labels, rows), fallback_to_while_loop=False)
+                y, values, grads = tf.vectorized_map(element, (*xs, labels, rows), fallback_to_while_loop=False)
             else:
-                signature = (tf.TensorSpec((), dtype), [tf.TensorSpec((w.size,), dtype) for w in weights])
-                values, grads = tf.map_fn(element, (*xs, labels, rows), fn_output_signature=signature)
-            return reduce(values, grads)
+                signature = (tf.TensorSpec((self.outputs,), dtype), tf.TensorSpec((), dtype),
+                             [tf.TensorSpec((w.size,), dtype) for w in weights])
+                y, values, grads = tf.map_fn(element, (*xs, labels, rows), fn_output_signature=signature)
+            return reduce(y, values, grads)
 
         specs = [tf.TensorSpec((None, *shape), dtype) for shape in self.input_shapes]
         return tf.function(step, input_signature=[specs, tf.TensorSpec((None,), tf.int32), tf.TensorSpec((None,), tf.int32)],
@@ -271,8 +283,8 @@ class ParameterEngine:
         while lo < len(sample):
             hi = lo + self.elements
             try:
-                found = step([tf.constant(x[sample[lo:hi]]) for x in xs], tf.constant(label[sample[lo:hi]]),
-                             tf.constant(rows[lo:hi]))
+                at = slice(lo, hi) if per == 1 else sample[lo:hi]  # one element per sample: views, not copies
+                found = step([tf.constant(x[at]) for x in xs], tf.constant(label[at]), tf.constant(rows[lo:hi]))
             except tf.errors.ResourceExhaustedError as err:  # fewer elements per call, for this call and later ones
                 if self.elements == 1:
                     raise ModelError(f"{self.model.source}: out of memory even for one element per call (memory_budget "
@@ -287,9 +299,10 @@ class ParameterEngine:
 
     # -- computing -----------------------------------------------------------------------------------
 
-    def _select(self, y: np.ndarray, labels: np.ndarray | None) -> np.ndarray | None:
-        """The output rows ``(n, k)`` differentiated per sample (None for all rows or an objective)."""
-        selection, n = self.options.outputs, len(y)
+    def _select(self, n: int, y: np.ndarray | None, labels: np.ndarray | None) -> np.ndarray | None:
+        """The output rows ``(n, k)`` differentiated per sample (None for all rows or an objective); ``y``, the
+        outputs, needed only for ``argmax`` and ``top_k``."""
+        selection = self.options.outputs
         if self.side.objective != "outputs" or selection.rule == "all":
             return None
         if selection.rule == "indices":
@@ -313,11 +326,14 @@ class ParameterEngine:
                 raise ModelError(f"label {float(labels[bad][0]):g} is not an output index 0..{self.outputs - 1}")
         if self._refused is not None:
             raise ModelError(self._refused)
-        y = self._forward(xs)
-        index = self._select(y, labels)
+        chosen_by_outputs = self.side.objective == "outputs" and self.options.outputs.rule in ("argmax", "top_k")
+        y = self._forward(xs) if chosen_by_outputs else None  # else the gradients' own forward pass gives them
+        index = self._select(n, y, labels)
         raw = self._call(self._step, xs, labels, index)
         if self._unchecked:
             self._check_first_batch(xs, labels, index, raw)
+        if y is None:
+            y = raw["output"][:: max(1, math.prod(self.rows_shape))].reshape(n, *self.output_shape)
         return self._datasets(y, index, raw, n), None
 
     def _check_first_batch(self, xs, labels, index, raw: dict) -> None:
@@ -404,11 +420,18 @@ class ParameterEngine:
         }
 
 
-def _projected(grads: tf.Tensor, weight: int, reduction, dtype) -> tf.Tensor:
-    """``grads`` ``(N, size)`` of one weight times its rows of ``P``, ``(N, dim)``, one block at a time."""
+def _projected(grads: tf.Tensor, weight: Weight, reduction, dtype) -> tf.Tensor:
+    """``grads`` ``(N, size)`` of one weight times its rows of ``P``, ``(N, dim)``: ``A^T G B`` (Kronecker), or
+    one block at a time."""
     size = int(grads.shape[1])
     blocks = -(-size // BLOCK_ROWS)
     seed, kind, dim = reduction.project_seed, reduction.project_kind, reduction.project_dim
+    matrix = factored(weight) if reduction.project_structure == "kronecker" else None
+    if matrix is not None:
+        a, b = projection_factors(seed, kind, weight.index, matrix, dim, dtype)
+        right = tf.einsum("nio,ol->nil", tf.reshape(grads, (-1, *matrix)), b)
+        return tf.reshape(tf.einsum("nil,ik->nkl", right, a), (-1, dim))
+    weight = weight.index
     if blocks == 1:
         return tf.matmul(grads, projection_block(seed, kind, weight, 0, dim, dtype, size))
     padded = tf.pad(grads, [[0, 0], [0, blocks * BLOCK_ROWS - size]])
