@@ -431,14 +431,13 @@ def _projected(grads: tf.Tensor, weight: Weight, reduction, dtype) -> tf.Tensor:
         a, b = projection_factors(seed, kind, weight.index, matrix, dim, dtype)
         right = tf.einsum("nio,ol->nil", tf.reshape(grads, (-1, *matrix)), b)
         return tf.reshape(tf.einsum("nil,ik->nkl", right, a), (-1, dim))
-    weight = weight.index
     if blocks == 1:
-        return tf.matmul(grads, projection_block(seed, kind, weight, 0, dim, dtype, size))
+        return tf.matmul(grads, projection_block(seed, kind, weight.index, 0, dim, dtype, size))
     padded = tf.pad(grads, [[0, 0], [0, blocks * BLOCK_ROWS - size]])
     stacked = tf.transpose(tf.reshape(padded, (-1, blocks, BLOCK_ROWS)), (1, 0, 2))  # (blocks, N, BLOCK_ROWS)
 
     def body(j, total):
-        return j + 1, total + tf.matmul(stacked[j], projection_block(seed, kind, weight, j, dim, dtype))
+        return j + 1, total + tf.matmul(stacked[j], projection_block(seed, kind, weight.index, j, dim, dtype))
 
     total = tf.zeros((tf.shape(grads)[0], dim), dtype)
     return tf.while_loop(lambda j, _: j < blocks, body, (tf.constant(0), total))[1]
