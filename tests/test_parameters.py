@@ -472,6 +472,32 @@ def test_ghost_norms_of_the_layer_rules_match_a_float64_tape(name):
         assert ((3, 8, 16), "gram") in chosen_ways
 
 
+def test_a_layer_without_a_rule_runs_as_itself_where_its_weights_are_not_differentiated():
+    """An rms-scaled LayerNormalization and a masking Embedding have no rule; with only the head
+    differentiated they run as themselves (the mask reaches the pooling), and the rules still apply."""
+    import keras
+
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Embedding(7, 6, mask_zero=True, name="embed"),
+                              keras.layers.LayerNormalization(rms_scaling=True, name="norm"),
+                              keras.layers.GlobalAveragePooling1D(name="pool"), keras.layers.Dense(3, name="head")])
+    models.seeded_weights(model, seed=2)
+    side = ParameterSide(objective="margin", layers=("head",))
+    options = EngineOptions(parameters=side, reduce=Reduction(kind="none"))
+    engine = ParameterEngine(wrap_model(model, "masked"), (5,), options)
+    assert engine.path == "layer rules"
+    x = np.array([[1, 2, 0, 0, 0], [3, 3, 6, 1, 0]], np.float32)  # padded with id 0, which the mask drops
+    labels = np.array([2, 0])
+    stored, _ = engine.compute(x, labels)
+    for i in range(2):
+        with tf.GradientTape() as tape:
+            z = model(x[i: i + 1], training=False)[0]
+            rest = tf.concat([z[: labels[i]], z[labels[i] + 1:]], 0)
+            value = z[labels[i]] - tf.reduce_logsumexp(rest)
+        head = model.get_layer("head").trainable_weights
+        want = np.concatenate([np.asarray(g).reshape(-1) for g in tape.gradient(value, head)])
+        assert_close(stored["gradient"][i], want, rtol=1e-5)
+
+
 def test_the_first_batch_is_checked_against_the_loop_and_an_out_of_memory_call_retried_smaller():
     options = EngineOptions(parameters=ParameterSide(objective="margin"), reduce=Reduction(kind="project", project_dim=8))
     rng = np.random.default_rng(2)

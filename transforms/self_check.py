@@ -339,7 +339,6 @@ class SelfChecker:
             yield self.datasets(function, [point.astype(dtype) for point in points], index)[0]
 
 
-
 def verdict(checker, judged: _Judgement, rows_differ: str | None, moved, sample_id: int, began: float,
             first: bool) -> tuple[dict[str, Any], dict[str, float]]:
     """A checked sample's record and each dataset's bound, from its judgement (``rows_differ``: what is
@@ -394,6 +393,7 @@ def moved_points(xs: Sequence[np.ndarray], compute: str, sample_id: int) -> Iter
         steps = [rng.uniform(-1.0, 1.0, np.shape(x)) * np.spacing(np.abs(np.asarray(x, compute))) for x in xs]
         for way in (1.0, -1.0):
             yield [np.asarray(x, np.float64) + way * step for x, step in zip(xs, steps)]
+
 
 class _Judgement:
     """One sample's datasets judged row by row against the truth (the rule of the module docstring).

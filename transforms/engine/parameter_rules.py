@@ -73,7 +73,7 @@ def gradients(keras_model: Any, variables: Sequence[tf.Variable], xs: list[tf.Te
     wanted = {id(v) for v in variables}
     saved: dict[int, tuple[Any, tf.Tensor, tf.Tensor]] = {}  # id(variable) -> (layer, input, z)
     with tf.GradientTape() as tape:
-        y = _run(keras_model, xs, lambda layer, x: _forward(layer, x, wanted, saved))
+        y = _run(keras_model, xs, wanted, lambda layer, x: _forward(layer, x, wanted, saved))
         values = objective(y)
         total = tf.reduce_sum(values)
     layers = {id(layer): (layer, x, z) for layer, x, z in saved.values()}
@@ -126,10 +126,12 @@ def _entries(shape) -> int:
     return math.prod(int(dim) for dim in shape)
 
 
-def _run(model: Any, xs: list[tf.Tensor], ruled: Callable[[Any, tf.Tensor], tf.Tensor]) -> tf.Tensor:
+def _run(model: Any, xs: list[tf.Tensor], wanted: set[int], ruled: Callable[[Any, tf.Tensor], tf.Tensor]) -> tf.Tensor:
+    """The model's outputs for ``xs``: the layers holding a differentiated weight (by ``id`` in ``wanted``)
+    called by ``ruled``, every other one as itself (its own ``call``, masks and all), in inference mode."""
     def call(op):
         def apply(*args, **kwargs):
-            if type(op) in _RULED and any(True for _ in op.trainable_weights):
+            if type(op) in _RULED and any(id(v) in wanted for v in op.trainable_weights):
                 return ruled(op, args[0])
             if getattr(op, "_call_has_training_arg", False):
                 kwargs["training"] = False
