@@ -12,7 +12,7 @@ Rows (``trak``):
 - ``jacobeam``: ``ParameterEngine`` at the defaults (``wrt: parameters``, ``objective: margin``, ``reduce:
   project``, dim 2,048, batch 256, memory budget 2 GiB);
 - ``jacobeam_kronecker``: the same with ``project.structure: kronecker`` (LoGra's projection: another
-  ``P``, as good a projection for TRAK, far cheaper to apply);
+  ``P``, with ``E[P P^T] = I`` as the dense one, far cheaper to apply);
 - ``torch_trak``: ``torch.func.vmap(grad)`` and TRAK's ``BasicProjector`` (the ``traker`` package) as TRAK
   uses it on a CPU (block of 100 columns, regenerated per call);
 - ``torch_trak_whole``: the same with the whole projection held (one block of 2,048 columns);
@@ -26,7 +26,7 @@ registry of per-layer ghost norms, Dense and Embedding in 0.9.0, so the MLP only
 Each row is checked on two samples against a float64 tape of the Keras model, so that every row
 computes the same thing: its per-sample gradients before projecting (``trak``), its norms (``grand``).
 TF Privacy pins numpy 1.x and TensorFlow Probability 0.22, which would replace this environment's: it is
-installed without its dependencies (README), its row run with ``TF_USE_LEGACY_KERAS=1`` (it needs Keras 2).
+installed without its dependencies (``benchmarks/README.md``), its row run with ``TF_USE_LEGACY_KERAS=1`` (it needs Keras 2).
 """
 
 from __future__ import annotations
