@@ -185,16 +185,17 @@ def torch_row(name: str, whole: bool, task: str = "trak"):
 
     per_sample = vmap(grad(objective), in_dims=(None, 0, 0))
 
-    def gradients(x, y):
+    def per_weight(x, y):
         with torch.no_grad():
             g = per_sample(params, torch.from_numpy(x), torch.from_numpy(y))
-        return torch.cat([g[k].reshape(len(x), -1) for k in keys], 1).numpy()
+        return [g[k].reshape(len(x), -1) for k in keys]
+
+    def gradients(x, y):
+        return torch.cat(per_weight(x, y), 1).numpy()
 
     if task == "grand":
         def norms(x, y):
-            with torch.no_grad():
-                g = per_sample(params, torch.from_numpy(x), torch.from_numpy(y))
-                return torch.sqrt(sum(g[k].reshape(len(x), -1).square().sum(1) for k in keys)).numpy()
+            return torch.sqrt(sum(g.square().sum(1) for g in per_weight(x, y))).numpy()
 
         return norms, gradients, {"torch": torch.__version__}
     from trak.projectors import BasicProjector, ProjectionType
@@ -214,10 +215,9 @@ def tf_privacy_row(name: str):
     registry) on a ``tf_keras`` copy of the MLP with the same weights."""
     if name != "mlp":
         raise SystemExit("tf_privacy: TF Privacy 0.9.0's registry has no Conv2D or BatchNormalization rule")
-    import sys
-
     sys.skip_tf_privacy_import = True  # the package's own switch: only the modules imported below, not its pins
     import tensorflow as tf
+    import tf_keras
     from tensorflow_privacy.privacy.fast_gradient_clipping import clip_grads, layer_registry
 
     weights = [np.asarray(v) for v in keras_model(name).trainable_variables]
@@ -230,8 +230,6 @@ def tf_privacy_row(name: str):
         return tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
 
     norms = tf.function(lambda x, y: clip_grads.compute_gradient_norms(legacy, registry, x, y, per_example_loss_fn=loss))
-    import tf_keras
-
     return (lambda x, y: norms(x, y).numpy()), None, {"tf_keras": tf_keras.__version__}
 
 
@@ -275,16 +273,18 @@ def jax_row(name: str, task: str = "trak"):
             return jax.nn.logsumexp(z) - z[y]
         return z[y] - jax.nn.logsumexp(jnp.where(jnp.arange(z.shape[0]) == y, -jnp.inf, z))
 
+    def per_weight(x, y):
+        g = jax.vmap(jax.grad(objective), in_axes=(None, 0, 0))(params, x, y)
+        return [g[n].reshape(x.shape[0], -1) for n in names]
+
     @jax.jit
     def flat(x, y):
-        g = jax.vmap(jax.grad(objective), in_axes=(None, 0, 0))(params, x, y)
-        return jnp.concatenate([g[n].reshape(x.shape[0], -1) for n in names], 1)
+        return jnp.concatenate(per_weight(x, y), 1)
 
     if task == "grand":
         @jax.jit
         def norms(x, y):
-            g = jax.vmap(jax.grad(objective), in_axes=(None, 0, 0))(params, x, y)
-            return jnp.sqrt(sum(jnp.sum(g[n].reshape(x.shape[0], -1) ** 2, 1) for n in names))
+            return jnp.sqrt(sum(jnp.sum(g**2, 1) for g in per_weight(x, y)))
 
         return (lambda x, y: np.asarray(norms(x, y))), None, {"jax": jax.__version__}
     size = sum(int(np.prod(v.shape)) for v in params.values())

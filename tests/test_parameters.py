@@ -465,8 +465,7 @@ def test_ghost_norms_of_the_layer_rules_match_a_float64_tape(name):
                          for g in grads])
     assert_close(stored["frobenius_by_layer"], by_layer)
     assert_close(stored["frobenius"], np.sqrt((by_layer**2).sum(axis=1)))
-    chosen_ways = {(c.args, r) for c, r in zip(ways.call_args_list, [parameter_rules.kernel_norm_way(*c.args)
-                                                                      for c in ways.call_args_list])}
+    chosen_ways = {(c.args, parameter_rules.kernel_norm_way(*c.args)) for c in ways.call_args_list}
     assert all(args[0] is not None for args, _ in chosen_ways)  # the positions known when the graph is built
     if name == "sequence":
         assert ((3, 8, 16), "gram") in chosen_ways

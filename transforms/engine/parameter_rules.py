@@ -82,10 +82,13 @@ def gradients(keras_model: Any, variables: Sequence[tf.Variable], xs: list[tf.Te
     position = {id(v): i for i, v in enumerate(variables)}
     found: dict[int, tf.Tensor] = {}
     previous: list[tf.Tensor] = []
-    projected = {} if factors is None else {id(v): factors(i) for i, v in enumerate(variables)}
+
+    def factors_of(variable) -> tuple[tf.Tensor, tf.Tensor] | None:
+        return None if factors is None or id(variable) not in position else factors(position[id(variable)])
+
     for key, (layer, x, _) in layers.items():
         with tf.control_dependencies(previous):  # in turn only where a layer's share is large (``reduce``)
-            made, done = _per_sample(layer, x, dzs[key], wanted, squares, projected)
+            made, done = _per_sample(layer, x, dzs[key], wanted, squares, factors_of)
             if reduce is not None:
                 made = {vid: value if vid in done else reduce(position[vid], value) for vid, value in made.items()}
         found.update(made)
@@ -181,10 +184,11 @@ def _forward(layer: Any, x: tf.Tensor, wanted: set[int], saved: dict) -> tf.Tens
 
 
 def _per_sample(layer: Any, x: tf.Tensor, dz: tf.Tensor, wanted: set[int], squares: bool,
-                projected: dict[int, Any]) -> tuple[dict[int, tf.Tensor], set[int]]:
+                factors_of: Callable[[Any], tuple[tf.Tensor, tf.Tensor] | None],
+                ) -> tuple[dict[int, tf.Tensor], set[int]]:
     """Each differentiated weight's per-element gradient (or its squared norm) from the layer's input
-    (``x_hat`` for BatchNormalization) and ``dz``, or its Kronecker projection where ``projected`` gives
-    its factors; and the weights (by ``id``) so projected."""
+    (``x_hat`` for BatchNormalization) and ``dz``, or a kernel's Kronecker projection where ``factors_of``
+    gives its factors; and the weights (by ``id``) so projected."""
     n = tf.shape(dz)[0]
     out: dict[int, tf.Tensor] = {}
     squared: set[str] = set()  # the weights whose squared norms are computed without their gradients
@@ -209,7 +213,7 @@ def _per_sample(layer: Any, x: tf.Tensor, dz: tf.Tensor, wanted: set[int], squar
             patches = tf.image.extract_patches(x, [1, kh, kw, 1], [1, sh, sw, 1], [1, dh, dw, 1], layer.padding.upper())
             inputs = _by_position(patches, n)
         outputs = _by_position(dz, n)
-        pair = projected.get(id(layer.kernel))
+        pair = None if squares else factors_of(layer.kernel)
         if squares:
             grads, squared = {"kernel": _kernel_squares(inputs, outputs)}, {"kernel"}
         elif pair is not None:
