@@ -323,16 +323,18 @@ MUTANTS = {
 @pytest.fixture(scope="module")
 def checked_engines():
     built = {}
-    for kind in ("project", "frobenius", "none"):
+    for kind in ("project", "kronecker", "frobenius", "none"):
+        reduction = Reduction(kind="project", project_dim=32, project_structure="kronecker") if kind == "kronecker" \
+            else Reduction(kind=kind, project_dim=32)
         for side in (ParameterSide(objective="margin"), ParameterSide(objective="loss", loss="sparse_categorical_crossentropy")):
-            options = EngineOptions(parameters=side, reduce=Reduction(kind=kind, project_dim=32))
+            options = EngineOptions(parameters=side, reduce=reduction)
             engine = ParameterEngine(loaded("bn_cnn"), (6, 6, 2), options)
             built[kind, side.objective] = engine, checker_for(engine, SelfCheck())
     return built
 
 
 @pytest.mark.parametrize("inputs", ["noise", "flat", "saturated"])
-@pytest.mark.parametrize("kind", ["project", "frobenius", "none"])
+@pytest.mark.parametrize("kind", ["project", "kronecker", "frobenius", "none"])
 def test_every_mutant_is_a_mismatch_and_the_engine_passes(checked_engines, kind, inputs):
     rng = np.random.default_rng(3)
     for objective in ("margin", "loss"):
