@@ -19,14 +19,17 @@ more; the other 35 nets agree to 2e-5 or better (ConvNeXt, VGG and Xception to 3
 still in float32 gives outputs as close, which is why the traced graph is checked op by op
 (``foreign_float_op``); a weight in the wrong place or a layer rebuilt differently is off by O(1).
 
-Slow (all of ``keras.applications``, one test each: 6 minutes in one process, 10 GB of memory at most;
-CI runs them); the fast tests are ConvNeXtTiny (which could not be rebuilt before: its ``inputs + x`` is
+Slow (all of ``keras.applications``, one test each: 6 minutes; CI runs them), in spawned processes of
+their own, ``PER_PROCESS`` models each: one process holding them all reached 10 GB, which the test worker
+then kept for the rest of the run beside the other files it ran, until the kernel killed it. The fast tests are ConvNeXtTiny (which could not be rebuilt before: its ``inputs + x`` is
 a ``keras.ops`` call, its LayerScale carries a DTypePolicy dict, its stem is a Sequential with an input
 of its own) and small models for what ``keras.applications`` does not have.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import re
 
 import keras
@@ -44,6 +47,7 @@ APPLICATIONS = sorted(name for name in dir(keras.applications) if name[:1].isupp
 FAST = "ConvNeXtTiny"
 TOLERANCE = 1e-4  # relative to the largest logit, for a well-conditioned net (most of the list: the docstring)
 ROUNDOFF = 30  # times what rounding the input to float32 does: the allowance of an ill-conditioned one
+PER_PROCESS = 6  # slow checks per spawned process: a few GB at most, one TensorFlow import per six models
 
 
 def _application(name: str) -> keras.Model:
@@ -149,10 +153,18 @@ def _check_float64_copy(name: str) -> None:
     assert moved(other) > 1e-2, f"{name}: another image moves the logits by {moved(other):.1e} only (no signal to compare)"
 
 
+@pytest.fixture(scope="module")
+def own_processes():
+    """One spawned process at a time, replaced after ``PER_PROCESS`` checks; shut down with the module."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=PER_PROCESS) as pool:
+        yield pool
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name in APPLICATIONS if name != FAST])
-def test_every_keras_application_has_a_float64_copy(name):
-    _check_float64_copy(name)
+def test_every_keras_application_has_a_float64_copy(name, own_processes):
+    own_processes.submit(_check_float64_copy, name).result()  # its assertion, raised here
 
 
 def test_convnext_tiny_has_a_float64_copy():

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from jacobeam.pipeline import config
 from jacobeam.transforms.engine import parameter_rules
 from jacobeam.transforms.engine.models import wrap_model
-from jacobeam.transforms.engine.parameter_space import BLOCK_ROWS, projection_rows
+from jacobeam.transforms.engine.parameter_space import BLOCK_ROWS, projection_block, projection_rows
 from jacobeam.transforms.engine.parameters import ParameterEngine
 from jacobeam.transforms.errors import ModelError
 from jacobeam.transforms.self_check import KINK, MISMATCH, OK, checker_for
@@ -200,6 +200,10 @@ def test_the_projection_is_the_documented_bits_of_philox_words():
         want = (bits.reshape(BLOCK_ROWS, 64)[:, :40] * 2.0 - 1.0).astype(np.float32) / np.float32(math.sqrt(40))
         got = rows[block * BLOCK_ROWS: (block + 1) * BLOCK_ROWS]
         np.testing.assert_array_equal(got, want[: len(got)])
+        signs = (bits.reshape(BLOCK_ROWS, 64)[:7, :40].astype(np.int64) * 2 - 1)  # other dtypes: the same signs
+        for dtype in (np.float64, np.float16):
+            drawn = projection_block(11, "rademacher", 3, block, 40, tf.as_dtype(dtype), 7).numpy()
+            np.testing.assert_array_equal(drawn, signs.astype(dtype) / dtype(np.float32(math.sqrt(40))))
     normal = projection_rows(11, "gaussian", weight, 40)
     want = tf.random.stateless_normal((BLOCK_ROWS, 40), [11, 3 * 2**32 + 1], alg="philox").numpy() / np.float32(math.sqrt(40))
     np.testing.assert_allclose(normal[BLOCK_ROWS:], want[:5], rtol=1e-6)

@@ -39,6 +39,8 @@ BLOCK_ROWS = 4096  # rows of P generated at a time (a weight's flat entries per 
 OBJECTIVES = ("outputs", "margin", "loss")
 # Keras losses of a class label, by name: what the labels are turned into for each.
 LOSSES = {"sparse_categorical_crossentropy": "index", "categorical_crossentropy": "one_hot"}
+_OCTET_SHIFTS = np.arange(0, 32, 8, dtype=np.int32)  # a random word's four octets, least significant first
+_OCTET_BITS = (np.arange(256)[:, None] >> np.arange(8)) & 1 == 1  # (256, 8): the bits of each octet value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,12 +163,16 @@ def _drawn(key: tf.Tensor, kind: str, rows: int, dim: int, dtype) -> tf.Tensor:
     """``(rows, dim)`` entries of the Philox stream ``key`` (module docstring), divided by ``sqrt(dim)``."""
     if kind == "gaussian":
         values = tf.random.stateless_normal((rows, dim), key, dtype=tf.float32, alg="philox")
-    else:  # 32 signs from each random word: Philox's cost divided by 32
-        words = tf.random.stateless_uniform((rows, -(-dim // 32)), key, minval=None, maxval=None,
-                                            dtype=tf.int32, alg="philox")
-        bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(words[:, :, None], tf.range(32, dtype=tf.int32)), 1)
-        values = tf.cast(tf.reshape(bits, (rows, -1))[:, :dim], tf.float32) * 2.0 - 1.0
-    return tf.cast(values, dtype) / tf.cast(math.sqrt(dim), dtype)
+        return tf.cast(values, dtype) / tf.cast(math.sqrt(dim), dtype)
+    # 32 signs from each random word (Philox's cost divided by 32), looked up an octet at a time: one gather
+    # from a (256, 8) table writes the block, where shifting, masking, casting and scaling each entry made
+    # four passes over it. The table holds the same quotients, so the entries are the same bits.
+    words = tf.random.stateless_uniform((rows, -(-dim // 32)), key, minval=None, maxval=None, dtype=tf.int32,
+                                        alg="philox")
+    octets = tf.bitwise.bitwise_and(tf.bitwise.right_shift(words[:, :, None], _OCTET_SHIFTS), 255)  # bit c: 8b + k
+    scale = tf.ones((), dtype) / tf.cast(math.sqrt(dim), dtype)
+    signs = tf.where(_OCTET_BITS, scale, -scale)  # (256, 8): entry k of octet b is +scale where its bit k is set
+    return tf.reshape(tf.gather(signs, octets), (rows, -1))[:, :dim]
 
 
 def projection_blocks(seed: int, kind: str, weight: Weight, dim: int) -> Iterator[tuple[int, int, np.ndarray]]:
