@@ -19,11 +19,12 @@ more; the other 35 nets agree to 2e-5 or better (ConvNeXt, VGG and Xception to 3
 still in float32 gives outputs as close, which is why the traced graph is checked op by op
 (``foreign_float_op``); a weight in the wrong place or a layer rebuilt differently is off by O(1).
 
-Slow (all of ``keras.applications``, one test each: 6 minutes; CI runs them), in spawned processes of
+Slow (all of ``keras.applications``, one test each: 7 minutes; CI runs them), in spawned processes of
 their own, ``PER_PROCESS`` models each: one process holding them all reached 10 GB, which the test worker
-then kept for the rest of the run beside the other files it ran, until the kernel killed it. The fast tests are ConvNeXtTiny (which could not be rebuilt before: its ``inputs + x`` is
-a ``keras.ops`` call, its LayerScale carries a DTypePolicy dict, its stem is a Sequential with an input
-of its own) and small models for what ``keras.applications`` does not have.
+then kept for the rest of the run beside the other files it ran, until the kernel killed it. The fast
+tests are ConvNeXtTiny (which could not be rebuilt before: its ``inputs + x`` is a ``keras.ops`` call,
+its LayerScale carries a DTypePolicy dict, its stem is a Sequential with an input of its own) and small
+models for what ``keras.applications`` does not have.
 """
 
 from __future__ import annotations

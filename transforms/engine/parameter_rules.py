@@ -28,6 +28,7 @@ import tensorflow as tf
 
 _NORMALIZATIONS = (keras.layers.BatchNormalization, keras.layers.LayerNormalization)
 _RULED = (keras.layers.Dense, keras.layers.Conv2D, keras.layers.Embedding, *_NORMALIZATIONS)
+FEW_SQUARES = 1024  # entries a sum of squares adds up in the compute dtype (``_squared_norms``)
 
 
 def unsupported(keras_model: Any, variables: Sequence[tf.Variable]) -> str | None:
@@ -117,8 +118,9 @@ def _by_position(x: tf.Tensor, n: tf.Tensor) -> tf.Tensor:
     """``x`` ``(N, *positions, channels)`` as ``(N, P, channels)``, ``P`` static where the positions are (the
     ghost norms choose their way by it)."""
     positions = x.shape[1:-1]
-    count = _entries(positions) if positions.is_fully_defined() else -1
-    return tf.reshape(x, (n, count, x.shape[-1]))
+    if positions.is_fully_defined():  # a constant shape: no ops to build it in every call
+        return tf.reshape(x, (-1, _entries(positions), x.shape[-1]))
+    return tf.reshape(x, (n, -1, x.shape[-1]))
 
 
 def _axes(axis) -> list[int]:
@@ -170,7 +172,7 @@ def _forward(layer: Any, x: tf.Tensor, wanted: set[int], saved: dict) -> tf.Tens
         z = tf.gather(layer.embeddings, keep)
     else:
         if isinstance(layer, keras.layers.Dense):
-            z = tf.tensordot(x, layer.kernel, [[x.shape.rank - 1], [0]])
+            z = tf.matmul(x, layer.kernel) if x.shape.rank == 2 else tf.tensordot(x, layer.kernel, [[x.shape.rank - 1], [0]])
         else:
             z = layer.convolution_op(x, layer.kernel)
         if layer.use_bias:
@@ -203,6 +205,13 @@ def _per_sample(layer: Any, x: tf.Tensor, dz: tf.Tensor, wanted: set[int], squar
             grads, squared = {"embeddings": _embedding_squares(ids, rows)}, {"embeddings"}
         else:
             grads = {"embeddings": _embedding_gradient(ids, rows, layer)}
+    elif squares and isinstance(layer, keras.layers.Dense) and x.shape.rank == 2:
+        # One position: the kernel's gradient is the outer product of x and dz, the bias's is dz.
+        dz_squares = _squared_norms(dz)
+        grads = {"kernel": _squared_norms(x) * dz_squares}
+        if layer.use_bias:
+            grads["bias"] = dz_squares
+        squared = set(grads)
     else:
         if isinstance(layer, keras.layers.Dense):
             inputs = _by_position(x, n)
@@ -225,9 +234,7 @@ def _per_sample(layer: Any, x: tf.Tensor, dz: tf.Tensor, wanted: set[int], squar
         if layer.use_bias:
             grads["bias"] = tf.reduce_sum(dz, positions)
     if squares:
-        grads = {name: value if name in squared else tf.reduce_sum(tf.reshape(tf.square(tf.cast(value, tf.float64)),
-                                                                               (n, -1)), axis=1)
-                 for name, value in grads.items()}
+        grads = {name: value if name in squared else _squared_norms(value) for name, value in grads.items()}
     for name, value in grads.items():
         variable = getattr(layer, name, None)
         if variable is not None and id(variable) in wanted:
@@ -252,12 +259,23 @@ def _kernel_squares(inputs: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
     ``|a|^2 |b|^2``), else from the gradient formed."""
     way = kernel_norm_way(inputs.shape[1], inputs.shape[2], outputs.shape[2])
     if way == "outer":
-        a, b = tf.cast(inputs[:, 0], tf.float64), tf.cast(outputs[:, 0], tf.float64)
-        return tf.reduce_sum(tf.square(a), 1) * tf.reduce_sum(tf.square(b), 1)
+        return _squared_norms(inputs[:, 0]) * _squared_norms(outputs[:, 0])
     if way == "gram":
         a, b = tf.cast(inputs, tf.float64), tf.cast(outputs, tf.float64)  # the terms can cancel: summed in float64
         return tf.reduce_sum(tf.matmul(a, a, transpose_b=True) * tf.matmul(b, b, transpose_b=True), axis=(1, 2))
     return tf.reduce_sum(tf.square(tf.cast(tf.matmul(inputs, outputs, transpose_a=True), tf.float64)), axis=(1, 2))
+
+
+def _squared_norms(x: tf.Tensor) -> tf.Tensor:
+    """Each element's sum of squares ``(N,)``, float64. A sum of squares cannot cancel: over at most
+    ``FEW_SQUARES`` entries it is summed in the compute dtype (float32: at most 1,024 x its epsilon off, 6e-5,
+    under the paths' agreement), without casting a layer's inputs and output gradients; over more, in
+    float64."""
+    entries = x.shape[1:].num_elements()
+    flat = x if x.shape.rank == 2 else tf.reshape(x, (-1, entries) if entries is not None else (tf.shape(x)[0], -1))
+    if entries is None or entries > FEW_SQUARES:
+        flat = tf.cast(flat, tf.float64)
+    return tf.cast(tf.reduce_sum(tf.square(flat), axis=1), tf.float64)
 
 
 def _embedding_gradient(ids: tf.Tensor, rows: tf.Tensor, layer: Any) -> tf.Tensor:

@@ -215,10 +215,10 @@ class ParameterEngine:
             return y, value, [tf.reshape(g, (-1,)) for g in grads]
 
         def by_layer(squares):
-            found = [tf.zeros_like(squares[0]) for _ in layer_of]
+            found = [[] for _ in layer_of]
             for weight, square in zip(weights, squares):
-                found[layer_of[weight.layer]] += square
-            return tf.stack(found, axis=1)
+                found[layer_of[weight.layer]].append(square)
+            return tf.stack([tf.add_n(each) for each in found], axis=1)
 
         def reduce(y, values, grads):
             out = {"output": y, "objective": values}
@@ -235,7 +235,7 @@ class ParameterEngine:
                 outputs = []  # the forward pass's, kept: the datasets' outputs without another pass
 
                 def objective(y):
-                    outputs.append(tf.reshape(y, (tf.shape(y)[0], -1)))
+                    outputs.append(tf.reshape(y, (-1, self.outputs)))
                     return objective_values(side.objective, side.loss, probabilities, outputs[0], labels, rows)
 
                 if reduction.kind == "frobenius":  # the norms without forming the gradients where cheaper
