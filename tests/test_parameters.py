@@ -119,21 +119,22 @@ def only(path: str):
         yield
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(sorted(MODELS)), objective=objectives, kind=st.sampled_from(["project", "frobenius", "none"]),
        n=st.integers(1, 13), budget=st.sampled_from([40_000, 200_000, 2 * 2**30]), seed=st.integers(0, 2**31),
        projection=st.sampled_from(["rademacher", "gaussian"]), dim=st.sampled_from([7, 64]),
-       path=st.sampled_from(["layer rules", "vectorized_map", "map_fn"]), structure=st.sampled_from(["dense", "kronecker"]))
+       path=st.sampled_from(["layer rules", "vectorized_map", "map_fn"]), structure=st.sampled_from(["dense", "kronecker"]),
+       jit=st.booleans())
 def test_per_sample_gradients_match_a_float64_tape_of_each_sample(name, objective, kind, n, budget, seed, projection, dim,
-                                                                  path, structure):
+                                                                  path, structure, jit):
     side, selection = objective
     shape = MODELS[name][1]
     reduction = Reduction(kind=kind, project_dim=dim, project_kind=projection, project_seed=seed,
                           project_structure=structure)
     with only(path):
         engine = ParameterEngine(loaded(name), shape, EngineOptions(
-            batch_size=8, memory_budget=budget, parameters=side, outputs=selection, reduce=reduction))
-    assert engine.path == path
+            batch_size=8, memory_budget=budget, parameters=side, outputs=selection, reduce=reduction, jit_compile=jit))
+    assert engine.path == path and engine.describe()["jit_compile"] is jit
     rng = np.random.default_rng(seed)
     x = draw(name, rng, n)
     outputs = engine.outputs
@@ -184,6 +185,38 @@ def test_the_defaults_on_more_samples_than_a_batch_and_named_layers():
                                       layers=("conv", "head"))
     assert [w.layer for w in engine.layout.weights] == [layer for _, layer in chosen]
     assert_close(stored[picked], np.stack(projected(grads, chosen, engine.options.reduce, engine))[:, 0])
+
+
+def test_jit_compile_auto_is_timed_and_a_failing_xla_compilation_is_named_or_left_out():
+    """``auto`` keeps XLA only where it ran a full call faster at set-up; where XLA cannot compile the path,
+    ``true`` is a one-line error and ``auto`` the plain graph; under XLA a short call is padded, not retraced."""
+    options = dict(parameters=ParameterSide(objective="loss", loss="sparse_categorical_crossentropy"),
+                   reduce=Reduction(kind="frobenius"))
+    auto = ParameterEngine(loaded("mlp"), (12,), EngineOptions(jit_compile="auto", **options))
+    timed = auto.telemetry["xla_timed"]
+    assert auto.jit == (timed["xla"] < timed["plain"]) and auto.describe()["jit_compile"] == auto.jit
+    forced = ParameterEngine(loaded("mlp"), (12,), EngineOptions(jit_compile=True, **options))
+    rng = np.random.default_rng(3)
+    for n in (3, 5):  # both padded to the call's size: one trace
+        x, labels = rng.normal(size=(n, 12)).astype(np.float32), rng.integers(0, 3, n)
+        norms = forced.compute(x, labels)[0]["frobenius"]
+        grads = reference("mlp", forced.side, OutputSelection(), x, labels, None)[1]
+        assert_close(norms, [np.linalg.norm(g) for g in grads])
+    assert forced.describe()["retraces_after_setup"] == 0
+
+    original = ParameterEngine._compiled
+
+    def no_xla(self, path, jit=False):
+        if jit:
+            raise tf.errors.UnimplementedError(None, None, "no XLA kernel for the test's op\nmore")
+        return original(self, path, jit)
+
+    with mock.patch.object(ParameterEngine, "_compiled", no_xla):
+        with pytest.raises(ModelError, match=r"XLA compilation of the per-sample gradients failed \(jit_compile: true\): "
+                                             r"no XLA kernel for the test's op$"):
+            ParameterEngine(loaded("mlp"), (12,), EngineOptions(jit_compile=True, **options))
+        fallen = ParameterEngine(loaded("mlp"), (12,), EngineOptions(jit_compile="auto", **options))
+    assert not fallen.jit and fallen.telemetry["xla_failure"] == "no XLA kernel for the test's op"
 
 
 def test_the_projection_is_the_documented_bits_of_philox_words():

@@ -234,9 +234,11 @@ class JacobianConfig(Section):
         False,
         description="XLA: `false`, the plain graph only; `true`, XLA, an error if it cannot compile or "
         "disagrees with the plain graph on a probe batch; `auto`, XLA where it compiles, agrees with the "
-        "plain graph and ran a full batch faster than it at set-up, else the plain graph. A timed choice "
-        "(`auto`, or `mode: autotune`) can differ between worker processes: use `true` or `false` where "
-        "shards must be reproducible bit for bit.",
+        "plain graph and ran a full batch faster than it at set-up, else the plain graph. On `wrt: "
+        "parameters` the chosen per-sample gradient path is compiled, judged against the loop of per-sample "
+        "tapes (XLA's random numbers make dense projections slower). A timed choice (`auto`, or `mode: "
+        "autotune`) can differ between worker processes: use `true` or `false` where shards must be "
+        "reproducible bit for bit.",
     )
     memory_budget: ByteSize = Field(
         ByteSize(2 * 2**30),

@@ -13,9 +13,14 @@ What a call stores, per sample (``rows``: ``()`` for an objective, the output sh
 - ``projection`` ``(n, *rows, dim)``: the gradient times the seeded ``P`` (``reduce: project``), block by
   block (``parameter_space``), never forming ``P`` or ``(n, p)`` products beyond one block;
 - ``frobenius`` ``(n,)`` and ``frobenius_by_layer`` ``(n, L)``: the gradient's norm, in total and per layer
-  (``reduce: frobenius``; GraNd scores for a loss), sums of squares in float64;
+  (``reduce: frobenius``; GraNd scores for a loss), short sums of squares in the compute dtype, the rest
+  in float64 (``parameter_rules._squared_norms``);
 - ``gradient`` ``(n, *rows, p)``: the gradient itself (``reduce: none``), only where it is small;
 - ``output``, and ``output_index`` for a selection, ``objective`` for an objective, as on the input side.
+
+``jit_compile`` applies to the chosen path as on the input side (``_choose_jit``): ``true`` compiles it by
+XLA, ``auto`` where XLA also ran a full call faster at set-up; a call under XLA is padded to the full
+number of elements, since XLA compiles once per shape.
 """
 
 from __future__ import annotations
@@ -120,13 +125,15 @@ class ParameterEngine:
         self.elements = self._size("vectorized_map")
         self.path = self._choose(source)
         self.elements = self._size(self.path)
+        self.jit = self._choose_jit(source)
         # The seeded probe may miss what real data reaches (saturated units): the first real batch is
         # checked against the loop too (``_check_first_batch``), once, as the input side's engine does.
         self._unchecked, self._refused, self._first_batch = self.path != "map_fn", None, threading.Lock()
         self._traces_after_setup = self._step.experimental_get_tracing_count()
         self.telemetry["setup_seconds"] = round(time.perf_counter() - began, 3)
-        log.info("parameter engine ready for %s: %d weight entries in %d layers, %s, %d element(s) per call",
-                 source, self.layout.size, len(self.layout.layers), self.path, self.elements)
+        log.info("parameter engine ready for %s: %d weight entries in %d layers, %s%s, %d element(s) per call",
+                 source, self.layout.size, len(self.layout.layers), self.path, " + XLA" if self.jit else "",
+                 self.elements)
 
     # -- set-up ------------------------------------------------------------------------------------
 
@@ -195,11 +202,53 @@ class ParameterEngine:
         self._step = loop
         return "map_fn"
 
+    def _choose_jit(self, source: str) -> bool:
+        """Whether the chosen path runs under XLA (``jit_compile``): ``false``, never; ``true``, always, an error
+        where XLA cannot compile it or disagrees with the loop on the probe; ``auto``, where it compiles, agrees
+        and ran a full call faster than the plain graph (the best of two calls each, after one that compiles;
+        XLA's CPU Philox is slower than TensorFlow's kernel, so dense projections seldom gain)."""
+        wanted = self.options.jit_compile
+        if wanted is False:
+            return False
+        xs, labels = self._probe(2), np.arange(2) % self.outputs
+        try:
+            step = self._compiled(self.path, jit=True)
+            found, expected = self._call(step, xs, labels, pad=True), self._call(self._loop, xs, labels)
+            for name, value in found.items():
+                error = per_sample_relative_error(value, expected[name])
+                if not error <= AGREEMENT[self.options.compute_dtype]:
+                    raise ValueError(f"{name} disagrees with a loop of per-sample gradients (relative error {error:.2g})")
+        except (ValueError, TypeError, NotImplementedError, tf.errors.InvalidArgumentError,
+                tf.errors.UnimplementedError) as err:
+            why = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            if wanted is True:
+                raise ModelError(f"{source}: XLA compilation of the per-sample gradients failed (jit_compile: true): "
+                                 f"{why}") from err
+            log.warning("%s: per-sample gradients by %s under XLA failed (%s)", source, self.path, why)
+            self.telemetry["xla_failure"] = why
+            return False
+        if wanted == "auto":
+            n = max(1, self.elements // max(1, math.prod(self.rows_shape)))
+            full, full_labels = self._probe(n), np.arange(n) % self.outputs
+            seconds = {}
+            for name, candidate, pad in (("plain", self._step, False), ("xla", step, True)):
+                times = []
+                for _ in range(2):
+                    began = time.perf_counter()
+                    self._call(candidate, full, full_labels, pad=pad)
+                    times.append(time.perf_counter() - began)
+                seconds[name] = min(times)
+            self.telemetry["xla_timed"] = {name: round(value, 6) for name, value in seconds.items()}
+            if seconds["xla"] >= seconds["plain"]:
+                return False
+        self._step = step
+        return True
+
     # -- the compiled step ---------------------------------------------------------------------------
 
-    def _compiled(self, path: str):
+    def _compiled(self, path: str, jit: bool = False):
         """``(xs (N, ...) per input, labels (N,), rows (N,)) -> {name: (N, ...)}`` for N elements, by ``path``:
-        ``layer rules``, ``vectorized_map`` or ``map_fn``."""
+        ``layer rules``, ``vectorized_map`` or ``map_fn``; compiled by XLA where ``jit``."""
         model, variables, side = self.model, self._variables, self.side
         reduction, probabilities = self.options.reduce, self.probabilities
         weights = self.layout.weights
@@ -266,11 +315,13 @@ class ParameterEngine:
 
         specs = [tf.TensorSpec((None, *shape), dtype) for shape in self.input_shapes]
         return tf.function(step, input_signature=[specs, tf.TensorSpec((None,), tf.int32), tf.TensorSpec((None,), tf.int32)],
-                           autograph=False)
+                           autograph=False, jit_compile=jit)
 
-    def _call(self, step, xs: Sequence[np.ndarray], labels: np.ndarray | None, index: np.ndarray | None = None) -> dict:
+    def _call(self, step, xs: Sequence[np.ndarray], labels: np.ndarray | None, index: np.ndarray | None = None,
+              pad: bool = False) -> dict:
         """Every element of the samples ``xs`` (one per sample and row), ``elements`` at a time; numpy, per
-        element."""
+        element. ``pad``: a shorter call is padded with zeros to ``elements`` (XLA compiles per shape), its
+        results cut back."""
         n, per = len(xs[0]), max(1, math.prod(self.rows_shape))
         if index is None:  # outputs: all (each output row), or an objective (one element)
             index = np.broadcast_to(np.arange(per, dtype=np.int64), (n, per)) if self.side.objective == "outputs" \
@@ -284,7 +335,11 @@ class ParameterEngine:
             hi = lo + self.elements
             try:
                 at = slice(lo, hi) if per == 1 else sample[lo:hi]  # one element per sample: views, not copies
-                found = step([tf.constant(x[at]) for x in xs], tf.constant(label[at]), tf.constant(rows[lo:hi]))
+                parts = [x[at] for x in xs] + [label[at], rows[lo:hi]]
+                count = len(parts[-1])
+                if pad and count < self.elements:
+                    parts = [np.pad(part, [(0, self.elements - count)] + [(0, 0)] * (part.ndim - 1)) for part in parts]
+                found = step([tf.constant(x) for x in parts[:-2]], tf.constant(parts[-2]), tf.constant(parts[-1]))
             except tf.errors.ResourceExhaustedError as err:  # fewer elements per call, for this call and later ones
                 if self.elements == 1:
                     raise ModelError(f"{self.model.source}: out of memory even for one element per call (memory_budget "
@@ -293,7 +348,7 @@ class ParameterEngine:
                 self.telemetry["oom_retries"] = self.telemetry.get("oom_retries", 0) + 1
                 log.warning("%s: out of memory: retrying with %d element(s) per call", self.model.source, self.elements)
                 continue
-            pieces.append({k: v.numpy() for k, v in found.items()})
+            pieces.append({k: v.numpy()[:count] for k, v in found.items()})
             lo = hi
         return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
 
@@ -329,7 +384,7 @@ class ParameterEngine:
         chosen_by_outputs = self.side.objective == "outputs" and self.options.outputs.rule in ("argmax", "top_k")
         y = self._forward(xs) if chosen_by_outputs else None  # else the gradients' own forward pass gives them
         index = self._select(n, y, labels)
-        raw = self._call(self._step, xs, labels, index)
+        raw = self._call(self._step, xs, labels, index, pad=self.jit)
         if self._unchecked:
             self._check_first_batch(xs, labels, index, raw)
         if y is None:
@@ -400,9 +455,9 @@ class ParameterEngine:
         return {
             "mode": "parameters",
             "path": self.path,
-            "jit_compile": False,
+            "jit_compile": self.jit,
             "reasons": [f"per-sample gradients of {self.layout.size:,} weight entries in {len(self.layout.layers)} layers "
-                        f"by {self.path}, {self.elements} (sample, row) element(s) per call"],
+                        f"by {self.path}{' under XLA' if self.jit else ''}, {self.elements} (sample, row) element(s) per call"],
             "retraces_after_setup": self._step.experimental_get_tracing_count() - self._traces_after_setup,
             "pfor_fallbacks": [],
             "oom_retries": self.telemetry.get("oom_retries", 0),
