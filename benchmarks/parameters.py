@@ -19,7 +19,8 @@ Rows (``trak``):
 - ``jax``: ``jax.vmap(jax.grad)`` and a Rademacher projection held whole, jitted together.
 
 Rows (``grand``): ``jacobeam`` (``objective: {loss: sparse_categorical_crossentropy}``, ``reduce:
-frobenius``); ``tf_privacy``: TF Privacy's ``compute_gradient_norms`` (its fast gradient clipping: a
+frobenius``); ``jacobeam_xla``: the same with ``jit_compile: auto`` (XLA where it ran faster at set-up;
+the path it took is printed); ``tf_privacy``: TF Privacy's ``compute_gradient_norms`` (its fast gradient clipping: a
 registry of per-layer ghost norms, Dense and Embedding in 0.9.0, so the MLP only) on a ``tf_keras`` copy;
 ``torch`` and ``jax``: ``vmap(grad)`` and the norms of the gradients, jitted in JAX.
 
@@ -44,7 +45,7 @@ import numpy as np
 
 DIM, BATCH = 2048, 256
 ROWS = {"trak": ("jacobeam", "jacobeam_kronecker", "torch_trak", "torch_trak_whole", "jax"),
-        "grand": ("jacobeam", "tf_privacy", "torch", "jax")}
+        "grand": ("jacobeam", "jacobeam_xla", "tf_privacy", "torch", "jax")}
 
 
 # The CIFAR-size ResNets by (blocks per stage, widths): the built-in cifar_resnet and a ResNet-18.
@@ -95,7 +96,7 @@ def reference_gradients(name: str, x: np.ndarray, y: np.ndarray, task: str = "tr
 
 # --- the rows -------------------------------------------------------------------------------------------
 
-def jacobeam_row(name: str, batch: int = BATCH, task: str = "trak", structure: str = "dense"):
+def jacobeam_row(name: str, batch: int = BATCH, task: str = "trak", structure: str = "dense", jit: bool | str = False):
     from jacobeam.transforms.engine.models import wrap_model
     from jacobeam.transforms.engine.parameters import ParameterEngine
     from jacobeam.transforms.spec import EngineOptions, ParameterSide, Reduction
@@ -109,13 +110,13 @@ def jacobeam_row(name: str, batch: int = BATCH, task: str = "trak", structure: s
         side, result = ParameterSide(objective="margin"), "projection"
         reduction = Reduction(kind="project", project_dim=DIM, project_structure=structure)
     options = dict(batch_size=batch, parameters=side, reduce=reduction)
-    engine = ParameterEngine(model, shape, EngineOptions(**options))
+    engine = ParameterEngine(model, shape, EngineOptions(**options, jit_compile=jit))
 
     def compute(x, y):
         return engine.compute(x, y)[0][result]
 
     if task == "grand":
-        return compute, None, {"path": engine.path}
+        return compute, None, {"path": engine.path + (" + XLA" if engine.jit else "")}
     full = ParameterEngine(model, shape, EngineOptions(**{**options, "reduce": Reduction(kind="none")}))
 
     def gradients(x, y):
@@ -302,7 +303,8 @@ def run_row(row: str, name: str, n: int, batch: int = BATCH, task: str = "trak")
     engine built for it: ``jacobian.batch_size``)."""
     began = time.perf_counter()
     if row.startswith("jacobeam"):
-        compute, gradients, about = jacobeam_row(name, batch, task, "kronecker" if row.endswith("kronecker") else "dense")
+        compute, gradients, about = jacobeam_row(name, batch, task, "kronecker" if row.endswith("kronecker") else "dense",
+                                                 "auto" if row.endswith("xla") else False)
     elif row == "jax":
         compute, gradients, about = jax_row(name, task)
     elif row == "tf_privacy":
@@ -355,11 +357,12 @@ def main(argv: list[str] | None = None) -> None:
     what = f"TRAK margin gradients projected to {DIM}" if args.task == "trak" else "GraNd: cross-entropy gradient norms"
     print(f"{args.model}: {what}, {args.samples} samples in batches of {args.batch}, median of {args.rounds} round(s)")
     checked = "grad rel err" if args.task == "trak" else "norm rel err"
-    print(f"{'row':18} {'samples/s':>10} {'x jacobeam':>10} {'first call s':>12} {'peak RSS MB':>11} {checked:>12}")
+    print(f"{'row':18} {'samples/s':>10} {'x jacobeam':>10} {'first call s':>12} {'peak RSS MB':>11} {checked:>12}  path")
     for row, results in found.items():
         rate = statistics.median(r["samples_per_second"] for r in results)
+        paths = ", ".join(sorted({r["path"] for r in results if "path" in r}))  # a timed choice may differ by round
         print(f"{row:18} {rate:10.1f} {rate / base:10.2f} {statistics.median(r['first_call_seconds'] for r in results):12.1f} "
-              f"{max(r['peak_rss_mb'] for r in results):11,} {max(r['error'] for r in results):12.2g}")
+              f"{max(r['peak_rss_mb'] for r in results):11,} {max(r['error'] for r in results):12.2g}  {paths}")
 
 
 if __name__ == "__main__":
