@@ -151,3 +151,24 @@ def test_grand_scores_and_entk_features_of_a_small_conv_net(tmp_path):
             assert np.abs(features[i] - want).max() <= 1e-4 * np.abs(want).max(), structure
         _jacobeam("verify", str(out), "--samples", "4")
     assert json.loads(json.dumps(manifest["stored"]))["parameters"]["objective"] == "outputs"
+
+
+def test_a_wrong_projection_checked_at_its_shards_end_stops_the_run_before_the_shard_is_committed(tmp_path, monkeypatch):
+    """A run's worker checks a shard's chosen samples together, after its last batch (one pass over ``P``):
+    the checks still come before the commit, so a wrong value leaves no shard."""
+    from jacobeam.transforms.engine.parameters import ParameterEngine
+    from jacobeam.transforms.errors import SelfCheckError
+
+    _write(tmp_path / "data", (6, 6, 2), 45, 4, seed=1)
+    compute = ParameterEngine.compute
+
+    def scaled(self, x, labels=None):
+        datasets, rest = compute(self, x, labels)
+        return {**datasets, "projection": datasets["projection"] * 1.5}, rest
+
+    monkeypatch.setattr(ParameterEngine, "compute", scaled)
+    cfg = _config(tmp_path / "data", tmp_path / "out", {"factory": "tests.models:bn_cnn"}, 16, reduce="project",
+                  project={"dim": 64})
+    with pytest.raises(SelfCheckError, match=r"shards/\S+ \(ids \d+ to \d+\), sample \d+"):
+        runner.run(cfg, [], show_progress=False)
+    assert not list((tmp_path / "out").rglob("*.h5"))

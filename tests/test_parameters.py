@@ -383,9 +383,17 @@ def test_every_mutant_is_a_mismatch_and_the_engine_passes(checked_engines, kind,
         other = {k: v[1:] for k, v in datasets.items()}
         record = checker.check([x[:1]], mine, 0, 1)
         assert record["verdict"] in (OK, KINK), record
-        for name, mutant in MUTANTS.items():
-            verdict = checker.check([x[:1]], mutant(mine, other), 0, 1)
+        # Checked together, as a run's worker checks a shard's samples: each judged as if alone.
+        together = checker.check_all([([x[:1]], mutant(mine, other), 0, 1) for mutant in MUTANTS.values()]
+                                     + [([x[:1]], mine, 0, 1), ([x[1:]], other, 1, 2)])
+        for name, verdict in zip(MUTANTS, together):
             assert verdict["verdict"] == MISMATCH, (name, verdict)
+
+        def untimed(found):
+            return {k: v for k, v in found.items() if k != "timing"}
+
+        alone = checker.check([x[1:]], other, 1, 2)
+        assert untimed(together[-2]) == untimed(record) and untimed(together[-1]) == untimed(alone), together[-1]
 
 
 @pytest.mark.parametrize("kind", ["project", "frobenius", "none"])

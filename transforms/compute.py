@@ -140,7 +140,8 @@ class ComputeJacobiansFn(beam.DoFn):
     With ``self_check``, the samples of a batch's shard that ``self_check.chosen_ids`` picks are
     recomputed one at a time when their batch is computed (``transforms.self_check``), or, in a subclass
     that writes the shard itself (``holds_checks``) while the worker's references are still being built,
-    with a later batch of the shard or from ``held_checks`` before it is committed; the records go
+    with a later batch of the shard or from ``held_checks`` before it is committed (always from
+    ``held_checks``, together, where the checker ``checks_together``); the records go
     with the batch (``JacobianBatch.checks``) to the shard writer, which stores them and acts on a
     mismatch. Batches without a shard (a user's pipeline) are not checked.
 
@@ -226,11 +227,13 @@ class ComputeJacobiansFn(beam.DoFn):
             return None
         # While the references are being built (SelfChecker.prepare), a caller that takes what is held back
         # before it commits the shard (holds_checks) has the samples wait for a later batch of their shard,
-        # or for held_checks: the engine computes meanwhile instead of waiting for the thread.
-        if self.holds_checks and not self._checker.ready():
+        # or for held_checks: the engine computes meanwhile instead of waiting for the thread. A checker that
+        # checks samples together (checks_together: the parameter side's projection) has them all wait for
+        # held_checks.
+        if self.holds_checks and (self._checker.checks_together or not self._checker.ready()):
             self._waiting[shard.start] = waiting
             return None
-        return [self._checker.check(*sample) for sample in waiting]
+        return self._checker.check_all(waiting)
 
     def held_checks(self, shard: ShardRange) -> list[dict]:
         """The checks of ``shard``'s samples still held back, made now (waiting for the references if they
@@ -239,7 +242,7 @@ class ComputeJacobiansFn(beam.DoFn):
         waiting = self._waiting.pop(shard.start, [])
         if waiting:  # the preparing thread's work done first, not beside the shard's commit
             self._checker.wait_prepared()
-        return [self._checker.check(*sample) for sample in waiting]
+        return self._checker.check_all(waiting) if waiting else []
 
     def _sample(self, part: SampleBatch, datasets: dict, row: int) -> tuple:
         """What checking sample ``row`` of ``part`` takes (``SelfChecker.check``'s arguments), copied: the

@@ -11,6 +11,7 @@ against its own norm, so a layer's norm that is wrong cannot hide behind a large
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -63,6 +64,8 @@ class ParameterSelfChecker:
         self._block_product = None  # the compiled product with one block of P (``_projected``)
         self._lock = threading.Lock()
         self._preparing: threading.Thread | None = None
+        # A run's worker holds a shard's checks back to its end, to project them together (``judge_all``).
+        self.checks_together = engine.options.reduce.kind == "project"
 
     # -- references, built once -----------------------------------------------------------------------
 
@@ -228,8 +231,47 @@ class ParameterSelfChecker:
 
     def judge(self, xs: Sequence[np.ndarray], stored: Mapping[str, np.ndarray], sample_id: int,
               label: int | None = None) -> tuple[dict[str, Any], dict[str, float]]:
+        """``check``'s record and each dataset's bound (``jacobeam verify`` reports them)."""
+        return self.judge_all([(xs, stored, sample_id, label)])[0]
+
+    def check_all(self, samples: Sequence[tuple]) -> list[dict[str, Any]]:
+        """``check`` of each of ``samples`` (its arguments), their gradients projected together
+        (``judge_all``)."""
+        return [record for record, _ in self.judge_all(samples)]
+
+    def judge_all(self, samples: Sequence[tuple]) -> list[tuple[dict[str, Any], dict[str, float]]]:
+        """``judge`` of each of ``samples`` (its arguments): each sample's gradients recomputed on its own,
+        then all of them projected in one pass over ``P``, since drawing ``P``'s blocks, not their products
+        with a few rows, is most of a dense check's cost. Each record's time is its own recomputing and
+        judging and its share of the projection."""
         began = time.perf_counter()
         _, first = self._references()
+        shared = time.perf_counter() - began  # building the references, where this call did
+        staged = []
+        for xs, stored, _, label in samples:
+            start = time.perf_counter()
+            staged.append((*self._recomputed(xs, stored, label), time.perf_counter() - start))
+        start = time.perf_counter()
+        projecting = self.engine.options.reduce.kind == "project"
+        products = iter(self._projected([g for _, _, computed, _ in staged for _, _, g in computed])) if projecting \
+            else None
+        shared = (shared + time.perf_counter() - start) / max(1, len(samples))
+        found = []
+        for (xs, stored, sample_id, label), (index, rows_differ, computed, own) in zip(samples, staged):
+            start = time.perf_counter()
+            product = [next(products) if projecting else None for _ in computed]
+            truth, *owns = [self._datasets(*each, index, p) for each, p in zip(computed, product)]
+            names = [name for name, value in truth.items() if value.dtype.kind == "f"]
+            rows = self._rows(index)
+            judged = _Judgement(self, names, truth, stored, owns, {name: None for name in names}, len(rows))
+            moved = functools.partial(self._moved, xs, label, rows, index, sample_id)  # called only at a failure
+            found.append(verdict(self, judged, rows_differ, moved, sample_id, start - own - shared, first and not found))
+        return found
+
+    def _recomputed(self, xs: Sequence[np.ndarray], stored: Mapping[str, np.ndarray], label: int | None):
+        """``(index, rows_differ, computed)``: the rows chosen again and what is wrong with the stored ones
+        (``_rows_of``), and the sample's ``(y, value, gradient)`` by the float64 tape (the truth) and, in a
+        float32 run, by the compute dtype's (its noise)."""
         exact = "float64"
         y_truth = y_own = None
         if self.side.objective == "outputs" and self.selection.rule in ("argmax", "top_k"):  # rows chosen by outputs
@@ -240,13 +282,7 @@ class ParameterSelfChecker:
         computed = [self._per_row(exact, xs, label, rows)]
         if self.compute != exact:
             computed.append(self._per_row(self.compute, xs, label, rows))
-        products = self._projected([g for _, _, g in computed]) if self.engine.options.reduce.kind == "project" \
-            else [None] * len(computed)
-        truth, *owns = [self._datasets(*found, index, product) for found, product in zip(computed, products)]
-        names = [name for name, value in truth.items() if value.dtype.kind == "f"]
-        judged = _Judgement(self, names, truth, stored, owns, {name: None for name in names}, len(rows))
-        moved = lambda: self._moved(xs, label, rows, index, sample_id)  # noqa: E731 (only at a failure)
-        return verdict(self, judged, rows_differ, moved, sample_id, began, first)
+        return index, rows_differ, computed
 
     def _moved(self, xs, label, rows, index, sample_id):
         """The truth at the sample's entries each moved by up to one unit of rounding of the compute dtype

@@ -157,6 +157,7 @@ class SelfChecker:
         self._outputs: dict[str, Any] = {}  # forward passes by dtype, for rows chosen by the outputs
         self._lock = threading.Lock()
         self._preparing: threading.Thread | None = None
+        self.checks_together = False  # each sample checked with its batch: nothing is shared between checks
 
     def prepare(self) -> None:
         """Build the references on a thread of their own, each called once, while the first batches compute
@@ -270,6 +271,10 @@ class SelfChecker:
         ``(1, ...)``; ``label``: the sample's label as read from its input, for ``outputs: label``) by the
         rule of the module docstring. Returns the record of the check (see ``transforms.write``)."""
         return self.judge(xs, stored, sample_id, label)[0]
+
+    def check_all(self, samples: Sequence[tuple]) -> list[dict[str, Any]]:
+        """``check`` of each of ``samples`` (its arguments)."""
+        return [self.check(*sample) for sample in samples]
 
     def judge(
         self, xs: Sequence[np.ndarray], stored: Mapping[str, np.ndarray], sample_id: int, label: int | None = None
