@@ -62,6 +62,12 @@ REDUCTIONS = ("project", "frobenius", "none")
 MOST_GRADIENT_BYTES = 64 * 2**20
 _PROBE_SEED = 0
 _FIRST_BATCH = 8  # samples of the first real batch checked against the loop
+# What a path that TensorFlow cannot run, or that disagrees with the loop, raises at set-up.
+_CANNOT_RUN = (ValueError, TypeError, NotImplementedError, tf.errors.InvalidArgumentError, tf.errors.UnimplementedError)
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
 
 
 class ParameterEngine:
@@ -123,6 +129,7 @@ class ParameterEngine:
             )
         self._activations = activation_size(self._forward_fn.get_concrete_function(specs).graph)
         self.elements = self._size("vectorized_map")
+        self._probe_expected: dict | None = None  # the loop's values at the probe, once computed
         self.path = self._choose(source)
         self.elements = self._size(self.path)
         self.jit = self._choose_jit(source)
@@ -173,9 +180,7 @@ class ParameterEngine:
         """The first path that agrees with a loop of per-element tape gradients on two probe samples: layer
         rules (where every differentiated weight has one), then ``vectorized_map``, else that loop itself;
         a vectorised conversion of a model is trusted only once it agrees (as the input side's planner does)."""
-        xs, labels = self._probe(2), np.arange(2) % self.outputs
         loop = self._loop = self._compiled("map_fn")
-        expected = None
         paths = ["vectorized_map"]
         reason = parameter_rules.unsupported(self.model.keras_model, self._variables)
         if reason is None:
@@ -185,15 +190,9 @@ class ParameterEngine:
         for path in paths:
             try:
                 step = self._compiled(path)
-                found = self._call(step, xs, labels)
-                expected = self._call(loop, xs, labels) if expected is None else expected
-                for name, value in found.items():
-                    error = per_sample_relative_error(value, expected[name])
-                    if not error <= AGREEMENT[self.options.compute_dtype]:
-                        raise ValueError(f"{name} disagrees with a loop of per-sample gradients (relative error {error:.2g})")
-            except (ValueError, TypeError, NotImplementedError, tf.errors.InvalidArgumentError,
-                    tf.errors.UnimplementedError) as err:
-                why = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+                self._agrees_on_probe(step)
+            except _CANNOT_RUN as err:
+                why = _first_line(err)
                 log.warning("%s: per-sample gradients by %s failed (%s)", source, path, why)
                 self.telemetry[f"{path.replace(' ', '_')}_failure"] = why
                 continue
@@ -201,6 +200,18 @@ class ParameterEngine:
             return path
         self._step = loop
         return "map_fn"
+
+    def _agrees_on_probe(self, step, pad: bool = False) -> None:
+        """Run ``step`` on two probe samples; a ValueError where it disagrees with the loop of per-element
+        tape gradients (computed once, at the first path that runs)."""
+        xs, labels = self._probe(2), np.arange(2) % self.outputs
+        found = self._call(step, xs, labels, pad=pad)
+        if self._probe_expected is None:
+            self._probe_expected = self._call(self._loop, xs, labels)
+        for name, value in found.items():
+            error = per_sample_relative_error(value, self._probe_expected[name])
+            if not error <= AGREEMENT[self.options.compute_dtype]:
+                raise ValueError(f"{name} disagrees with a loop of per-sample gradients (relative error {error:.2g})")
 
     def _choose_jit(self, source: str) -> bool:
         """Whether the chosen path runs under XLA (``jit_compile``): ``false``, never; ``true``, always, an error
@@ -210,17 +221,11 @@ class ParameterEngine:
         wanted = self.options.jit_compile
         if wanted is False:
             return False
-        xs, labels = self._probe(2), np.arange(2) % self.outputs
         try:
             step = self._compiled(self.path, jit=True)
-            found, expected = self._call(step, xs, labels, pad=True), self._call(self._loop, xs, labels)
-            for name, value in found.items():
-                error = per_sample_relative_error(value, expected[name])
-                if not error <= AGREEMENT[self.options.compute_dtype]:
-                    raise ValueError(f"{name} disagrees with a loop of per-sample gradients (relative error {error:.2g})")
-        except (ValueError, TypeError, NotImplementedError, tf.errors.InvalidArgumentError,
-                tf.errors.UnimplementedError) as err:
-            why = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            self._agrees_on_probe(step, pad=True)
+        except _CANNOT_RUN as err:
+            why = _first_line(err)
             if wanted is True:
                 raise ModelError(f"{source}: XLA compilation of the per-sample gradients failed (jit_compile: true): "
                                  f"{why}") from err
@@ -343,7 +348,7 @@ class ParameterEngine:
             except tf.errors.ResourceExhaustedError as err:  # fewer elements per call, for this call and later ones
                 if self.elements == 1:
                     raise ModelError(f"{self.model.source}: out of memory even for one element per call (memory_budget "
-                                     f"{self.options.memory_budget:,} bytes): {str(err).strip().splitlines()[0][:200]}") from err
+                                     f"{self.options.memory_budget:,} bytes): {_first_line(err)}") from err
                 self.elements = max(1, self.elements // 2)
                 self.telemetry["oom_retries"] = self.telemetry.get("oom_retries", 0) + 1
                 log.warning("%s: out of memory: retrying with %d element(s) per call", self.model.source, self.elements)
