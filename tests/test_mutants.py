@@ -19,11 +19,12 @@ CHECKED = SelfCheck().samples  # the default: 4 samples per shard of the default
 
 
 def _verdicts(engine, batch, stored) -> list[dict]:
+    """The records of the samples a default shard checks, checked together as a run's worker does."""
     checker = self_check.SelfChecker(engine, SelfCheck())
     chosen = self_check.drawn(ShardRange(0, len(batch.x)), CHECKED)  # as many as a default shard checks
     label = lambda i: int(batch.labels[i]) if batch.options.outputs.rule == "label" else None  # noqa: E731
-    return [checker.check([batch.x[i : i + 1]], {k: v[i : i + 1] for k, v in stored.items()}, int(i), label(i))
-            for i in chosen]
+    return checker.check_all([([batch.x[i : i + 1]], {k: v[i : i + 1] for k, v in stored.items()}, int(i), label(i))
+                              for i in chosen])
 
 
 @pytest.mark.slow
@@ -42,6 +43,39 @@ def test_every_mutant_is_a_mismatch_and_the_unmutated_values_pass(case, output):
         # Each check alone catches it: a shard of fewer than 1,024 ids checks one sample.
         if not all(record["verdict"] == "mismatch" for record in records):
             missed.append((name, [(r["verdict"], r["dataset"], r["max_rel_error"], r["bound"]) for r in records]))
+    assert not missed, missed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("output", list(mutants.OUTPUTS))
+def test_a_mutant_in_one_of_the_samples_checked_together_is_that_samples_mismatch_alone(output):
+    """Samples checked together share each reference's call, not their verdicts: each mutant applied to one
+    of the checked samples only (flat images) is a mismatch of that sample, and the others pass, with the
+    records they have when checked alone but for float32's noise (measured in one pass over the group)."""
+    engine, batch, stored = mutants.batch("flat_images", output)
+    chosen = [int(i) for i in self_check.drawn(ShardRange(0, len(batch.x)), CHECKED)]
+    checker = self_check.SelfChecker(engine, SelfCheck())
+    label = lambda i: int(batch.labels[i]) if output == "label" else None  # noqa: E731
+    alone = [checker.check([batch.x[i : i + 1]], {k: v[i : i + 1] for k, v in stored.items()}, i, label(i)) for i in chosen]
+    assert all(record["verdict"] != "mismatch" for record in alone), alone
+    leave = ("timing", "noise", "bound")
+    missed = []
+    for name, mutant in mutants.MUTANTS.items():
+        wrong = mutant(dict(stored), batch)
+        if wrong is None:
+            continue
+        for position, faulty in enumerate(chosen):
+            mixed = {k: np.array(v) for k, v in stored.items()}
+            for k in mixed:
+                mixed[k][faulty] = wrong[k][faulty]
+            records = _verdicts(engine, batch, mixed)
+            verdicts = [record["verdict"] == "mismatch" for record in records]
+            if verdicts != [i == position for i in range(len(chosen))]:
+                missed.append((name, faulty, [record["verdict"] for record in records]))
+            for i, (record, own) in enumerate(zip(records, alone)):
+                if i != position:
+                    assert {k: v for k, v in record.items() if k not in leave} == {
+                        k: v for k, v in own.items() if k not in leave}, (name, faulty)
     assert not missed, missed
 
 

@@ -36,64 +36,72 @@ def test_the_reference_of_a_selection_differentiates_only_its_rows_and_agrees_wi
     stored = engine(x, labels if outputs == "label" else None)
     check = self_check.SelfChecker(engine, SelfCheck(samples=1))
     (function, _), _ = check._references()
+    index = stored["output_index"].astype(np.int32)
+    _, (rows,) = function(x, index)  # the three samples in one call, each its own rows
+    assert rows.shape == (3, index.shape[1], 12)
     for row in range(3):
-        index = stored["output_index"][row : row + 1].astype(np.int32)
-        _, (rows,) = function(tf.constant(x[row : row + 1]), tf.constant(index))
-        assert rows.shape == (1, index.shape[1], 1, 12)
         with tf.GradientTape() as tape:
             sample = tf.constant(x[row : row + 1])
             tape.watch(sample)
             y = model(sample)
         full = tape.jacobian(y, sample).numpy().reshape(5, 12)
-        np.testing.assert_allclose(rows.numpy().reshape(-1, 12), full[index[0]], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(rows[row], full[index[row]], rtol=1e-5, atol=1e-7)
         label = int(labels[row]) if outputs == "label" else None
         record = check.check([x[row : row + 1]], {name: value[row : row + 1] for name, value in stored.items()}, row, label)
         assert record["verdict"] == "ok", record
 
 
-def test_the_reverse_reference_is_the_closed_form_jacobian_of_every_input_asked_for():
-    """The reverse-mode reference (one pulled-back one-hot row at a time) against the closed form of
-    ``y = tanh(x1 A + x2 B)``: ``dy/dx1 = diag(1 - y^2) A^T``, per sample, for all rows and for chosen ones."""
+@pytest.mark.parametrize("forward", [False, True])
+def test_the_reference_is_the_closed_form_jacobian_of_every_input_asked_for_of_each_sample(forward):
+    """The reverse-mode reference (one pulled-back one-hot row per copy of a sample) and the forward-mode
+    one (one JVP per input entry), for several samples in one call, against the closed form of ``y =
+    tanh(x1 A + x2 B)``: ``dy/dx1 = diag(1 - y^2) A^T``, per sample, for all rows and (reverse) chosen ones."""
     import tensorflow as tf
 
     from jacobeam.transforms.engine import reference
 
     rng = np.random.default_rng(5)
     a, b = rng.normal(size=(6, 4)), rng.normal(size=(3, 4))
-    x1, x2 = rng.normal(size=(1, 6)), rng.normal(size=(1, 3))
+    x1, x2 = rng.normal(size=(3, 6)), rng.normal(size=(3, 3))
 
     def call(xs):
         return tf.tanh(xs[0] @ tf.constant(a, xs[0].dtype) + xs[1] @ tf.constant(b, xs[1].dtype))
 
-    y = np.tanh(x1 @ a + x2 @ b)[0]
-    closed = [(1 - y**2)[:, None] * a.T, (1 - y**2)[:, None] * b.T]  # (4, 6), (4, 3)
-    function = reference.tape_function(call, [(6,), (3,)], dtype="float64")
-    out, jacobians = function(tf.constant(x1), tf.constant(x2))
-    np.testing.assert_allclose(out.numpy()[0], y, rtol=1e-12)
-    for jacobian, expected, size in zip(jacobians, closed, (6, 3)):
-        assert jacobian.shape == (1, 4, 1, size)
-        np.testing.assert_allclose(jacobian.numpy().reshape(4, size), expected, rtol=1e-12)
+    y = np.tanh(x1 @ a + x2 @ b)
+    function = reference.tape_function(call, [(6,), (3,)], forward=forward, dtype="float64")
+    out, jacobians = function(x1, x2)
+    np.testing.assert_allclose(np.asarray(out), y, rtol=1e-12)
+    for jacobian, weights, size in zip(jacobians, (a, b), (6, 3)):
+        assert jacobian.shape == (3, 4, size)
+        for i in range(3):
+            np.testing.assert_allclose(jacobian[i], (1 - y[i] ** 2)[:, None] * weights.T, rtol=1e-12, atol=1e-14)
+    if forward:
+        return
     second = reference.tape_function(call, [(6,), (3,)], dtype="float64", wrt=[1], rows=True)
-    _, (rows,) = second(tf.constant(x1), tf.constant(x2), tf.constant([[3, 1, 3]], tf.int32))
-    assert rows.shape == (1, 3, 1, 3)
-    np.testing.assert_allclose(rows.numpy().reshape(3, 3), closed[1][[3, 1, 3]], rtol=1e-12)
+    chosen = np.array([[3, 1, 3], [0, 0, 2], [2, 3, 1]])
+    _, (rows,) = second(x1, x2, chosen)
+    assert rows.shape == (3, 3, 3)
+    for i in range(3):
+        np.testing.assert_allclose(rows[i], ((1 - y[i] ** 2)[:, None] * b.T)[chosen[i]], rtol=1e-12, atol=1e-14)
 
 
-def test_the_reverse_reference_in_chunks_and_with_another_batch_shape_is_the_same_closed_form():
-    """Rows pulled back through copies of the sample, ``chunk`` copies per call (the last chunk shorter),
-    and with one more copy per batch (``pad``): each is ``diag(1 - y^2) A^T`` of ``y = tanh(x A)``."""
+def test_the_reverse_reference_in_chunks_across_samples_and_with_another_batch_shape_is_the_same_closed_form():
+    """Rows of two samples pulled back through their copies, ``chunk`` copies per call (a chunk holding
+    copies of both, the last one shorter), and with one more copy per batch (``pad``): each sample's is
+    ``diag(1 - y^2) A^T`` of ``y = tanh(x A)``."""
     import tensorflow as tf
 
     from jacobeam.transforms.engine import reference
 
     rng = np.random.default_rng(6)
-    a, x = rng.normal(size=(5, 7)), rng.normal(size=(1, 5))
-    closed = (1 - np.tanh(x @ a)[0] ** 2)[:, None] * a.T  # (7, 5)
+    a, x = rng.normal(size=(5, 7)), rng.normal(size=(2, 5))
     function = reference.tape_function(lambda xs: tf.tanh(xs[0] @ tf.constant(a)), [(5,)], dtype="float64", chunk=3)
     for pad in (False, True):
-        _, (jacobian,) = function(tf.constant(x), pad=pad)
-        assert jacobian.shape == (1, 7, 1, 5)
-        np.testing.assert_allclose(jacobian.numpy().reshape(7, 5), closed, rtol=1e-12)
+        out, (jacobian,) = function(x, pad=pad)
+        assert jacobian.shape == (2, 7, 5)
+        np.testing.assert_allclose(np.asarray(out), np.tanh(x @ a), rtol=1e-12)
+        for i in range(2):
+            np.testing.assert_allclose(jacobian[i], (1 - np.tanh(x[i] @ a) ** 2)[:, None] * a.T, rtol=1e-12, atol=1e-14)
 
 
 def test_a_reference_that_computes_in_another_dtype_is_named():

@@ -1,10 +1,12 @@
-"""The run's self-check: in every shard, a few samples recomputed one at a time and judged against
+"""The run's self-check: in every shard, a few samples recomputed each on its own and judged against
 what the compute dtype can achieve on the model at that sample.
 
 The engine computes each batch in compiled, vectorised blocks; the self-check recomputes chosen
 samples of each shard with independent per-sample methods (``transforms.engine.reference``: reverse
-mode pulls one-hot cotangents back through copies of the one sample; where the engine ran in forward
-mode, one forward-mode JVP per input entry or product vector in a plain loop), chooses the rows again
+mode pulls one-hot cotangents back through copies of each sample; where the engine ran in forward
+mode, one forward-mode JVP per input entry or product vector in a plain loop), a shard's samples in
+one call of each reference (``judge_all``: its fixed cost shared, each derivative still its own sample's;
+a run's worker checks a shard's samples together after its last batch), chooses the rows again
 itself (``indices`` from the configuration, ``label`` from the label read from the input, ``argmax``
 and ``top_k`` from the truth's own outputs), rebuilds every stored dataset from its definition
 (``transforms.reference_datasets``: float64 numpy, no code shared with the engine's assembly) and
@@ -24,9 +26,9 @@ The rule, per checked sample (``_Judgement``):
 - each dataset is split into rows (``ReferenceDatasets.split_rows``: one per output row, selected row
   or product vector), each judged at its own scale: its largest true entry, at least its float32 noise;
 - a row's ``noise`` is how far independent computations in the compute dtype are from the truth: the
-  per-sample reference itself with batch shapes 1 and, where the stored value is beyond the bound the
-  first gives, 2 (in reverse mode: oneDNN rounds them differently); without a float64 copy, the spread
-  of the two;
+  per-sample reference itself in one pass over the samples checked together and, where the stored value
+  is beyond the bound the first gives, again with one more copy per batch (in reverse mode: oneDNN rounds
+  other batch shapes differently); without a float64 copy, the spread of the two;
 - a row fails when its error exceeds ``max(tolerance, NOISE_FACTOR * noise)``: the tolerance of the
   compute dtype (``reference.RTOL``, at least twice the store dtype's epsilon) where the model is
   well-conditioned, and clearly worse than float32 itself where it is not;
@@ -55,6 +57,7 @@ Numpy at import; TensorFlow only once a check runs (in the worker).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
@@ -157,7 +160,8 @@ class SelfChecker:
         self._outputs: dict[str, Any] = {}  # forward passes by dtype, for rows chosen by the outputs
         self._lock = threading.Lock()
         self._preparing: threading.Thread | None = None
-        self.checks_together = False  # each sample checked with its batch: nothing is shared between checks
+        # A run's worker holds a shard's checks back to its end, to recompute them together (``judge_all``).
+        self.checks_together = True
 
     def prepare(self) -> None:
         """Build the references on a thread of their own, each called once, while the first batches compute
@@ -237,7 +241,10 @@ class SelfChecker:
         return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
 
     def _outputs_of(self, dtype: str, xs: Sequence[np.ndarray]) -> np.ndarray:
-        """The model's outputs at one sample, flat, computed in ``dtype`` (the float64 copy for float64)."""
+        """The model's outputs at ``n`` samples (``xs``: ``(n, *shape)`` per model input), ``(n, m)``, computed
+        in ``dtype`` (the float64 copy for float64)."""
+        import tensorflow as tf
+
         with self._lock:
             if dtype not in self._outputs:
                 from jacobeam.transforms.engine import reference
@@ -245,24 +252,35 @@ class SelfChecker:
                 model = self.engine.model if dtype == self.compute else self._twin
                 self._outputs[dtype] = reference.forward_function(model.call, list(self.engine.input_shapes), dtype)
             forward = self._outputs[dtype]
-        return np.asarray(forward(*[np.asarray(x, dtype) for x in xs]), np.float64).reshape(-1)
+        values = forward(*[tf.constant(np.asarray(x, dtype)) for x in xs])
+        return np.asarray(values, np.float64).reshape(len(xs[0]), -1)
+
+    def computed(self, function, xs: Sequence[np.ndarray], indices: Sequence[np.ndarray] | None, pad: bool = False):
+        """Per sample of ``xs`` (``(n, *shape)`` per model input), ``(datasets, jacobians)``: the datasets the
+        run would store for it, computed by the reference ``function`` in one call for all of them (``pad``:
+        with another batch shape) for its rows ``indices[i]`` ``(1, k)`` (or None for all rows), each rebuilt
+        from its definition (``ReferenceDatasets``); and its Jacobians as the reference computed them,
+        ``(rows, columns)`` per differentiated input."""
+        n = len(xs[0])
+        arguments = list(xs)
+        if self._rows:
+            arguments.append(np.concatenate([np.asarray(index, np.int32).reshape(1, -1) for index in indices]))
+        y, found = function(*arguments, pad=pad)
+        y = np.asarray(y, np.float64).reshape(n, -1)
+        rows = indices[0].shape[1] if self._rows else y.shape[1]
+        found = [np.asarray(j, np.float64).reshape(n, rows, -1) for j in found]
+        along = self._directions is not None
+        results = []
+        for i in range(n):
+            index = None if indices is None else indices[i]
+            jacobians = {k: j[i] for k, j in zip(self.engine.wrt, found)}
+            results.append((self.plain.datasets(y[i], jacobians, index, selected=self._rows, along=along), jacobians))
+        return results
 
     def datasets(self, function, xs: Sequence[np.ndarray], index: np.ndarray | None, pad: bool = False):
-        """``(datasets, jacobians)``: the datasets the run would store for one sample (``xs``: ``(1, *shape)``
-        per model input), computed by the reference ``function`` (``pad``: with another batch shape) for the
-        rows ``index`` ``(1, k)`` (or None), each rebuilt from its definition (``ReferenceDatasets``); and the
-        Jacobians as the reference computed them, ``(rows, columns)`` per differentiated input."""
-        import tensorflow as tf
-
-        arguments = [tf.constant(x) for x in xs]
-        if self._rows:
-            arguments.append(tf.constant(np.asarray(index, np.int32).reshape(1, -1)))
-        y, found = function(*arguments, pad=True) if pad else function(*arguments)
-        y = np.asarray(y, np.float64).reshape(-1)
-        rows = index.shape[1] if self._rows else len(y)
-        jacobians = {k: np.asarray(j, np.float64).reshape(rows, -1) for k, j in zip(self.engine.wrt, found)}
-        datasets = self.plain.datasets(y, jacobians, index, selected=self._rows, along=self._directions is not None)
-        return datasets, jacobians
+        """``computed`` of one sample (``xs``: ``(1, *shape)`` per model input; ``index``: its rows ``(1, k)``
+        or None)."""
+        return self.computed(function, xs, None if index is None else [index], pad)[0]
 
     def check(
         self, xs: Sequence[np.ndarray], stored: Mapping[str, np.ndarray], sample_id: int, label: int | None = None
@@ -273,51 +291,88 @@ class SelfChecker:
         return self.judge(xs, stored, sample_id, label)[0]
 
     def check_all(self, samples: Sequence[tuple]) -> list[dict[str, Any]]:
-        """``check`` of each of ``samples`` (its arguments)."""
-        return [self.check(*sample) for sample in samples]
+        """``check`` of each of ``samples`` (its arguments), recomputed together (``judge_all``)."""
+        return [record for record, _ in self.judge_all(samples)]
 
     def judge(
         self, xs: Sequence[np.ndarray], stored: Mapping[str, np.ndarray], sample_id: int, label: int | None = None
     ) -> tuple[dict[str, Any], dict[str, float]]:
         """``check``'s record and each dataset's bound (``jacobeam verify`` reports them all; a shard
         records only the worst's)."""
+        return self.judge_all([(xs, stored, sample_id, label)])[0]
+
+    def judge_all(self, samples: Sequence[tuple]) -> list[tuple[dict[str, Any], dict[str, float]]]:
+        """``judge`` of each of ``samples`` (``check``'s arguments), each reference pass one call for all of
+        them: a pass's fixed cost (a call of a traced function, most of a check on a small model) is shared,
+        while every sample's derivatives are still its own (``reference.tape_function``). Each record's time
+        is its own judging and its share of the passes."""
         began = time.perf_counter()
         (own, truth), first = self._references()  # traced at the first check of the process: timed with it
         exact = truth or own  # the truth: the float64 copy, or the compute dtype's reference without one
         exact_dtype = np.dtype(np.float64 if truth is not None else self.compute)
-        at = [np.asarray(x, exact_dtype) for x in xs]
-        mine = [np.asarray(x, self.compute) for x in xs]
-        index, rows_differ = self._rows_of(at, mine, stored, label)
-        reference, jacobians = self.datasets(exact, at, index)
-        names = [name for name, value in reference.items() if value.dtype.kind == "f"]
-        rows = index.shape[1] if index is not None else self.plain.m
-        scales = {name: self.plain.scale(name, jacobians) for name in names}
+        stacked = lambda dtype, chosen: [  # noqa: E731 - (n, *shape) per model input
+            np.concatenate([np.asarray(samples[i][0][j], dtype) for i in chosen]) for j in range(len(samples[0][0]))]
+        everyone = range(len(samples))
+        at, mine = stacked(exact_dtype, everyone), stacked(self.compute, everyone)
+        chosen = self._rows_all(at, mine, samples)
+        indices = None if chosen[0][0] is None else [index for index, _ in chosen]
+        truths = self.computed(exact, at, indices)
         if truth is None:  # the compute dtype's reference is the truth; the noise is its spread over batch shapes
-            owns = [] if self.forward else [self.datasets(own, mine, index, pad=True)[0]]
+            owns = [] if self.forward else [self.computed(own, mine, indices, pad=True)]
         elif truth is own:  # a float64 run: nothing is more accurate than its own reference
             owns = []
         else:
-            owns = [self.datasets(own, mine, index)[0]]
-        judged = _Judgement(self, names, reference, stored, owns, scales, rows)
-        if truth is not None and truth is not own and not self.forward and judged.worst_ratio() > 1:
-            # Batch shapes 1 and 2 round differently (oneDNN's kernels): both are float32's own. Measured
+            owns = [self.computed(own, mine, indices)]
+        judged = [self._judgement(samples[i][1], truths[i], [each[i][0] for each in owns], indices, i) for i in everyone]
+        wide = [i for i in everyone if judged[i].worst_ratio() > 1]
+        if truth is not None and truth is not own and not self.forward and wide:
+            # Batch shapes n and n + 1 round differently (oneDNN's kernels): both are float32's own. Measured
             # only where the bound of the first does not pass the value: a second noise can only widen a
             # row's bound (and its scale with it), so a value that passes without it passes with it, and the
             # verdict is the one measuring both would give (on ResNet50 this saves a third of a check).
-            judged = _Judgement(self, names, reference, stored, [*owns, self.datasets(own, mine, index, pad=True)[0]],
-                                scales, rows)
-        moved = lambda: self._moved(exact, exact_dtype, xs, index, sample_id)  # noqa: E731 (only at a failure)
-        return verdict(self, judged, rows_differ, moved, sample_id, began, first)
+            again = self.computed(own, stacked(self.compute, wide), None if indices is None else [indices[i] for i in wide],
+                                  pad=True)
+            for i, (second, _) in zip(wide, again):
+                judged[i] = self._judgement(samples[i][1], truths[i], [each[i][0] for each in owns] + [second], indices, i)
+        shared = (time.perf_counter() - began) / len(samples)
+        found = []
+        for i, (xs, _, sample_id, _) in enumerate(samples):
+            start = time.perf_counter()
+            index = None if indices is None else indices[i]
+            moved = functools.partial(self._moved, exact, exact_dtype, xs, index, sample_id)  # called only at a failure
+            found.append(verdict(self, judged[i], chosen[i][1], moved, sample_id, start - shared, first and i == 0))
+        return found
 
-    def _rows_of(self, at, mine, stored, label) -> tuple[np.ndarray | None, str | None]:
+    def _judgement(self, stored, truth: tuple, owns: list, indices, i: int) -> _Judgement:
+        """Sample ``i``'s ``_Judgement`` (``truth``: its ``(datasets, jacobians)``; ``owns``: its datasets by
+        the compute dtype's own passes)."""
+        reference, jacobians = truth
+        names = [name for name, value in reference.items() if value.dtype.kind == "f"]
+        rows = indices[i].shape[1] if indices is not None else self.plain.m
+        scales = {name: self.plain.scale(name, jacobians) for name in names}
+        return _Judgement(self, names, reference, stored, owns, scales, rows)
+
+    def _rows_all(self, at, mine, samples) -> list[tuple[np.ndarray | None, str | None]]:
+        """``_rows_of`` of each of ``samples`` (``at``, ``mine``: their inputs stacked in the truth's and the
+        compute dtype), the truth's outputs computed for all of them in one pass where the rows are chosen
+        by them."""
+        if self.selection.rule == "all":
+            return [(None, None)] * len(samples)
+        outputs = None
+        if self.selection.rule in ("argmax", "top_k"):
+            outputs = self._outputs_of("float64" if self.truth == TRUTH_FLOAT64 else self.compute, at)
+        return [
+            self._rows_of(None if outputs is None else outputs[i], [x[i : i + 1] for x in mine], stored, label)
+            for i, (_, stored, _, label) in enumerate(samples)
+        ]
+
+    def _rows_of(self, truth, mine, stored, label) -> tuple[np.ndarray | None, str | None]:
         """The rows ``(1, k)`` the sample's reference differentiates (None for all), chosen again without the
         run's choice: ``indices`` from the configuration, ``label`` from the sample's label as read from its
-        input, ``argmax`` and ``top_k`` from the truth's own outputs (ties broken towards the smaller index;
-        where the stored rows differ only by outputs within float32's noise of each other, the stored ones
-        are as right, and judged). Also what is wrong with the stored rows, or None."""
+        input, ``argmax`` and ``top_k`` from the truth's own outputs ``truth`` (ties broken towards the
+        smaller index; where the stored rows differ only by outputs within float32's noise of each other,
+        the stored ones are as right, and judged). Also what is wrong with the stored rows, or None."""
         selection = self.selection
-        if selection.rule == "all":
-            return None, None
         if selection.rule == "indices":
             want, why = np.asarray(selection.indices, np.int64), "the configured indices"
         elif selection.rule == "label":
@@ -325,13 +380,12 @@ class SelfChecker:
                 raise ValueError("jacobian.outputs label: the self-check needs the sample's label")
             want, why = np.asarray([int(label)], np.int64), "the sample's label"
         else:
-            truth = self._outputs_of("float64" if self.truth == TRUTH_FLOAT64 else self.compute, at)
             want, why = np.argsort(-truth, kind="stable")[: selection.count].astype(np.int64), "the model's largest outputs"
         got = np.asarray(stored.get("output_index", np.zeros((1, 0))), np.int64).reshape(-1)
         if np.array_equal(got, want):
             return want[None], None
         if selection.rule in ("argmax", "top_k"):
-            own = self._outputs_of(self.compute, mine) if self.compute != "float64" else truth
+            own = self._outputs_of(self.compute, mine)[0] if self.compute != "float64" else truth
             if tied(self.tolerance, truth, own, got, want):
                 return got[None], None
         return want[None], f"output_index: stored rows {got.tolist()}, the reference chooses {want.tolist()} ({why})"

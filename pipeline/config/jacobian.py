@@ -174,7 +174,7 @@ class BasisConfig(Section):
 
 
 class SelfCheckConfig(Section):
-    """``jacobian.self_check``: every shard recomputes a few of its samples one at a time, independently
+    """``jacobian.self_check``: every shard recomputes a few of its samples, each on its own, independently
     of the engine's batched computation, in the compute dtype and in a float64 copy of the model (the
     truth), and records how far the stored values are from the truth (shard attribute ``self_check``, the
     manifest's ``self_check.precision``, the run's summary and ``inspect``).

@@ -43,28 +43,28 @@ def tape_function(
     rows: bool = False,
     chunk: int = 8,
 ):
-    """``(x_1, ..., x_k) -> (y, [dy/dx_j for j in wrt])`` for one sample of each model input (each
-    ``(1, *shape)`` in ``dtype``), each ``(1, *out, 1, *in)``: the full Jacobian, no batch assumption.
-    ``wrt``: the inputs to differentiate by (default all). The function's ``graph`` is the traced
-    computation (``foreign_float_op`` reads it).
+    """``(x_1, ..., x_k) -> (y, [dy/dx_j for j in wrt])`` for ``n`` samples of each model input (each
+    ``(n, *shape)`` in ``dtype``): ``y`` ``(n, *out)`` and each Jacobian ``(n, *out, *in)`` (numpy), every sample's
+    full Jacobian computed on its own, no batch assumption. ``wrt``: the inputs to differentiate by (default
+    all). The function's ``graph`` is the traced computation (``foreign_float_op`` reads it).
 
-    ``rows`` (reverse mode only): the function takes one more argument, the flat output indices
-    ``(1, k)`` int32 of the rows to differentiate, and returns only those rows, each ``(1, k, 1, *in)``:
-    for a selection from many outputs (a label of 1,000 classes) the full Jacobian of one ImageNet-size
-    sample is a thousand backward passes and tens of GB, where the rows asked for are one.
+    ``rows`` (reverse mode only): the function takes one more argument, the flat output indices ``(n, r)``
+    of the rows to differentiate, each sample's own, and returns only those rows, each Jacobian
+    ``(n, r, *in)``: for a selection from many outputs (a label of 1,000 classes) the full Jacobian of one
+    ImageNet-size sample is a thousand backward passes and tens of GB, where the rows asked for are one.
 
-    Reverse mode by default: the sample is copied once per output row, ``chunk`` rows per call, and each
-    copy's one-hot cotangent pulled back in one compiled ``tape.gradient``: a batch of copies of one
-    sample, so nothing of another sample enters, and it shares no vectorisation (``pfor``) with the
-    engine. ``pad=True`` in a call adds one more copy to every batch (its row dropped): the same
-    derivative computed with another batch shape, for which oneDNN may pick other kernels, which is a
-    second, independent float32 computation of it (``transforms.self_check``).
+    Reverse mode by default: each sample is copied once per output row, ``chunk`` copies per call, and each
+    copy's one-hot cotangent pulled back in one compiled ``tape.gradient``: the samples of a call (a shard's
+    checked samples) share its fixed cost, and no copy's gradient involves another (no vectorisation, no
+    ``pfor``, nothing shared with the engine). ``pad=True`` in a call adds one more copy to every batch (its
+    row dropped): the same derivatives computed with another batch shape, for which oneDNN may pick other
+    kernels, which is a second, independent float32 computation of them (``transforms.self_check``).
 
-    ``forward``: one forward-mode JVP per input entry, in a sequential loop (no vectorisation), for runs whose
-    engine used forward mode. Where the model is not differentiable (``sqrt`` at 0), the two modes put NaN and
-    inf in different places, and the reference must fail where the run did. With ``directions`` ``(c, d)``
-    (forward only, one input in ``wrt``), the JVPs run along its rows instead of the input entries: ``J R`` as
-    ``(1, *out, c)``.
+    ``forward``: one forward-mode JVP per input entry, the ``n`` samples along the same entry at once, in a
+    sequential loop (no vectorisation over entries), for runs whose engine used forward mode. Where the
+    model is not differentiable (``sqrt`` at 0), the two modes put NaN and inf in different places, and the
+    reference must fail where the run did. With ``directions`` ``(c, d)`` (forward only, one input in
+    ``wrt``), the JVPs run along its rows instead of the input entries: ``J R`` as ``(n, *out, c)``.
     """
     import tensorflow as tf
 
@@ -78,22 +78,23 @@ def tape_function(
         shape = shapes[k]
         size = int(np.prod(shape, dtype=np.int64))
         count = size if given is None else int(given.shape[0])
+        samples = tf.shape(xs[k])[:1]
 
         def column(i):
             direction = tf.one_hot(i, size, dtype=dtype) if given is None else tf.gather(given, i)
-            tangent = tf.reshape(direction, (1, *shape))
+            tangent = tf.tile(tf.reshape(direction, (1, *shape)), tf.concat([samples, tf.ones(len(shape), tf.int32)], 0))
             with tf.autodiff.ForwardAccumulator(xs[k], tangent) as accumulator:
                 out = tf.cast(call(xs), dtype)
             jvp = accumulator.jvp(out, unconnected_gradients=tf.UnconnectedGradients.ZERO)
             return tf.reshape(jvp, [-1])
 
         columns = tf.map_fn(column, tf.range(count), fn_output_signature=dtype, parallel_iterations=1)
-        tail = [count] if given is not None else [1, *shape]
+        tail = [count] if given is not None else list(shape)
         return tf.reshape(tf.transpose(columns), tf.concat([tf.shape(y), tail], 0))
 
     # No autograph: no tensor-dependent Python control flow here, and converting the source costs the
     # first call (the self-check's one-time cost per worker) time for nothing (benchmarks/README.md).
-    signature = [tf.TensorSpec((1, *shape), dtype) for shape in shapes]
+    signature = [tf.TensorSpec((None, *shape), dtype) for shape in shapes]
     if forward:
 
         @tf.function(input_signature=signature, autograph=False)
@@ -102,57 +103,73 @@ def tape_function(
             y = tf.cast(call(xs), dtype)
             return y, [jvp_columns(xs, k, y) for k in wrt]
 
-        return jvps.get_concrete_function()
+        jvps = jvps.get_concrete_function()
+
+        def along(*xs, pad: bool = False):
+            y, found = jvps(*[tf.constant(x, dtype) for x in xs])
+            return y.numpy(), [j.numpy() for j in found]
+
+        along.graph, along.warm = jvps.graph, lambda: jvps(*[tf.zeros((1, *shape), dtype) for shape in shapes])
+        return along
 
     @tf.function(input_signature=[*signature, tf.TensorSpec((None,), tf.int32)], autograph=False)
     def pull(*args):
-        """``(y, [d y_r / dx_j for r in rows])``: one copy of the sample per row, each seeded with that
-        row's one-hot cotangent; ``y`` ``(1, *out)``, each pulled-back ``(rows, *in)``."""
-        xs, chosen = list(args[:-1]), args[-1]
-        copies = [tf.repeat(x, tf.size(chosen), axis=0) for x in xs]
+        """``(y, [d y_r / dx_j])`` for copies of samples, each seeded with its row ``r`` one-hot: ``y``
+        ``(copies, *out)``, each pulled-back ``(copies, *in)``."""
+        copies, chosen = list(args[:-1]), args[-1]
         with tf.GradientTape() as tape:
             for k in wrt:
                 tape.watch(copies[k])
             y = tf.cast(call(copies), dtype)
         cotangent = tf.reshape(tf.one_hot(chosen, tf.size(y[0]), dtype=dtype), tf.shape(y))
-        return y[:1], tape.gradient(y, [copies[k] for k in wrt], output_gradients=cotangent,
-                                    unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return y, tape.gradient(y, [copies[k] for k in wrt], output_gradients=cotangent,
+                                unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
     pull = pull.get_concrete_function()  # traced now; called directly, as per-chunk calls add up
+    out = pull.structured_outputs[0].shape[1:]
 
-    def one(*args, pad: bool = False):
-        xs = args[: len(shapes)]
+    def many(*args, pad: bool = False):
+        xs = [np.asarray(x, dtype.as_numpy_dtype) for x in args[: len(shapes)]]
+        n = len(xs[0])
         if rows:
-            chosen = np.asarray(args[-1], np.int32).reshape(-1)
+            index = np.asarray(args[-1], np.int32).reshape(n, -1)
         else:
-            out = pull.structured_outputs[0].shape[1:]
-            size = out.num_elements() if out.is_fully_defined() else int(tf.size(pull(*xs, tf.constant([0], tf.int32))[0]))
-            chosen = np.arange(size, dtype=np.int32)
-        parts = []
+            size = out.num_elements() if out.is_fully_defined() else int(
+                tf.size(pull(*[x[:1] for x in xs], tf.constant([0], tf.int32))[0][0]))
+            index = np.tile(np.arange(size, dtype=np.int32), (n, 1))
+        width = index.shape[1]
+        owner, chosen = np.repeat(np.arange(n), width), index.reshape(-1)
+        ys, parts = [], []
         for lo in range(0, len(chosen), chunk):
-            part = chosen[lo : lo + chunk]
-            y, pulled = pull(*xs, tf.constant(np.concatenate([part, part[:1]]) if pad else part))
-            parts.append([p[: len(part)] for p in pulled] if pad else pulled)
-        lead = [1, len(chosen)] if rows else list(y.shape)
-        return y, [tf.reshape(tf.concat([p[j] for p in parts], 0), [*lead, 1, *shapes[k]]) for j, k in enumerate(wrt)]
+            part = slice(lo, lo + chunk)
+            copies, seeds = owner[part], chosen[part]
+            if pad:
+                copies, seeds = np.append(copies, copies[0]), np.append(seeds, seeds[0])
+            y, pulled = pull(*[tf.constant(np.take(x, copies, axis=0)) for x in xs], tf.constant(seeds))
+            count = len(chosen[part])
+            ys.append(y.numpy()[:count])
+            parts.append([p.numpy()[:count] for p in pulled])
+        y = np.concatenate(ys)[::width]
+        lead = (n, width) if rows else y.shape
+        return y, [np.concatenate([p[j] for p in parts]).reshape(*lead, *shapes[k]) for j, k in enumerate(wrt)]
 
     def warm() -> None:
         """One call on zeros: TensorFlow optimises a function's graph at its first call (a second or more
         on ImageNet-size nets), which a check's first call then need not pay."""
         pull(*[tf.zeros((1, *shape), dtype) for shape in shapes], tf.constant([0], tf.int32))
 
-    one.graph, one.warm = pull.graph, warm
-    return one
+    many.graph, many.warm = pull.graph, warm
+    return many
 
 
 def forward_function(call, shapes: list[tuple[int, ...]], dtype: str = "float32"):
-    """``(x_1, ..., x_k) -> y``: the model's outputs at one sample (each ``(1, *shape)`` in ``dtype``), for
-    the rows a check chooses from them (``argmax``, ``top_k``)."""
+    """``(x_1, ..., x_k) -> y``: the model's outputs at ``n`` samples (each ``(n, *shape)`` in ``dtype``),
+    for the rows a check chooses from them (``argmax``, ``top_k``)."""
     import tensorflow as tf
 
     dtype = tf.as_dtype(dtype)
 
-    @tf.function(input_signature=[tf.TensorSpec((1, *shape), dtype) for shape in shapes], autograph=False)
+    @tf.function(input_signature=[tf.TensorSpec((None, *shape), dtype) for shape in shapes], autograph=False)
     def outputs(*xs):
         return tf.cast(call(list(xs)), dtype)
 
