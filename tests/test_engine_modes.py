@@ -52,6 +52,31 @@ def test_forward_mode_runs_by_double_reverse_where_it_agrees_with_the_accumulato
     assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
 
 
+@pytest.mark.parametrize("operand", ["identity", "index", "matrix"])
+@pytest.mark.parametrize(("rows", "start"), [(6, 0), (2, 3)], ids=["all rows", "a block"])
+def test_reverse_mode_run_eagerly_is_the_tape_loop(operand, rows, start):
+    """The eager reverse reference (one-hot cotangents through copies of the batch) gives every sample's
+    rows of ``L J``: all of them or a block from ``start``, of the identity, of chosen rows per sample, or
+    of a matrix of vectors, as a per-sample tape loop does."""
+    model = test_models.grid_model()  # 12 inputs, 6 outputs
+    x = _samples(model, 5)
+    full = tape_loop(model, x).reshape(5, 6, 12)
+    rng = np.random.default_rng(4)
+    if operand == "index":
+        given = np.stack([rng.permutation(6) for _ in range(5)]).astype(np.int32)  # (n, 6): a row order per sample
+        expected = np.take_along_axis(full, given[:, :, None], axis=1)
+    elif operand == "matrix":
+        given = rng.normal(size=(6, 6)).astype(np.float32)
+        expected = np.einsum("rm,nmd->nrd", given, full)
+    else:
+        given, expected = np.zeros((0, 0), np.float32), full
+    block = strategies.build_block(
+        "reverse", lambda xs: model(xs[0]), [(4, 3)], 0, rows, 6, tf.float32, False, operand=operand, eager=True)
+    y, found = block([x], tf.constant(start), tf.constant(given))
+    assert_close(np.asarray(y), model(x).numpy().reshape(5, -1), rtol=1e-6)
+    assert_close(np.asarray(found), expected[:, start : start + rows], rtol=1e-5)
+
+
 def test_double_reverse_that_disagrees_with_the_accumulator_is_not_used(monkeypatch):
     """Double reverse is a fast path with a known wrong case (zeros through image resizing, where the
     accumulator reports the dropped tangent): it runs only after agreeing on the probe batch."""
@@ -267,7 +292,7 @@ def test_a_path_wrong_only_on_a_sample_with_a_small_jacobian_is_not_used(monkeyp
 
 @pytest.mark.parametrize(
     ("build", "mode", "path", "reference"),
-    [(test_models.small_mlp, "auto", "reverse by layer rules", "reverse"),
+    [(test_models.small_mlp, "auto", "reverse by layer rules", "reverse, eagerly"),
      (test_models.coupling_flow, "forward", "forward by double reverse", "forward, eagerly")],
     ids=["reverse", "forward"],
 )
@@ -313,8 +338,8 @@ def test_a_path_that_agreed_on_the_probe_but_not_on_the_first_batch_is_refused(m
     described = engine.describe()
     assert described["layer_rules"] and described["candidates"][1]["relative_error"] < 1e-5  # agreed on the probe
     x = _samples(test_models.small_mlp(), 5, seed=1)
-    refusal = (r"^factory:tests.models:small_mlp: reverse by layer rules disagrees with the reference path reverse "
-               r"on the first batch's samples \(per-sample relative error 0.5 > 0.0001\), though it agreed on the "
+    refusal = (r"^factory:tests.models:small_mlp: reverse by layer rules disagrees with the reference path reverse, "
+               r"eagerly on the first batch's samples \(per-sample relative error 0.5 > 0.0001\), though it agreed on the "
                r"probe batch: refused \(mode: reverse_loop avoids this path\)$")
     with pytest.raises(ModelError, match=refusal):
         engine(x)

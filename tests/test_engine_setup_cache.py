@@ -44,11 +44,11 @@ def test_a_second_engine_reuses_the_decisions_without_probing(tmp_path, probes, 
     cache = str(tmp_path / ENGINE_PLAN)
     first = build_engine(MLP, (12,), OPTIONS, plan_cache=cache)
     assert probes["planner"] == 1 and first.describe()["plan_cache"] == "probed"
-    assert first.describe()["layer_rules"]  # a path checked against pfor's again on the first real batch:
+    assert first.describe()["layer_rules"]  # a path checked against the eager reference again on the first real batch:
     assert not Path(cache).exists()  # the decisions are cached only once that batch agreed
     x = rng.normal(size=(11, 12)).astype(np.float32)  # more than a batch: two sub-batches
     expected = first(x)
-    assert first.describe()["first_batch_check"]["reference"] == "reverse"
+    assert first.describe()["first_batch_check"]["reference"] == "reverse, eagerly"
     written = json.loads(Path(cache).read_text())
     assert written["key"]["model_fingerprint"] == first.fingerprint and written["plan"]["mode"] == "reverse"
 

@@ -244,7 +244,9 @@ def test_reverse_layer_rules_match_the_tape_loop_and_are_chosen_where_they_agree
     engine = _engine(model)
     described = engine.describe()
     assert (described["mode"], described["layer_rules"]) == ("reverse", True)
-    assert [c["path"] for c in described["candidates"]] == ["reverse", "reverse by layer rules"]
+    # Checked against reverse mode run eagerly, the reference; pfor's batch_jacobian is not traced.
+    assert described["candidates"][0] == {"path": "reverse, eagerly", "reference_only": True}
+    assert [c["path"] for c in described["candidates"]] == ["reverse, eagerly", "reverse by layer rules"]
     assert described["candidates"][1]["relative_error"] < 1e-5
     result = engine(x)
     assert_close(result["jacobian"], tape_loop(model, x), rtol=1e-5)
@@ -316,13 +318,15 @@ def test_a_model_without_reverse_rules_falls_back_to_pfor():
         assert_close(engine(samples)["jacobian"], tape_loop(model, samples), rtol=1e-5)
 
 
-def test_reverse_layer_rules_that_disagree_with_pfor_are_not_used(monkeypatch):
+def test_reverse_layer_rules_that_disagree_with_the_reference_are_not_used(monkeypatch):
+    """Wrong layer rules disagree with reverse mode run eagerly: pfor, tried next, agrees and is used."""
     _wrong(monkeypatch, reverse_layer_rules, "build_reverse_block")
     model = reverse_chain()
     x = _samples(model, 9)
     engine = _engine(model)
     described = engine.describe()
     assert (described["mode"], described["layer_rules"]) == ("reverse", False)
+    assert [c["path"] for c in described["candidates"]] == ["reverse, eagerly", "reverse by layer rules", "reverse"]
     assert any("reverse by layer rules disagrees with the reference" in r for r in described["reasons"])
     assert_close(engine(x)["jacobian"], tape_loop(model, x), rtol=1e-5)
 

@@ -75,8 +75,8 @@ def build_block(
     ``0 <= start <= total - rows``. ``operand`` says what the third argument is (see the module
     docstring); with ``"identity"`` pass an empty ``(0, 0)`` tensor. With ``rows == total`` and the
     identity, reverse modes differentiate the whole output without slicing it (a slice adds a scatter
-    of one-hot cotangents per row). ``eager`` (forward mode only): not compiled, the reference the other
-    forward paths are checked against (``forward_eagerly``).
+    of one-hot cotangents per row). ``eager``: not compiled, the reference the other paths are checked
+    against (``forward_eagerly``, ``reverse_eagerly``).
     """
     shape = tuple(input_shapes[wrt])
     size = int(np.prod(shape, dtype=np.int64))
@@ -93,11 +93,16 @@ def build_block(
             return given[start : start + rows]
         return tf.one_hot(start + tf.range(rows), size, dtype=dtype)
 
-    def targets(y, start, given):
+    def selected(y, given):
+        """``L y``: every row the blocks are taken from."""
         if operand == "index":
-            y = tf.gather(y, given, batch_dims=1)
-        elif operand == "matrix":
-            y = tf.matmul(y, given, transpose_b=True)
+            return tf.gather(y, given, batch_dims=1)
+        if operand == "matrix":
+            return tf.matmul(y, given, transpose_b=True)
+        return y
+
+    def targets(y, start, given):
+        y = selected(y, given)
         return y if rows == total else y[:, start : start + rows]
 
     def reverse(xs, start, given):
@@ -168,8 +173,25 @@ def build_block(
             raise ForwardModeUnsupported(DROPPED_TANGENT)
         return y[:n], tf.transpose(tf.reshape(columns, (rows, n, -1)), (1, 2, 0))
 
-    if mode == "forward" and eager:
-        return forward_eagerly
+    def reverse_eagerly(xs, start, given):
+        """The reverse block as one eager pass over ``c`` copies of the batch, copy ``j`` pulling back the
+        one-hot cotangent of row ``start + j`` (samples being independent, checked at set-up): as
+        ``forward_eagerly``, a reference that costs no tracing and no pfor."""
+        xs = [tf.convert_to_tensor(x, dtype) for x in xs]
+        n = tf.shape(xs[wrt])[0]
+        copies = [tf.tile(x, [rows, *[1] * (len(x.shape) - 1)]) for x in xs]  # copy j: rows j n to (j + 1) n
+        chosen = tf.tile(given, [rows, 1]) if operand == "index" else given
+        with tf.GradientTape() as tape:
+            tape.watch(copies[wrt])
+            y = _flat_output(call, copies, dtype)
+            target = selected(y, chosen)
+        cotangent = tf.repeat(tf.one_hot(start + tf.range(rows), tf.shape(target)[1], dtype=dtype), n, axis=0)
+        block = tape.gradient(target, copies[wrt], output_gradients=cotangent,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return y[:n], tf.transpose(tf.reshape(block, (rows, n, size)), (1, 0, 2))
+
+    if eager:
+        return forward_eagerly if mode == "forward" else reverse_eagerly
     if mode == "forward":
         body = forward_by_double_reverse if double_reverse else forward
     else:
@@ -181,9 +203,8 @@ def build_block(
 
 class Path(NamedTuple):
     """One way to compute blocks: a mode, under XLA or not, and by layer rules (``layer_rules`` in forward
-    mode, ``reverse_layer_rules`` in reverse mode), or (forward mode) by double reverse or by the
-    accumulator run eagerly (``eager``: only ever the reference the others are checked against, never
-    used to compute a run)."""
+    mode, ``reverse_layer_rules`` in reverse mode), (forward mode) by double reverse, or run eagerly
+    (``eager``: only ever the reference the others are checked against, never used to compute a run)."""
 
     mode: str
     jit: bool = False

@@ -2,12 +2,13 @@
 
 Each candidate path runs on a seeded probe batch; the plain graph of the first mode is the reference
 every other path must agree with before it is trusted (a fast path can be wrong: forward mode through
-max-pooling under XLA is, double reverse through image resizing is). Where nothing is timed, forward
-mode's reference is the accumulator run eagerly (no tracing: the vectorised accumulator's pfor takes
-seconds to trace on a deep model), and the paths run in the order of preference, the first to agree
-being taken: what set-up costs is then one eager pass and, as a rule, one traced path. A path that
-TensorFlow cannot run (no XLA kernel, no pfor or forward-mode rule) is left out with a reason; an error
-raised by jacobeam's own code is a bug and surfaces as itself.
+max-pooling under XLA is, double reverse through image resizing is). Where nothing is timed, the
+reference is the mode run eagerly (forward: the accumulator; reverse, where a faster path is tried beside
+pfor's ``batch_jacobian``: one-hot cotangents through copies of the probe batch): no tracing, where pfor
+takes seconds to trace on a deep model and most of set-up on a small one; and the paths run in the order
+of preference, the first to agree being taken: what set-up costs is then one eager pass and, as a rule,
+one traced path. A path that TensorFlow cannot run (no XLA kernel, no pfor or forward-mode rule) is left
+out with a reason; an error raised by jacobeam's own code is a bug and surfaces as itself.
 
 Agreement is judged per sample (``disagreement``): a sample whose Jacobian is small against the batch's
 cannot hide a wrong derivative behind the batch's largest entry. The plan keeps the reference it was
@@ -156,9 +157,10 @@ class Planner:
                 paths.insert(2, Path(mode, False, layer_rules=True))
         if mode == "reverse" and jit_compile is not True and self._reverse_layer_rules:
             paths.insert(1, Path(mode, False, layer_rules=True))
-        if mode == "forward" and not self._timed:
-            # Untimed, the vectorised accumulator is only the last resort: the reference is the accumulator
-            # run eagerly (the plain graph under jit_compile: true is only a reference, so it goes).
+        if (mode == "forward" or len(paths) > 1) and not self._timed:
+            # Untimed, the vectorised accumulator (forward) or pfor's batch_jacobian (reverse, beside a faster
+            # path) is only the last resort: the reference is the mode run eagerly (the plain graph under
+            # jit_compile: true is only a reference, so it goes). On W1 tracing pfor was 2/3 of set-up.
             paths.insert(0, Path(mode, eager=True))
             if jit_compile is True:
                 paths.remove(Path(mode))
