@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.workloads import bars
+
 FLOOR = """
 import os, time  # noqa: E401
 began = time.perf_counter()
@@ -51,30 +53,11 @@ os._exit(0)  # as `jacobeam run` ends: TensorFlow's teardown at exit is not part
 """
 
 
-def bars(count: int, seed: int) -> np.ndarray:
-    """The README quickstart's images: an 8x3 bar at a random place on 28x28."""
-    rng = np.random.default_rng(seed)
-    images = np.zeros((count, 28, 28, 1), np.float32)
-    for image, row, col in zip(images, rng.integers(2, 20, count), rng.integers(0, 20, count), strict=True):
-        image[row : row + 8, col : col + 3] = 1.0
-    return images
-
-
 def quickstart_model(path: Path) -> None:
-    """The README quickstart's CNN, with seeded weights rather than trained ones (the same cost)."""
-    import keras
+    """The README quickstart's CNN (``workloads.quickstart``), saved as ``.keras``."""
+    from benchmarks.workloads import quickstart
 
-    from jacobeam.transforms.engine.models import seeded_weights
-
-    model = keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(16, 3, activation="relu", use_bias=False),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Flatten(),
-        keras.layers.Dense(10),
-    ])
-    seeded_weights(model, 0)
-    model.save(path)
+    quickstart().save(path)
 
 
 def _timed(command: list[str], env: dict[str, str]) -> tuple[float, str]:

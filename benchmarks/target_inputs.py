@@ -31,12 +31,17 @@ def factory(workload: str) -> str:
     return WORKLOADS[workload].factory if workload in WORKLOADS else f"benchmarks.workloads:{workload}"
 
 
+QUICKSTART = "quickstart"  # the README quickstart's CNN on its bar images (``workloads.quickstart``)
+
+
 def samples_of(workload: str, samples: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """Standard normal samples from seed 1 (labels too, for the saliency models)."""
-    from benchmarks.workloads import WORKLOADS, inputs
+    """Standard normal samples from seed 1 (labels too, for the saliency models); the quickstart's bar images."""
+    from benchmarks.workloads import WORKLOADS, bars, inputs
 
     if workload in WORKLOADS:
         return inputs(WORKLOADS[workload], samples), None
+    if workload == QUICKSTART:
+        return bars(samples, 1), None
     rng = np.random.default_rng(1)
     return rng.standard_normal((samples, *SALIENCY_SHAPE), dtype=np.float32), rng.integers(0, 1000, size=samples)
 
@@ -52,6 +57,8 @@ def run_config(workload: str, glob: str, out: Path) -> Any:
             "jacobian": {"batch_size": BATCH},
             "output": {"path": str(out)},
         }
+    elif workload == QUICKSTART:  # every key at its default
+        raw = {"model": {"factory": factory(workload)}, "input": {"paths": [glob]}, "output": {"path": str(out)}}
     else:
         raw = {
             "model": {"factory": factory(workload)},
@@ -83,6 +90,19 @@ def hand_written(workload: str) -> Callable[[np.ndarray, np.ndarray | None], Non
         (spec,) = [s for s in row_specs([], None, {}) if s.id == "tf_batch_jacobian"]
         row = build(spec, WORKLOADS[workload])
         return lambda x, labels: row.jacobians(x)
+    if workload == QUICKSTART:  # what the README calls the seed's own answer: batch_jacobian in a tf.function
+        from benchmarks.workloads import quickstart
+
+        model = quickstart()
+
+        @tf.function(input_signature=[tf.TensorSpec((None, 28, 28, 1), tf.float32)])
+        def jacobian(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = model(x)
+            return tape.batch_jacobian(y, x)
+
+        return lambda x, labels: jacobian(x).numpy()
     from benchmarks.saliency import hand_written_saliency
 
     saliency = hand_written_saliency(APPLICATIONS[workload]())

@@ -235,6 +235,33 @@ def w4_flow() -> Any:
     return keras_model(WORKLOADS["flow"])
 
 
+def quickstart() -> Any:
+    """The README quickstart's CNN, with seeded weights rather than trained ones (the same cost): x[28, 28, 1]
+    -> Conv 3x3x16 relu (no bias) -> MaxPool 2 -> Flatten -> Dense 10; Jacobian [10, 28, 28, 1]."""
+    import keras
+
+    from jacobeam.transforms.engine.models import seeded_weights
+
+    model = keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(16, 3, activation="relu", use_bias=False),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(10),
+    ], name="quickstart")
+    seeded_weights(model, 0)
+    return model
+
+
+def bars(count: int, seed: int) -> np.ndarray:
+    """The README quickstart's images: an 8x3 bar of ones at a random place on 28x28 zeros."""
+    rng = np.random.default_rng(seed)
+    images = np.zeros((count, 28, 28, 1), np.float32)
+    for image, row, col in zip(images, rng.integers(2, 20, count), rng.integers(0, 20, count), strict=True):
+        image[row : row + 8, col : col + 3] = 1.0
+    return images
+
+
 # Keras applications with seeded random weights (nothing downloaded), for per-label saliency:
 # ``model.factory: "benchmarks.workloads:resnet50"``. Every call builds the same weights.
 

@@ -3,6 +3,8 @@
 Nothing here times anything: speed is read from the suite's own output, never asserted.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -106,6 +108,24 @@ def test_targets_measure_the_pipeline_and_set_up_against_the_hand_written_loop()
     assert "hand-written loop" in end_to_end.detail
     (setup,) = targets.setup("mlp", repeats=1)
     assert setup.measured > 0 and setup.goal == 3.0 and not setup.at_least
+
+
+@pytest.mark.slow
+def test_the_quickstart_target_runs_the_readme_model_at_the_defaults_against_batch_jacobian():
+    """The README quickstart's CNN on its bar images: the run at every default, and a hand-written loop
+    whose Jacobians are a per-sample tape's."""
+    from benchmarks import target_inputs, targets
+    from benchmarks.workloads import quickstart
+    from jacobeam.pipeline.config.jacobian import JacobianConfig
+    from tests.reference import assert_close, tape_loop
+
+    x, labels = target_inputs.samples_of("quickstart", 5)
+    assert labels is None and x.shape == (5, 28, 28, 1) and set(np.unique(x)) == {0.0, 1.0}
+    assert target_inputs.run_config("quickstart", "x.npy", Path("out")).jacobian == JacobianConfig()
+    expected = tape_loop(quickstart(), x)
+    assert_close(target_inputs.hand_written("quickstart")(x, None).reshape(expected.shape), expected, rtol=1e-5)
+    (end_to_end,) = targets.end_to_end("quickstart", samples=300, repeats=1)
+    assert end_to_end.goal == 0.9 and np.isfinite(end_to_end.measured)
 
 
 @pytest.mark.slow
