@@ -85,6 +85,25 @@ def test_the_reference_is_the_closed_form_jacobian_of_every_input_asked_for_of_e
         np.testing.assert_allclose(rows[i], ((1 - y[i] ** 2)[:, None] * b.T)[chosen[i]], rtol=1e-12, atol=1e-14)
 
 
+def test_the_forward_reference_along_vectors_in_chunks_across_samples_is_the_closed_form():
+    """Forward mode along the rows of ``R`` (a ``jvp``/``project`` product), ``chunk`` copies per call (a
+    chunk holding copies of two samples): each sample's ``J R^T`` of ``y = tanh(x A)``."""
+    import tensorflow as tf
+
+    from jacobeam.transforms.engine import reference
+
+    rng = np.random.default_rng(7)
+    a, x, r = rng.normal(size=(6, 4)), rng.normal(size=(3, 6)), rng.normal(size=(5, 6))
+    function = reference.tape_function(lambda xs: tf.tanh(xs[0] @ tf.constant(a)), [(6,)], forward=True,
+                                       dtype="float64", directions=r, chunk=4)
+    out, (product,) = function(x)
+    assert product.shape == (3, 4, 5)
+    np.testing.assert_allclose(out, np.tanh(x @ a), rtol=1e-12)
+    for i in range(3):
+        expected = ((1 - np.tanh(x[i] @ a) ** 2)[:, None] * a.T) @ r.T
+        np.testing.assert_allclose(product[i], expected, rtol=1e-12, atol=1e-14)
+
+
 def test_the_reverse_reference_in_chunks_across_samples_and_with_another_batch_shape_is_the_same_closed_form():
     """Rows of two samples pulled back through their copies, ``chunk`` copies per call (a chunk holding
     copies of both, the last one shorter), and with one more copy per batch (``pad``): each sample's is

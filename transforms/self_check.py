@@ -4,7 +4,8 @@ what the compute dtype can achieve on the model at that sample.
 The engine computes each batch in compiled, vectorised blocks; the self-check recomputes chosen
 samples of each shard with independent per-sample methods (``transforms.engine.reference``: reverse
 mode pulls one-hot cotangents back through copies of each sample; where the engine ran in forward
-mode, one forward-mode JVP per input entry or product vector in a plain loop), a shard's samples in
+mode, one forward-mode JVP per input entry or product vector, each pushed through a copy of the
+sample of its own), a shard's samples in
 one call of each reference (``judge_all``: its fixed cost shared, each derivative still its own sample's;
 a run's worker checks a shard's samples together after its last batch), chooses the rows again
 itself (``indices`` from the configuration, ``label`` from the label read from the input, ``argmax``
@@ -150,7 +151,7 @@ class SelfChecker:
         self._rows = not self.forward and self.selection.rule != "all" and self.plain.left is None
         self.method = (
             ("forward-mode JVPs along the product's vectors" if self._directions is not None
-             else "forward-mode JVPs per input entry") + ", one sample, in a plain loop"
+             else "forward-mode JVPs per input entry") + ", one copy of the sample each"
             if self.forward
             else "tf.GradientTape gradient of one sample, one output row per copy"
         )

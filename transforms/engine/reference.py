@@ -60,8 +60,9 @@ def tape_function(
     row dropped): the same derivatives computed with another batch shape, for which oneDNN may pick other
     kernels, which is a second, independent float32 computation of them (``transforms.self_check``).
 
-    ``forward``: one forward-mode JVP per input entry, the ``n`` samples along the same entry at once, in a
-    sequential loop (no vectorisation over entries), for runs whose engine used forward mode. Where the
+    ``forward``: one forward-mode JVP per sample and input entry, each of a copy of the sample carrying that
+    entry's one-hot tangent (no vectorisation), ``chunk`` copies per call, for runs whose engine used
+    forward mode. Where the
     model is not differentiable (``sqrt`` at 0), the two modes put NaN and inf in different places, and the
     reference must fail where the run did. With ``directions`` ``(c, d)`` (forward only, one input in
     ``wrt``), the JVPs run along its rows instead of the input entries: ``J R`` as ``(n, *out, c)``.
@@ -74,43 +75,11 @@ def tape_function(
     wrt = list(range(len(shapes))) if wrt is None else list(wrt)
     given = None if directions is None else tf.constant(np.asarray(directions), dtype)
 
-    def jvp_columns(xs: list, k: int, y):
-        shape = shapes[k]
-        size = int(np.prod(shape, dtype=np.int64))
-        count = size if given is None else int(given.shape[0])
-        samples = tf.shape(xs[k])[:1]
-
-        def column(i):
-            direction = tf.one_hot(i, size, dtype=dtype) if given is None else tf.gather(given, i)
-            tangent = tf.tile(tf.reshape(direction, (1, *shape)), tf.concat([samples, tf.ones(len(shape), tf.int32)], 0))
-            with tf.autodiff.ForwardAccumulator(xs[k], tangent) as accumulator:
-                out = tf.cast(call(xs), dtype)
-            jvp = accumulator.jvp(out, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return tf.reshape(jvp, [-1])
-
-        columns = tf.map_fn(column, tf.range(count), fn_output_signature=dtype, parallel_iterations=1)
-        tail = [count] if given is not None else list(shape)
-        return tf.reshape(tf.transpose(columns), tf.concat([tf.shape(y), tail], 0))
-
     # No autograph: no tensor-dependent Python control flow here, and converting the source costs the
     # first call (the self-check's one-time cost per worker) time for nothing (benchmarks/README.md).
     signature = [tf.TensorSpec((None, *shape), dtype) for shape in shapes]
     if forward:
-
-        @tf.function(input_signature=signature, autograph=False)
-        def jvps(*xs):
-            xs = list(xs)
-            y = tf.cast(call(xs), dtype)
-            return y, [jvp_columns(xs, k, y) for k in wrt]
-
-        jvps = jvps.get_concrete_function()
-
-        def along(*xs, pad: bool = False):
-            y, found = jvps(*[tf.constant(x, dtype) for x in xs])
-            return y.numpy(), [j.numpy() for j in found]
-
-        along.graph, along.warm = jvps.graph, lambda: jvps(*[tf.zeros((1, *shape), dtype) for shape in shapes])
-        return along
+        return _forward_reference(call, shapes, dtype, wrt, given, chunk, signature)
 
     @tf.function(input_signature=[*signature, tf.TensorSpec((None,), tf.int32)], autograph=False)
     def pull(*args):
@@ -160,6 +129,65 @@ def tape_function(
 
     many.graph, many.warm = pull.graph, warm
     return many
+
+
+def _forward_reference(call, shapes, dtype, wrt: list[int], given, chunk: int, signature):
+    """``tape_function``'s forward mode: per differentiated input, a traced ``push`` takes copies of samples,
+    each with its own tangent (an input entry's one-hot, or a row of ``given``), and returns each copy's JVP
+    by one ``ForwardAccumulator`` pass; ``chunk`` copies per call. One copy per sample and column: a plain
+    forward-mode JVP of that one sample along that one direction, nothing vectorised by pfor, and no loop in
+    the graph (a ``map_fn`` over columns took 0.4 s to trace and 0.3 s to optimise on W4, per dtype)."""
+    import tensorflow as tf
+
+    def pusher(k: int):
+        @tf.function(input_signature=[*signature, tf.TensorSpec((None, *shapes[k]), dtype)], autograph=False)
+        def push(*args):
+            copies, tangent = list(args[:-1]), args[-1]
+            with tf.autodiff.ForwardAccumulator(copies[k], tangent) as accumulator:
+                y = tf.cast(call(copies), dtype)
+            return y, accumulator.jvp(y, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+        return push.get_concrete_function()  # traced now; called directly, as per-chunk calls add up
+
+    pushes = {k: pusher(k) for k in wrt}
+    numpy_dtype = dtype.as_numpy_dtype
+    rows = None if given is None else np.asarray(given, numpy_dtype)
+
+    def tangents(columns: np.ndarray, size: int) -> np.ndarray:
+        """The copies' tangents ``(c, size)``: rows of ``given``, or one-hots (never the identity whole)."""
+        if rows is not None:
+            return rows[columns]
+        found = np.zeros((len(columns), size), numpy_dtype)
+        found[np.arange(len(columns)), columns] = 1
+        return found
+
+    def along(*xs, pad: bool = False):
+        xs = [np.asarray(x, numpy_dtype) for x in xs]
+        n, y, found = len(xs[0]), None, []
+        for k in wrt:
+            shape = shapes[k]
+            size = int(np.prod(shape, dtype=np.int64))
+            count = size if rows is None else len(rows)
+            owner, column = np.repeat(np.arange(n), count), np.tile(np.arange(count), n)
+            ys, jvps = [], []
+            for lo in range(0, n * count, chunk):
+                part = slice(lo, lo + chunk)
+                out, jvp = pushes[k](*[tf.constant(np.take(x, owner[part], axis=0)) for x in xs],
+                                     tf.constant(tangents(column[part], size).reshape(-1, *shape)))
+                ys.append(out.numpy())
+                jvps.append(jvp.numpy())
+            y = np.concatenate(ys)[::count]
+            jvp = np.concatenate(jvps).reshape(n, count, -1)  # (n, columns, m)
+            tail = (count,) if given is not None else shape
+            found.append(np.moveaxis(jvp, 1, -1).reshape(*y.shape, *tail))
+        return y, found
+
+    def warm() -> None:
+        for k, push in pushes.items():
+            push(*[tf.zeros((1, *shape), dtype) for shape in shapes], tf.zeros((1, *shapes[k]), dtype))
+
+    along.graph, along.warm = pushes[wrt[0]].graph, warm
+    return along
 
 
 def forward_function(call, shapes: list[tuple[int, ...]], dtype: str = "float32"):
