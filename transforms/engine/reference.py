@@ -62,10 +62,10 @@ def tape_function(
 
     ``forward``: one forward-mode JVP per sample and input entry, each of a copy of the sample carrying that
     entry's one-hot tangent (no vectorisation), ``chunk`` copies per call, for runs whose engine used
-    forward mode. Where the
-    model is not differentiable (``sqrt`` at 0), the two modes put NaN and inf in different places, and the
-    reference must fail where the run did. With ``directions`` ``(c, d)`` (forward only, one input in
-    ``wrt``), the JVPs run along its rows instead of the input entries: ``J R`` as ``(n, *out, c)``.
+    forward mode. Where the model is not differentiable (``sqrt`` at 0), the two modes put NaN and inf in
+    different places, and the reference must fail where the run did. With ``directions`` ``(c, d)``
+    (forward only, one input in ``wrt``), the JVPs run along its rows instead of the input entries: ``J R``
+    as ``(n, *out, c)``.
     """
     import tensorflow as tf
 
@@ -73,13 +73,12 @@ def tape_function(
         raise ValueError("rows: reverse mode only")
     dtype = tf.as_dtype(dtype)
     wrt = list(range(len(shapes))) if wrt is None else list(wrt)
-    given = None if directions is None else tf.constant(np.asarray(directions), dtype)
 
     # No autograph: no tensor-dependent Python control flow here, and converting the source costs the
     # first call (the self-check's one-time cost per worker) time for nothing (benchmarks/README.md).
     signature = [tf.TensorSpec((None, *shape), dtype) for shape in shapes]
     if forward:
-        return _forward_reference(call, shapes, dtype, wrt, given, chunk, signature)
+        return _forward_reference(call, shapes, dtype, wrt, directions, chunk, signature)
 
     @tf.function(input_signature=[*signature, tf.TensorSpec((None,), tf.int32)], autograph=False)
     def pull(*args):
@@ -131,9 +130,9 @@ def tape_function(
     return many
 
 
-def _forward_reference(call, shapes, dtype, wrt: list[int], given, chunk: int, signature):
+def _forward_reference(call, shapes, dtype, wrt: list[int], directions, chunk: int, signature):
     """``tape_function``'s forward mode: per differentiated input, a traced ``push`` takes copies of samples,
-    each with its own tangent (an input entry's one-hot, or a row of ``given``), and returns each copy's JVP
+    each with its own tangent (an input entry's one-hot, or a row of ``directions``), and returns each copy's JVP
     by one ``ForwardAccumulator`` pass; ``chunk`` copies per call. One copy per sample and column: a plain
     forward-mode JVP of that one sample along that one direction, nothing vectorised by pfor, and no loop in
     the graph (a ``map_fn`` over columns took 0.4 s to trace and 0.3 s to optimise on W4, per dtype)."""
@@ -151,10 +150,10 @@ def _forward_reference(call, shapes, dtype, wrt: list[int], given, chunk: int, s
 
     pushes = {k: pusher(k) for k in wrt}
     numpy_dtype = dtype.as_numpy_dtype
-    rows = None if given is None else np.asarray(given, numpy_dtype)
+    rows = None if directions is None else np.asarray(directions, numpy_dtype)
 
     def tangents(columns: np.ndarray, size: int) -> np.ndarray:
-        """The copies' tangents ``(c, size)``: rows of ``given``, or one-hots (never the identity whole)."""
+        """The copies' tangents ``(c, size)``: rows of ``directions``, or one-hots (never the identity whole)."""
         if rows is not None:
             return rows[columns]
         found = np.zeros((len(columns), size), numpy_dtype)
@@ -178,7 +177,7 @@ def _forward_reference(call, shapes, dtype, wrt: list[int], given, chunk: int, s
                 jvps.append(jvp.numpy())
             y = np.concatenate(ys)[::count]
             jvp = np.concatenate(jvps).reshape(n, count, -1)  # (n, columns, m)
-            tail = (count,) if given is not None else shape
+            tail = (count,) if rows is not None else shape
             found.append(np.moveaxis(jvp, 1, -1).reshape(*y.shape, *tail))
         return y, found
 
