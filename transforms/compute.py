@@ -225,11 +225,11 @@ class ComputeJacobiansFn(beam.DoFn):
         waiting = self._waiting.pop(shard.start, []) + [self._sample(part, datasets, row) for row in rows]
         if not waiting:
             return None
-        # While the references are being built (SelfChecker.prepare), a caller that takes what is held back
-        # before it commits the shard (holds_checks) has the samples wait for a later batch of their shard,
-        # or for held_checks: the engine computes meanwhile instead of waiting for the thread. A checker that
-        # checks samples together (checks_together: the parameter side's projection) has them all wait for
-        # held_checks.
+        # A caller that takes what is held back before it commits the shard (holds_checks) has a checker that
+        # checks samples together (checks_together: the input side's, sharing its references' calls; the
+        # parameter side's projection) hold them all for held_checks, and another hold them while its
+        # references are being built (prepare) for a later batch of their shard or held_checks: the engine
+        # computes meanwhile instead of waiting for the thread.
         if self.holds_checks and (self._checker.checks_together or not self._checker.ready()):
             self._waiting[shard.start] = waiting
             return None

@@ -311,8 +311,11 @@ class SelfChecker:
         (own, truth), first = self._references()  # traced at the first check of the process: timed with it
         exact = truth or own  # the truth: the float64 copy, or the compute dtype's reference without one
         exact_dtype = np.dtype(np.float64 if truth is not None else self.compute)
-        stacked = lambda dtype, chosen: [  # noqa: E731 - (n, *shape) per model input
-            np.concatenate([np.asarray(samples[i][0][j], dtype) for i in chosen]) for j in range(len(samples[0][0]))]
+
+        def stacked(dtype, chosen) -> list[np.ndarray]:
+            """The ``chosen`` samples' inputs in ``dtype``, ``(n, *shape)`` per model input."""
+            return [np.concatenate([np.asarray(samples[i][0][j], dtype) for i in chosen]) for j in range(len(samples[0][0]))]
+
         everyone = range(len(samples))
         at, mine = stacked(exact_dtype, everyone), stacked(self.compute, everyone)
         chosen = self._rows_all(at, mine, samples)
