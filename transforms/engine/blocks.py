@@ -158,6 +158,10 @@ def build_block(
         columns = outer.batch_jacobian(row, cotangent)  # (n, c, m): (J R)^T
         return y, tf.transpose(columns, (0, 2, 1))
 
+    def tiled(xs):
+        """``c`` copies of the batch, one after the other: the eager references' one pass for a block."""
+        return [tf.tile(x, [rows, *[1] * (len(x.shape) - 1)]) for x in xs]
+
     def forward_eagerly(xs, start, given):
         """The accumulator's block as one eager pass over ``c`` copies of the batch, copy ``j`` carrying
         tangent ``j`` (samples being independent, checked at set-up): run once on the probe batch, it
@@ -165,7 +169,7 @@ def build_block(
         xs = [tf.convert_to_tensor(x, dtype) for x in xs]
         n, directions = tf.shape(xs[wrt])[0], tangent_directions(start, given)
         tangent = tf.reshape(tf.repeat(directions, n, axis=0), (-1, *shape))  # (c n, *shape), column-major
-        copies = [tf.tile(x, [rows, *[1] * (len(x.shape) - 1)]) for x in xs]
+        copies = tiled(xs)
         with tf.autodiff.ForwardAccumulator(copies[wrt], tangent) as accumulator:
             y = _flat_output(call, copies, dtype)
         columns = accumulator.jvp(y)
@@ -179,7 +183,7 @@ def build_block(
         ``forward_eagerly``, a reference that costs no tracing and no pfor."""
         xs = [tf.convert_to_tensor(x, dtype) for x in xs]
         n = tf.shape(xs[wrt])[0]
-        copies = [tf.tile(x, [rows, *[1] * (len(x.shape) - 1)]) for x in xs]  # copy j: rows j n to (j + 1) n
+        copies = tiled(xs)  # copy j: rows j n to (j + 1) n
         chosen = tf.tile(given, [rows, 1]) if operand == "index" else given
         with tf.GradientTape() as tape:
             tape.watch(copies[wrt])

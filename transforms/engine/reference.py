@@ -8,6 +8,8 @@ JVPs). A reference differentiates one sample at a time, with nothing batched: ``
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from jacobeam.transforms.engine.diagnostics import AGREEMENT
@@ -106,20 +108,11 @@ def tape_function(
                 tf.size(pull(*[x[:1] for x in xs], tf.constant([0], tf.int32))[0][0]))
             index = np.tile(np.arange(size, dtype=np.int32), (n, 1))
         width = index.shape[1]
-        owner, chosen = np.repeat(np.arange(n), width), index.reshape(-1)
-        ys, parts = [], []
-        for lo in range(0, len(chosen), chunk):
-            part = slice(lo, lo + chunk)
-            copies, seeds = owner[part], chosen[part]
-            if pad:
-                copies, seeds = np.append(copies, copies[0]), np.append(seeds, seeds[0])
-            y, pulled = pull(*[tf.constant(np.take(x, copies, axis=0)) for x in xs], tf.constant(seeds))
-            count = len(chosen[part])
-            ys.append(y.numpy()[:count])
-            parts.append([p.numpy()[:count] for p in pulled])
-        y = np.concatenate(ys)[::width]
+        chosen = index.reshape(-1)
+        y, *pulled = _by_copies(pull, xs, np.repeat(np.arange(n), width), lambda part: chosen[part], chunk, pad)
+        y = y[::width]
         lead = (n, width) if rows else y.shape
-        return y, [np.concatenate([p[j] for p in parts]).reshape(*lead, *shapes[k]) for j, k in enumerate(wrt)]
+        return y, [p.reshape(*lead, *shapes[k]) for p, k in zip(pulled, wrt)]
 
     def warm() -> None:
         """One call on zeros: TensorFlow optimises a function's graph at its first call (a second or more
@@ -128,6 +121,26 @@ def tape_function(
 
     many.graph, many.warm = pull.graph, warm
     return many
+
+
+def _by_copies(function, xs: list[np.ndarray], owner: np.ndarray, seeds, chunk: int, pad: bool = False):
+    """``function`` (a traced reference) called on copies of samples, ``chunk`` at a time: copy ``i`` is
+    sample ``owner[i]`` of ``xs`` with its seed (a row to pull back, a tangent), ``seeds(part)`` giving those
+    of the copies ``part`` (a slice), made per call so that no more than a chunk's exist at once. ``pad``:
+    one more copy per call (another batch shape), its outputs dropped. Returns each of ``function``'s
+    outputs, one row per copy, in numpy."""
+    import tensorflow as tf
+
+    found = []
+    for lo in range(0, len(owner), chunk):
+        part = slice(lo, lo + chunk)
+        copies, seed = owner[part], seeds(part)
+        count = len(copies)
+        if pad:
+            copies, seed = np.append(copies, copies[0]), np.concatenate([seed, seed[:1]])
+        outputs = function(*[tf.constant(np.take(x, copies, axis=0)) for x in xs], tf.constant(seed))
+        found.append([output.numpy()[:count] for output in tf.nest.flatten(outputs)])
+    return [np.concatenate(column) for column in zip(*found)]
 
 
 def _forward_reference(call, shapes, dtype, wrt: list[int], directions, chunk: int, signature):
@@ -152,13 +165,15 @@ def _forward_reference(call, shapes, dtype, wrt: list[int], directions, chunk: i
     numpy_dtype = dtype.as_numpy_dtype
     rows = None if directions is None else np.asarray(directions, numpy_dtype)
 
-    def tangents(columns: np.ndarray, size: int) -> np.ndarray:
-        """The copies' tangents ``(c, size)``: rows of ``directions``, or one-hots (never the identity whole)."""
+    def tangents(part: slice, column: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """The tangents ``(c, *shape)`` of the copies ``part``, whose columns are ``column[part]``: rows of
+        ``directions``, or one-hots (never the identity whole)."""
+        columns = column[part]
         if rows is not None:
-            return rows[columns]
-        found = np.zeros((len(columns), size), numpy_dtype)
+            return rows[columns].reshape(-1, *shape)
+        found = np.zeros((len(columns), int(np.prod(shape, dtype=np.int64))), numpy_dtype)
         found[np.arange(len(columns)), columns] = 1
-        return found
+        return found.reshape(-1, *shape)
 
     def along(*xs, pad: bool = False):
         xs = [np.asarray(x, numpy_dtype) for x in xs]
@@ -167,16 +182,10 @@ def _forward_reference(call, shapes, dtype, wrt: list[int], directions, chunk: i
             shape = shapes[k]
             size = int(np.prod(shape, dtype=np.int64))
             count = size if rows is None else len(rows)
-            owner, column = np.repeat(np.arange(n), count), np.tile(np.arange(count), n)
-            ys, jvps = [], []
-            for lo in range(0, n * count, chunk):
-                part = slice(lo, lo + chunk)
-                out, jvp = pushes[k](*[tf.constant(np.take(x, owner[part], axis=0)) for x in xs],
-                                     tf.constant(tangents(column[part], size).reshape(-1, *shape)))
-                ys.append(out.numpy())
-                jvps.append(jvp.numpy())
-            y = np.concatenate(ys)[::count]
-            jvp = np.concatenate(jvps).reshape(n, count, -1)  # (n, columns, m)
+            seeds = functools.partial(tangents, column=np.tile(np.arange(count), n), shape=shape)
+            y, jvp = _by_copies(pushes[k], xs, np.repeat(np.arange(n), count), seeds, chunk)
+            y = y[::count]
+            jvp = jvp.reshape(n, count, -1)  # (n, columns, m)
             tail = (count,) if rows is not None else shape
             found.append(np.moveaxis(jvp, 1, -1).reshape(*y.shape, *tail))
         return y, found
