@@ -23,7 +23,8 @@ from jacobeam.transforms.spec import ModelSource
 def check_model(model: ModelSource, files: list[SourceFile]) -> tuple[str, tuple[int, ...], dict[str, Any]]:
     """Load the model, check it takes the inputs' samples (one array per model input); returns its
     weight fingerprint, output shape and identity (``transforms.model_identity.model_identity`` of the
-    model loaded: for a factory, of the model it built, which is then not built a second time).
+    model loaded: for a factory, of the model it built, which is then not built a second time). A Keras
+    file's model is kept for the run's engine in this process (``models.load``'s ``keep``): loaded once.
 
     Keras files load with ``safe_mode`` on; a Python factory runs only because the config names it.
     """
@@ -34,7 +35,7 @@ def check_model(model: ModelSource, files: list[SourceFile]) -> tuple[str, tuple
     readable = [f for f in files if f.unreadable is None and f.num_samples]
     shape, first = readable[0].sample_shape, readable[0].path
     where = f" ({first}{' and the other input files' if len(readable) > 1 else ''})"
-    loaded = model.load()
+    loaded = model.load(keep=True)  # for an engine this process builds (``models.load``)
     if isinstance(shape, Mapping) and len(loaded.input_names) == 1:
         raise ModelError(
             f"{loaded.source} takes one input; input.key maps inputs {list(shape)} to arrays: give input.key "

@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -338,6 +339,9 @@ def run(
         done = True
         return result
     finally:
+        loading = sys.modules.get("jacobeam.transforms.engine.models")  # imported where a model was loaded
+        if loading is not None:
+            loading.forget_kept()  # the checked model, if no engine of this process took it
         if lease is not None:
             lease.release()
             if not done:

@@ -220,3 +220,63 @@ def test_differences_name_layers_by_position_not_by_default_names():
     assert model_differences.differences(identity("tanh", "dense"), identity("relu", "dense_7")) == [
         "layer 'dense_7': activation tanh there, relu now"
     ]
+
+
+def _counting_loads(monkeypatch) -> list[str]:
+    """Each ``keras.models.load_model`` call's path, as jacobeam's loader makes them."""
+    calls, load_model = [], keras.models.load_model
+
+    def counted(path, *args, **kwargs):
+        calls.append(str(path))
+        return load_model(path, *args, **kwargs)
+
+    monkeypatch.setattr(keras.models, "load_model", counted)
+    return calls
+
+
+def _fresh_config(tmp_path: Path, model: Path, out: str):
+    """A run of ``model`` over ``tmp_path/data`` into a new folder, every other key at its default (the
+    self-check on)."""
+    return validate({"model": {"path": str(model)}, "input": {"paths": [str(tmp_path / "data" / "*.npy")]},
+                     "output": {"path": str(tmp_path / out)}})
+
+
+def test_a_fresh_in_process_run_reads_its_keras_file_once(tmp_path, monkeypatch):
+    """The launcher's check loads the file; the run's engine in the same process takes that model (the file
+    unchanged), not a second load, and computes the file's model's Jacobians."""
+    from jacobeam.transforms.engine import models
+    from tests.reference import tape_loop
+
+    model = _save_model(tmp_path / "m.keras")
+    _write(tmp_path / "data", "a", 11, seed=0)
+    cfg = _fresh_config(tmp_path, model, "out")
+    calls = _counting_loads(monkeypatch)
+    assert runner.launcher_loads_model(cfg, runner.PipelineOptions([])) is True  # a fresh folder, in process
+    manifest = runner.run(cfg, [], show_progress=False).manifest
+    assert calls == [str(model)]
+    assert manifest["self_check"]["samples_checked"] >= 1 and not manifest["self_check"]["mismatches"]
+    assert models._kept is None  # nothing held once the run is over
+    monkeypatch.undo()
+    samples = np.load(tmp_path / "data" / "a.npy")
+    with h5py.File(tmp_path / "out" / "jacobians.h5") as view:
+        np.testing.assert_allclose(view["jacobian"][:], tape_loop(keras.models.load_model(model), samples), rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_a_keras_file_replaced_after_the_plan_is_read_again_and_refused(tmp_path, monkeypatch):
+    """A file changed between the launcher's check and the engine (here new weights, saved over it) is
+    loaded again, never taken from the check, so the run refuses it as a model other than the planned one;
+    the same model saved again (other file bytes, the same weights) is read again and runs."""
+    model = _save_model(tmp_path / "m.keras")
+    _write(tmp_path / "data", "a", 11, seed=0)
+    calls = _counting_loads(monkeypatch)
+    with pytest.raises(Exception, match="model weights changed since the run was planned"):
+        runner.run(_fresh_config(tmp_path, model, "out"), [], show_progress=False,
+                   planned=lambda spec: _save_model(model, scale=1.5))
+    assert calls == [str(model)] * 2
+
+    calls.clear()
+    _save_model(model)
+    manifest = runner.run(_fresh_config(tmp_path, model, "again"), [], show_progress=False,
+                          planned=lambda spec: _save_model(model)).manifest
+    assert calls == [str(model)] * 2 and manifest["run"]["samples_computed"] == 11

@@ -39,10 +39,10 @@ class ModelSource:
     builtin: str | None = None
     logits: bool = False
 
-    def load(self):
+    def load(self, keep: bool = False):
         from jacobeam.transforms.engine import models
 
-        return models.load(path=self.path, factory=self.factory, builtin=self.builtin, logits=self.logits)
+        return models.load(path=self.path, factory=self.factory, builtin=self.builtin, logits=self.logits, keep=keep)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import os
+import threading
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -366,11 +368,63 @@ def _unreadable_model_file(path: str) -> str | None:
     return None
 
 
+# A Keras file the launcher loaded to check it (``pipeline.checks``), kept for the first engine this process
+# builds from the same file unchanged: a fresh local run loaded it twice (ResNet50's .keras: 3.8 s each, loaded).
+# One taker, then it is gone: engines on several threads do not share one Keras model. A factory's model
+# is never kept: one that draws new weights on each call is refused because it is built twice.
+_kept: tuple[tuple, LoadedModel] | None = None
+_kept_lock = threading.Lock()
+
+
+def _file_state(path: str | None, logits: bool) -> tuple | None:
+    """What says a local Keras file's bytes are unchanged without reading them (a write changes its
+    modification and change times, a replacement its inode); None for other sources."""
+    if path is None or "://" in path or not path.endswith((".keras", ".h5")):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return os.path.realpath(path), logits, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _take_kept(state: tuple | None) -> LoadedModel | None:
+    global _kept
+    with _kept_lock:
+        if state is None or _kept is None or _kept[0] != state:
+            return None
+        loaded, _kept = _kept[1], None
+        return loaded
+
+
+def forget_kept() -> None:
+    """Drop a model ``load(keep=True)`` kept and no engine took (a run's end)."""
+    global _kept
+    with _kept_lock:
+        _kept = None
+
+
 def load(
-    path: str | None = None, factory: str | None = None, builtin: str | None = None, logits: bool = False
+    path: str | None = None, factory: str | None = None, builtin: str | None = None, logits: bool = False,
+    keep: bool = False,
 ) -> LoadedModel:
     """Load a model from exactly one source (see ``pipeline.config.ModelConfig``); with ``logits``, the
-    model without its last layer's softmax (``without_softmax``)."""
+    model without its last layer's softmax (``without_softmax``). ``keep``: a Keras file's model is also
+    kept for the next ``load`` of the same file in this process, if the file is unchanged by then (the
+    launcher's check hands it to the run's in-process engine; ``forget_kept`` drops it)."""
+    global _kept
+    state = _file_state(path, logits) if factory is None and builtin is None else None
+    kept = _take_kept(state)
+    if kept is not None:
+        return kept
+    loaded = _loaded(path, factory, builtin, logits)
+    if keep and state is not None and _file_state(path, logits) == state:  # unchanged while it was read
+        with _kept_lock:
+            _kept = (state, loaded)
+    return loaded
+
+
+def _loaded(path: str | None, factory: str | None, builtin: str | None, logits: bool) -> LoadedModel:
     from jacobeam.transforms.model_identity import model_identity
     from jacobeam.transforms.spec import ModelSource
 
