@@ -369,7 +369,7 @@ def _unreadable_model_file(path: str) -> str | None:
 
 
 # A Keras file the launcher loaded to check it (``pipeline.checks``), kept for the first engine this process
-# builds from the same file unchanged: a fresh local run loaded it twice (ResNet50's .keras: 3.8 s each, loaded).
+# builds from the same file unchanged: a fresh local run loaded it twice (ResNet50's .keras: 1.7-2.3 s each).
 # One taker, then it is gone: engines on several threads do not share one Keras model. A factory's model
 # is never kept: one that draws new weights on each call is refused because it is built twice.
 _kept: tuple[tuple, LoadedModel] | None = None
