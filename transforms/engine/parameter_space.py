@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -39,7 +40,6 @@ BLOCK_ROWS = 4096  # rows of P generated at a time (a weight's flat entries per 
 OBJECTIVES = ("outputs", "margin", "loss")
 # Keras losses of a class label, by name: what the labels are turned into for each.
 LOSSES = {"sparse_categorical_crossentropy": "index", "categorical_crossentropy": "one_hot"}
-_OCTET_SHIFTS = np.arange(0, 32, 8, dtype=np.int32)  # a random word's four octets, least significant first
 _OCTET_BITS = (np.arange(256)[:, None] >> np.arange(8)) & 1 == 1  # (256, 8): the bits of each octet value
 
 
@@ -166,10 +166,14 @@ def _drawn(key: tf.Tensor, kind: str, rows: int, dim: int, dtype) -> tf.Tensor:
         return tf.cast(values, dtype) / tf.cast(math.sqrt(dim), dtype)
     # 32 signs from each random word (Philox's cost divided by 32), looked up an octet at a time: one gather
     # from a (256, 8) table writes the block, where shifting, masking, casting and scaling each entry made
-    # four passes over it. The table holds the same quotients, so the entries are the same bits.
+    # four passes over it. The table holds the same quotients, so the entries are the same bits. The octets
+    # are the words' bytes (a bitcast, not shifts and masks), least significant first.
     words = tf.random.stateless_uniform((rows, -(-dim // 32)), key, minval=None, maxval=None, dtype=tf.int32,
                                         alg="philox")
-    octets = tf.bitwise.bitwise_and(tf.bitwise.right_shift(words[:, :, None], _OCTET_SHIFTS), 255)  # bit c: 8b + k
+    octets = tf.bitcast(words, tf.uint8)  # (rows, words, 4): bit c of a row is bit c % 8 of octet c // 8
+    if sys.byteorder == "big":
+        octets = octets[..., ::-1]
+    octets = tf.cast(octets, tf.int32)
     scale = tf.ones((), dtype) / tf.cast(math.sqrt(dim), dtype)
     signs = tf.where(_OCTET_BITS, scale, -scale)  # (256, 8): entry k of octet b is +scale where its bit k is set
     return tf.reshape(tf.gather(signs, octets), (rows, -1))[:, :dim]
