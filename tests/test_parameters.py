@@ -12,7 +12,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from jacobeam.pipeline import config
@@ -480,13 +480,75 @@ def test_outputs_as_probabilities_read_as_such():
     assert_close(stored["objective"], want)
 
 
+@pytest.mark.parametrize("groups", [1, 3])  # the inputs whole, or in groups of columns (a stride-one Conv2D's)
 @pytest.mark.parametrize("positions, width, height", [(1, 7, 5), (3, 8, 16), (40, 6, 3)])  # |a||b|, Gram, formed
-def test_kernel_norms_without_the_gradient_match_the_formed_gradients(positions, width, height):
+def test_kernel_norms_without_the_gradient_match_the_formed_gradients(positions, width, height, groups):
     rng = np.random.default_rng(positions)
     a, b = rng.normal(size=(5, positions, width)), rng.normal(size=(5, positions, height))
     want = np.array([np.sum((a[i].T @ b[i]) ** 2) for i in range(5)])
-    got = parameter_rules._kernel_squares(tf.constant(a, tf.float32), tf.constant(b, tf.float32)).numpy()
+    parts = [tf.constant(part, tf.float32) for part in np.array_split(a, groups, axis=2)]
+    got = parameter_rules._kernel_squares(parts, tf.constant(b, tf.float32)).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def conv_net(size, kernel, stride, dilation, padding, channels, filters, dtype):
+    """x[size, channels] -> Conv2D tanh of the given geometry -> global average pool -> Dense 3 (logits)."""
+    import keras
+
+    from jacobeam.transforms.engine.models import seeded_weights
+
+    inputs = keras.Input((*size, channels), dtype=dtype)
+    x = keras.layers.Conv2D(filters, kernel, strides=stride, dilation_rate=dilation, padding=padding,
+                            activation="tanh", dtype=dtype, name="conv")(inputs)
+    x = keras.layers.GlobalAveragePooling2D(dtype=dtype, name="pool")(x)
+    model = keras.Model(inputs, keras.layers.Dense(3, dtype=dtype, name="head")(x))
+    seeded_weights(model, seed=5)
+    return model
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(size=st.tuples(st.integers(3, 7), st.integers(3, 7)), kernel=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       stride=st.sampled_from([1, 2]), dilation=st.sampled_from([1, 2]), padding=st.sampled_from(["same", "valid"]),
+       channels=st.integers(1, 4), filters=st.integers(1, 9), kind=st.sampled_from(["none", "project", "frobenius"]),
+       seed=st.integers(0, 2**31))
+@example(size=(6, 7), kernel=(2, 3), stride=1, dilation=2, padding="same", channels=2, filters=3, kind="none", seed=1)
+@example(size=(7, 6), kernel=(3, 2), stride=1, dilation=1, padding="same", channels=3, filters=4, kind="project", seed=2)
+@example(size=(4, 4), kernel=(3, 3), stride=1, dilation=1, padding="valid", channels=4, filters=9, kind="frobenius",
+         seed=3)  # 2 x 2 positions, 36 x 9 entries: the Gram way
+@example(size=(3, 5), kernel=(2, 3), stride=1, dilation=2, padding="valid", channels=2, filters=2, kind="frobenius",
+         seed=4)  # one position: the outer way
+@example(size=(6, 5), kernel=(3, 3), stride=2, dilation=1, padding="same", channels=2, filters=3, kind="none", seed=5)
+def test_layer_rules_match_a_float64_tape_for_any_convolution_geometry(size, kernel, stride, dilation, padding, channels,
+                                                                       filters, kind, seed):
+    """A stride-one Conv2D's patches are slices of its padded input, one per kernel offset; a strided one's
+    are ``extract_patches``'. Either way, for any kernel, dilation, padding and input size: the per-sample
+    gradients, their Kronecker projection and their norms (outer, Gram or formed) are a float64 tape's."""
+    assume(stride == 1 or dilation == 1)  # Keras refuses both
+    assume(padding == "same" or min(s - (k - 1) * dilation for s, k in zip(size, kernel)) >= 1)
+    model = conv_net(size, kernel, stride, dilation, padding, channels, filters, "float32")
+    model64 = conv_net(size, kernel, stride, dilation, padding, channels, filters, "float64")
+    model64.set_weights([w.astype(np.float64) for w in model.get_weights()])
+    side = ParameterSide(objective="loss", loss="sparse_categorical_crossentropy")
+    reduction = Reduction(kind=kind, project_dim=12, project_seed=seed, project_structure="kronecker")
+    engine = ParameterEngine(wrap_model(model, "conv"), (*size, channels),
+                             EngineOptions(batch_size=8, parameters=side, reduce=reduction))
+    assert engine.path == "layer rules"
+    rng = np.random.default_rng(seed)
+    x, labels = rng.normal(size=(5, *size, channels)).astype(np.float32), rng.integers(0, 3, 5)
+    stored, _ = engine.compute(x, labels)
+    grads = []
+    for xi, label in zip(x, labels):
+        with tf.GradientTape() as tape:
+            y = tf.reshape(model64(xi[None].astype(np.float64), training=False), (-1,))
+            value = tf.reduce_logsumexp(y) - y[int(label)]
+        grads.append(np.concatenate([np.asarray(g).reshape(-1) for g in tape.gradient(value, model64.trainable_variables)]))
+    grads = np.stack(grads)
+    if kind == "none":
+        assert_close(stored["gradient"], grads)
+    elif kind == "project":
+        assert_close(stored["projection"], projected(grads, None, reduction, engine))
+    else:
+        assert_close(stored["frobenius"], np.linalg.norm(grads, axis=1))
 
 
 @pytest.mark.parametrize("name", ["sequence", "mlp", "bn_cnn", "tokens"])

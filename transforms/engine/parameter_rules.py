@@ -4,8 +4,8 @@ gradients from its input and the gradient at its output, as Opacus and BackPACK 
 Elements (a sample, or a sample's output row) do not interact in a batch, so the gradient of the
 elements' summed objective at a layer's pre-activation ``z`` is, row by row, each element's own. A
 ``Dense`` layer's per-sample kernel gradient is then ``x^T dz`` of the element (summed over any positions
-before its last axis), a ``Conv2D``'s the contraction of its input patches (``tf.image.extract_patches``,
-in the kernel's ``(kh, kw, c_in)`` order) with ``dz`` over the output positions, and an inference-mode
+before its last axis), a ``Conv2D``'s the contraction of its input patches (in the kernel's ``(kh, kw,
+c_in)`` order; ``_patches``) with ``dz`` over the output positions, and an inference-mode
 ``BatchNormalization``'s or a ``LayerNormalization``'s ``gamma`` and ``beta`` gradients ``dz * x_hat`` and
 ``dz`` summed over positions, and an ``Embedding``'s the rows of ``dz`` added into the rows of the ids the
 element looked up. pfor, by contrast, runs a ``Conv2DBackpropFilter`` per sample in a ``while_loop``.
@@ -123,6 +123,27 @@ def _by_position(x: tf.Tensor, n: tf.Tensor) -> tf.Tensor:
     return tf.reshape(x, (n, -1, x.shape[-1]))
 
 
+def _patches(layer: Any, x: tf.Tensor, n: tf.Tensor) -> list[tf.Tensor]:
+    """A ``Conv2D``'s input patches ``(N, P, kh * kw * c_in)`` as groups of their columns: with a stride of one,
+    one ``(N, P, c_in)`` slice of the padded input per kernel offset, in the kernel's ``(kh, kw)`` order;
+    else the patches whole (``tf.image.extract_patches``). Its one kernel writing every patch was 1.6-3.3x
+    slower than the slices on ResNet-20's stride-one convolutions (``benchmarks/README.md``); a strided
+    slice was slower still."""
+    kh, kw = layer.kernel_size
+    sh, sw = layer.strides
+    dh, dw = layer.dilation_rate
+    height, width = x.shape[1], x.shape[2]
+    if (sh, sw) != (1, 1) or height is None or width is None:
+        patches = tf.image.extract_patches(x, [1, kh, kw, 1], [1, sh, sw, 1], [1, dh, dw, 1], layer.padding.upper())
+        return [_by_position(patches, n)]
+    if layer.padding == "same":  # TensorFlow's: the odd row or column of padding after
+        ph, pw = (kh - 1) * dh, (kw - 1) * dw
+        x = tf.pad(x, [[0, 0], [ph // 2, ph - ph // 2], [pw // 2, pw - pw // 2], [0, 0]])
+    else:
+        height, width = height - (kh - 1) * dh, width - (kw - 1) * dw
+    return [_by_position(x[:, i * dh: i * dh + height, j * dw: j * dw + width], n) for i in range(kh) for j in range(kw)]
+
+
 def _axes(axis) -> list[int]:
     return [axis] if isinstance(axis, int) else list(axis)
 
@@ -213,24 +234,20 @@ def _per_sample(layer: Any, x: tf.Tensor, dz: tf.Tensor, wanted: set[int], squar
             grads["bias"] = dz_squares
         squared = set(grads)
     else:
-        if isinstance(layer, keras.layers.Dense):
-            inputs = _by_position(x, n)
-        else:
-            kh, kw = layer.kernel_size
-            sh, sw = layer.strides
-            dh, dw = layer.dilation_rate
-            patches = tf.image.extract_patches(x, [1, kh, kw, 1], [1, sh, sw, 1], [1, dh, dw, 1], layer.padding.upper())
-            inputs = _by_position(patches, n)
+        parts = [_by_position(x, n)] if isinstance(layer, keras.layers.Dense) else _patches(layer, x, n)
         outputs = _by_position(dz, n)
         pair = None if squares else factors_of(layer.kernel)
         if squares:
-            grads, squared = {"kernel": _kernel_squares(inputs, outputs)}, {"kernel"}
+            grads, squared = {"kernel": _kernel_squares(parts, outputs)}, {"kernel"}
         elif pair is not None:
             a, b = pair
-            kept = tf.matmul(tf.einsum("npi,ik->npk", inputs, a), tf.einsum("npo,ol->npl", outputs, b), transpose_a=True)
+            rows = tf.split(a, [part.shape[-1] for part in parts]) if len(parts) > 1 else [a]
+            projected = tf.add_n([tf.einsum("npi,ik->npk", part, a_rows) for part, a_rows in zip(parts, rows)])
+            kept = tf.matmul(projected, tf.einsum("npo,ol->npl", outputs, b), transpose_a=True)
             grads, done = {"kernel": tf.reshape(kept, (n, a.shape[1] * b.shape[1]))}, {id(layer.kernel)}
         else:
-            grads = {"kernel": tf.reshape(tf.matmul(inputs, outputs, transpose_a=True), (n, *layer.kernel.shape))}
+            formed = tf.concat([tf.matmul(part, outputs, transpose_a=True) for part in parts], axis=1)
+            grads = {"kernel": tf.reshape(formed, (n, *layer.kernel.shape))}
         if layer.use_bias:
             grads["bias"] = tf.reduce_sum(dz, positions)
     if squares:
@@ -252,18 +269,20 @@ def kernel_norm_way(positions: int | None, width: int, height: int) -> str:
     return "formed"
 
 
-def _kernel_squares(inputs: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
-    """``||sum_p a_p b_p^T||^2`` per element (float64) for ``inputs`` ``a`` ``(N, P, i)`` and ``outputs``
-    ``b`` ``(N, P, o)``: without forming the ``(i, o)`` gradient where the ``P x P`` Gram matrices are
-    smaller (``sum_pq (a_p . a_q)(b_p . b_q)``, TF Privacy's and Opacus' ghost norm; with one position,
-    ``|a|^2 |b|^2``), else from the gradient formed."""
-    way = kernel_norm_way(inputs.shape[1], inputs.shape[2], outputs.shape[2])
+def _kernel_squares(parts: list[tf.Tensor], outputs: tf.Tensor) -> tf.Tensor:
+    """``||sum_p a_p b_p^T||^2`` per element (float64) for inputs ``a`` ``(N, P, i)``, given as groups of its
+    columns ``parts`` (``_patches``), and ``outputs`` ``b`` ``(N, P, o)``: without forming the ``(i, o)``
+    gradient where the ``P x P`` Gram matrices are smaller (``sum_pq (a_p . a_q)(b_p . b_q)``, TF Privacy's
+    and Opacus' ghost norm; with one position, ``|a|^2 |b|^2``), else from the gradient formed."""
+    way = kernel_norm_way(parts[0].shape[1], sum(part.shape[2] for part in parts), outputs.shape[2])
     if way == "outer":
-        return _squared_norms(inputs[:, 0]) * _squared_norms(outputs[:, 0])
-    if way == "gram":
-        a, b = tf.cast(inputs, tf.float64), tf.cast(outputs, tf.float64)  # the terms can cancel: summed in float64
-        return tf.reduce_sum(tf.matmul(a, a, transpose_b=True) * tf.matmul(b, b, transpose_b=True), axis=(1, 2))
-    return tf.reduce_sum(tf.square(tf.cast(tf.matmul(inputs, outputs, transpose_a=True), tf.float64)), axis=(1, 2))
+        return _squared_norms(tf.concat([part[:, 0] for part in parts], axis=1)) * _squared_norms(outputs[:, 0])
+    if way == "gram":  # the terms can cancel: summed in float64
+        a = tf.add_n([tf.matmul(part, part, transpose_b=True) for part in (tf.cast(p, tf.float64) for p in parts)])
+        b = tf.cast(outputs, tf.float64)
+        return tf.reduce_sum(a * tf.matmul(b, b, transpose_b=True), axis=(1, 2))
+    return tf.add_n([tf.reduce_sum(tf.square(tf.cast(tf.matmul(part, outputs, transpose_a=True), tf.float64)), axis=(1, 2))
+                     for part in parts])
 
 
 def _squared_norms(x: tf.Tensor) -> tf.Tensor:
