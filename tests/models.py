@@ -269,3 +269,15 @@ def token_model(dtype: str = "float32") -> keras.Model:
     )
     seeded_weights(model, seed=8)
     return model
+
+
+def conv_geometry(size: tuple[int, int], kernel: tuple[int, int], stride: int, dilation: int, padding: str,
+                  channels: int, filters: int, dtype: str = "float32") -> keras.Model:
+    """x[*size, channels] -> Conv2D tanh of the given geometry -> global average pool -> Dense 3 (logits)."""
+    inputs = keras.Input((*size, channels), dtype=dtype)
+    x = keras.layers.Conv2D(filters, kernel, strides=stride, dilation_rate=dilation, padding=padding,
+                            activation="tanh", dtype=dtype, name="conv")(inputs)
+    x = keras.layers.GlobalAveragePooling2D(dtype=dtype, name="pool")(x)
+    model = keras.Model(inputs, keras.layers.Dense(3, dtype=dtype, name="head")(x))
+    seeded_weights(model, seed=5)
+    return model

@@ -491,21 +491,6 @@ def test_kernel_norms_without_the_gradient_match_the_formed_gradients(positions,
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
-def conv_net(size, kernel, stride, dilation, padding, channels, filters, dtype):
-    """x[size, channels] -> Conv2D tanh of the given geometry -> global average pool -> Dense 3 (logits)."""
-    import keras
-
-    from jacobeam.transforms.engine.models import seeded_weights
-
-    inputs = keras.Input((*size, channels), dtype=dtype)
-    x = keras.layers.Conv2D(filters, kernel, strides=stride, dilation_rate=dilation, padding=padding,
-                            activation="tanh", dtype=dtype, name="conv")(inputs)
-    x = keras.layers.GlobalAveragePooling2D(dtype=dtype, name="pool")(x)
-    model = keras.Model(inputs, keras.layers.Dense(3, dtype=dtype, name="head")(x))
-    seeded_weights(model, seed=5)
-    return model
-
-
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(size=st.tuples(st.integers(3, 7), st.integers(3, 7)), kernel=st.tuples(st.integers(1, 3), st.integers(1, 3)),
        stride=st.sampled_from([1, 2]), dilation=st.sampled_from([1, 2]), padding=st.sampled_from(["same", "valid"]),
@@ -525,8 +510,8 @@ def test_layer_rules_match_a_float64_tape_for_any_convolution_geometry(size, ker
     gradients, their Kronecker projection and their norms (outer, Gram or formed) are a float64 tape's."""
     assume(stride == 1 or dilation == 1)  # Keras refuses both
     assume(padding == "same" or min(s - (k - 1) * dilation for s, k in zip(size, kernel)) >= 1)
-    model = conv_net(size, kernel, stride, dilation, padding, channels, filters, "float32")
-    model64 = conv_net(size, kernel, stride, dilation, padding, channels, filters, "float64")
+    model = models.conv_geometry(size, kernel, stride, dilation, padding, channels, filters, "float32")
+    model64 = models.conv_geometry(size, kernel, stride, dilation, padding, channels, filters, "float64")
     model64.set_weights([w.astype(np.float64) for w in model.get_weights()])
     side = ParameterSide(objective="loss", loss="sparse_categorical_crossentropy")
     reduction = Reduction(kind=kind, project_dim=12, project_seed=seed, project_structure="kronecker")

@@ -126,9 +126,8 @@ def _by_position(x: tf.Tensor, n: tf.Tensor) -> tf.Tensor:
 def _patches(layer: Any, x: tf.Tensor, n: tf.Tensor) -> list[tf.Tensor]:
     """A ``Conv2D``'s input patches ``(N, P, kh * kw * c_in)`` as groups of their columns: with a stride of one,
     one ``(N, P, c_in)`` slice of the padded input per kernel offset, in the kernel's ``(kh, kw)`` order;
-    else the patches whole (``tf.image.extract_patches``). Its one kernel writing every patch was 1.6-3.3x
-    slower than the slices on ResNet-20's stride-one convolutions (``benchmarks/README.md``); a strided
-    slice was slower still."""
+    else the patches whole (``tf.image.extract_patches``), which are slower than slices at a stride of one
+    and faster than strided slices (``benchmarks/README.md``, "Convolution patches")."""
     kh, kw = layer.kernel_size
     sh, sw = layer.strides
     dh, dw = layer.dilation_rate
