@@ -171,6 +171,38 @@ def test_per_sample_gradients_match_a_float64_tape_of_each_sample(name, objectiv
         assert len(engine.layout.layers) == len(layers)  # the float64 copy's unnamed layers are named anew
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("reduction, at_once", [
+    (Reduction(kind="project", project_dim=2048), True),
+    (Reduction(kind="project", project_dim=2048, project_structure="kronecker"), True),
+    (Reduction(kind="frobenius"), False),
+    (Reduction(kind="none"), False),
+])
+@pytest.mark.parametrize("budget", [None, 2**29])
+def test_a_cifar_resnets_calls_stay_within_the_memory_budget(reduction, at_once, budget):
+    """ResNet-20 at the default batch, at the default budget and a quarter of it: each call's working set, by
+    TensorFlow's allocator, is within the budget. At the default a projection runs the whole batch in one call
+    (its draws of ``P`` paid once); a batch that does not fit is cut into calls of equal size (not 165 and
+    then 91)."""
+    from jacobeam.transforms.engine.models import build_cifar_resnet
+
+    side = ParameterSide(objective="loss", loss="sparse_categorical_crossentropy") if reduction.kind == "frobenius" \
+        else ParameterSide(objective="margin")
+    engine = ParameterEngine(wrap_model(build_cifar_resnet(), "resnet20"), (32, 32, 3),
+                             EngineOptions(parameters=side, reduce=reduction, **({"memory_budget": budget} if budget else {})))
+    calls = -(-256 // engine.elements)
+    assert engine.elements == -(-256 // calls) and (calls == 1) == (at_once and budget is None)
+    rng = np.random.default_rng(3)
+    x, labels = rng.normal(size=(256, 32, 32, 3)).astype(np.float32), rng.integers(0, 10, 256)
+    engine.compute(x[:2], labels[:2])  # the first batch's check against the loop, apart
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    datasets, _ = engine.compute(x, labels)
+    grown = tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+    assert 0 < grown <= engine.options.memory_budget
+    assert all(np.isfinite(v).all() and len(v) == 256 for v in datasets.values())
+
+
 def test_the_defaults_on_more_samples_than_a_batch_and_named_layers():
     """Default batch size and memory budget, 300 samples (not a multiple of the batch), two named layers."""
     side = ParameterSide(objective="margin", layers=("conv", "head"))

@@ -148,15 +148,22 @@ class ParameterEngine:
         """Elements per call that keep a call's working set within the memory budget: per element, its
         forward pass kept for the backward one and its gradients (every weight's at once, or, by layer rules
         reducing as they go, one layer's: ``parameter_rules.largest_transient``), each a few times over;
-        per call, a block of ``P`` and its product."""
+        per call, a block of ``P`` and its product. A batch that does not fit is cut into calls of equal
+        size: a last call of a few elements would cost nearly a whole call (a projection draws all of ``P``
+        in each)."""
         options, itemsize = self.options, np.dtype(self.options.compute_dtype).itemsize
-        held = self.layout.size
+        held, kept = self.layout.size, 3
         if path == "layer rules" and options.reduce.kind in ("project", "frobenius"):
             held = parameter_rules.largest_transient(self.model.keras_model, self._variables)
-        per_element = itemsize * (3 * held + 3 * max(self._activations, 1) + 2 * options.reduce.project_dim)
+            # A projection's layer rules hold the forward pass about once (ResNet-20: 0.85x its activations
+            # per element, 1.2x Kronecker, by TensorFlow's allocator; benchmarks/README.md), where the
+            # ghost norms' float64 Grams and tape paths hold more.
+            kept = 1.5 if options.reduce.kind == "project" else 3
+        per_element = itemsize * (3 * held + kept * max(self._activations, 1) + 2 * options.reduce.project_dim)
         per_call = itemsize * 2 * BLOCK_ROWS * options.reduce.project_dim if options.reduce.kind == "project" else 0
-        fit = (options.memory_budget - per_call) // per_element
-        return int(max(1, min(options.batch_size * max(1, math.prod(self.rows_shape)), fit)))
+        fit = int(max(1, (options.memory_budget - per_call) // per_element))
+        wanted = options.batch_size * max(1, math.prod(self.rows_shape))
+        return -(-wanted // -(-wanted // fit))  # the fewest calls that fit, of equal size
 
     def _probe(self, n: int) -> list[np.ndarray]:
         rng = np.random.default_rng(_PROBE_SEED)
@@ -484,20 +491,24 @@ def _projected(grads: tf.Tensor, weight: Weight, reduction, dtype) -> tf.Tensor:
     """``grads`` ``(N, size)`` of one weight times its rows of ``P``, ``(N, dim)``: ``A^T G B`` (Kronecker), or
     one block at a time."""
     size = int(grads.shape[1])
-    blocks = -(-size // BLOCK_ROWS)
     seed, kind, dim = reduction.project_seed, reduction.project_kind, reduction.project_dim
     matrix = factored(weight) if reduction.project_structure == "kronecker" else None
     if matrix is not None:
         a, b = projection_factors(seed, kind, weight.index, matrix, dim, dtype)
         right = tf.einsum("nio,ol->nil", tf.reshape(grads, (-1, *matrix)), b)
         return tf.reshape(tf.einsum("nil,ik->nkl", right, a), (-1, dim))
-    if blocks == 1:
-        return tf.matmul(grads, projection_block(seed, kind, weight.index, 0, dim, dtype, size))
-    padded = tf.pad(grads, [[0, 0], [0, blocks * BLOCK_ROWS - size]])
-    stacked = tf.transpose(tf.reshape(padded, (-1, blocks, BLOCK_ROWS)), (1, 0, 2))  # (blocks, N, BLOCK_ROWS)
+    whole, rest = divmod(size, BLOCK_ROWS)
+    # The last block draws only the weight's rows (a shorter draw is the longer one's first rows), and each
+    # block multiplies its slice of ``grads``: neither zero rows nor a transposed copy of ``grads``.
+    pieces = []
+    if whole:
+        def body(j, total):
+            part = tf.slice(grads, [0, j * BLOCK_ROWS], [-1, BLOCK_ROWS])
+            return j + 1, total + tf.matmul(part, projection_block(seed, kind, weight.index, j, dim, dtype))
 
-    def body(j, total):
-        return j + 1, total + tf.matmul(stacked[j], projection_block(seed, kind, weight.index, j, dim, dtype))
-
-    total = tf.zeros((tf.shape(grads)[0], dim), dtype)
-    return tf.while_loop(lambda j, _: j < blocks, body, (tf.constant(0), total))[1]
+        total = tf.zeros((tf.shape(grads)[0], dim), dtype)
+        pieces.append(tf.while_loop(lambda j, _: j < whole, body, (tf.constant(0), total))[1])
+    if rest:
+        part = grads[:, whole * BLOCK_ROWS :]
+        pieces.append(tf.matmul(part, projection_block(seed, kind, weight.index, whole, dim, dtype, rest)))
+    return tf.add_n(pieces)
