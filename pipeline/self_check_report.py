@@ -21,7 +21,7 @@ def checks_line(summary: Mapping[str, Any]) -> str:
     kinks, mismatches = len(summary["kinks"]), len(summary["mismatches"])
     error = summary["max_rel_error"]
     shown = "n/a" if error is None else error if isinstance(error, str) else f"{error:.2g}"
-    why = " (within float32's noise of the derivative one rounding unit away, not at the sample)" if kinks else ""
+    why = " (within float32's noise of the derivative a few rounding units away, not at the sample)" if kinks else ""
     line = (
         f"{checked:,} sample(s) in {summary['shards_checked']:,} shard(s) recomputed on their own: "
         f"{checked - kinks - mismatches:,} passed, {kinks:,} at a kink{why}, {mismatches:,} mismatch(es); "

@@ -81,7 +81,7 @@ def test_a_mutant_in_one_of_the_samples_checked_together_is_that_samples_mismatc
 
 def test_the_readme_images_scaled_are_a_mismatch_not_a_kink():
     """The README's bars: flat regions, ReLUs exactly at 0 and max-pooling ties. The derivatives at points
-    one rounding unit away differ by about 5x the Jacobian's largest entry; a value is judged against the
+    a rounding unit away differ by about 5x the Jacobian's largest entry; a value is judged against the
     nearest of them, within float32's noise at the sample, never within their spread."""
     engine, batch, stored = mutants.batch("flat_images", "all")
     for factor in (1.5, -1.0, 0.0):

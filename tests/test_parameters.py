@@ -428,6 +428,31 @@ def test_every_mutant_is_a_mismatch_and_the_engine_passes(checked_engines, kind,
         assert untimed(together[-2]) == untimed(record) and untimed(together[-1]) == untimed(alone), together[-1]
 
 
+def test_a_relu_a_few_rounding_units_from_its_kink_is_a_kink_and_its_mutants_are_mismatches():
+    """A ReLU whose input is one rounding unit above 0 (5.96e-8 at an input of ones), stored as if round-off
+    had put it below (the gradient at a point 1e-6 away, as the engine's batched float32 did on ResNet-20):
+    moves of one unit cannot reach that side, moves of 16 can (``KINK_UNITS``), so the value passes as a
+    kink; scaled, negated or zeroed it has no derivative near the sample and is a mismatch."""
+    import keras
+
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1, activation="relu"), keras.layers.Dense(3)])
+    model.layers[0].set_weights([np.full((64, 1), 1 / 64, np.float32), np.array([-0.99999994], np.float32)])
+    model.layers[1].set_weights([np.array([[0.5, -1.0, 2.0]], np.float32), np.array([0.1, 0.2, -0.3], np.float32)])
+    engine = ParameterEngine(wrap_model(model, "kinked"), (64,), EngineOptions(parameters=ParameterSide(objective="margin"),
+                                                                                reduce=Reduction(kind="none")))
+    checker = checker_for(engine, SelfCheck())
+    x, label = np.ones((1, 64), np.float32), np.array([2])
+    at, _ = engine.compute(x, label)
+    assert checker.check([x], at, 0, 2)["verdict"] == OK
+    below, _ = engine.compute(x * np.float32(1 - 1e-6), label)  # the ReLU off: its weights' gradients zero
+    assert np.abs(below["gradient"] - at["gradient"]).max() > 0.1
+    record = checker.check([x], below, 0, 2)
+    assert record["verdict"] == KINK, record
+    for factor in (1.5, -1.0, 0.0):
+        mutant = {**below, "gradient": factor * below["gradient"]}
+        assert checker.check([x], mutant, 0, 2)["verdict"] == MISMATCH, factor
+
+
 @pytest.mark.parametrize("kind", ["project", "frobenius", "none"])
 def test_every_mutant_is_a_mismatch_on_a_text_model(kind):
     """Embedding and LayerNormalization by their layer rules, checked against the float64 tape: the engine

@@ -285,8 +285,8 @@ class ParameterSelfChecker:
         return index, rows_differ, computed
 
     def _moved(self, xs, label, rows, index, sample_id):
-        """The truth at the sample's entries each moved by up to one unit of rounding of the compute dtype
-        (as ``SelfChecker._moved``): the derivatives near a sample at a kink."""
+        """The truth at the sample's entries each moved by up to ``KINK_UNITS`` units of rounding of the
+        compute dtype (``moved_points``, as ``SelfChecker._moved``): the derivatives near a sample at a kink."""
         for points in moved_points(xs, self.compute, sample_id):
             found = self._per_row("float64", points, label, rows)
             product = self._projected([found[2]])[0] if self.engine.options.reduce.kind == "project" else None
