@@ -286,8 +286,10 @@ class ParameterSelfChecker:
 
     def _moved(self, xs, label, rows, index, sample_id):
         """The truth at the sample's entries each moved by up to ``KINK_UNITS`` units of rounding of the
-        compute dtype (``moved_points``, as ``SelfChecker._moved``): the derivatives near a sample at a kink."""
-        for points in moved_points(xs, self.compute, sample_id):
-            found = self._per_row("float64", points, label, rows)
-            product = self._projected([found[2]])[0] if self.engine.options.reduce.kind == "project" else None
-            yield self._datasets(*found, index, product)
+        compute dtype (``moved_points``, as ``SelfChecker._moved``): the derivatives near a sample at a kink,
+        all projected in one pass over ``P`` (as ``judge_all``: a draw of ``P`` per point cost more than
+        the points' tapes)."""
+        found = [self._per_row("float64", points, label, rows) for points in moved_points(xs, self.compute, sample_id)]
+        products = self._projected([g for _, _, g in found]) if self.engine.options.reduce.kind == "project" \
+            else [None] * len(found)
+        return [self._datasets(*each, index, product) for each, product in zip(found, products)]
