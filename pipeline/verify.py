@@ -73,7 +73,8 @@ class Report:
     ids_checked: int = 0
     ids_wrong: int = 0  # of them, missing or present more than once (each kind a problem line)
     samples: list[int] = dataclasses.field(default_factory=list)  # ids recomputed
-    # Per stored dataset: the largest error of the recomputed samples, the (smallest) bound, how many.
+    # Per stored dataset: the largest error of the recomputed samples, and of the row nearest its bound the
+    # bound and the error's fraction of it (above 1 at a kink only), how many samples, how many at a kink.
     checked: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     method: str = ""  # the reference and the truth the datasets were judged against
     tolerance: float | None = None
@@ -264,8 +265,8 @@ def format_report(report: Report) -> str:
         for name, seen in report.checked.items():
             kinks = f", {seen['kinks']} at a kink" if seen["kinks"] else ""
             lines.append(
-                f"    {name:<22} max relative error {seen['max_error']:.2e} on {seen['samples']} sample(s), "
-                f"bound {seen['bound']:.2g} (tolerance {report.tolerance:g}, or 4x float's own error{kinks})"
+                f"    {name:<22} max relative error {seen['max_error']:.2e} on {seen['samples']} sample(s), at most "
+                f"{seen['of_bound']:.2g}x its bound (tolerance {report.tolerance:g}, or 4x float's own error{kinks})"
             )
     if report.inputs:
         lines.append(f"  inputs      {_inputs_line(report.inputs)}")

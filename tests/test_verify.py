@@ -48,6 +48,7 @@ def test_clean_output_verifies_with_small_errors(clean, capsys):
     report = verify(clean / "out", samples=6, seed=3)
     assert report.ok and len(report.samples) == 6 and len(set(report.samples)) == 6
     assert report.checked["jacobian"]["max_error"] < report.tolerance / 10
+    assert report.checked["jacobian"]["of_bound"] <= 0.1  # no row came near its bound
     assert "float64 copy of the model" in report.method
     assert verify(clean / "out", samples=6, seed=3).samples == report.samples  # seeded choice
 
@@ -284,3 +285,55 @@ def test_aggregates_are_checked_against_the_shards_partial_sums(tmp_path):
     assert verify(tmp_path / "out", samples=0).problems == [
         "aggregates.h5: jtj differs from the tree-sum of the shards' partial sums"
     ]
+
+
+def _two_rows_judged(stored_offsets):
+    """A two-row dataset judged against its truth: row 0's own float32 computation is 2e-4 off (a bound of
+    4 x 2e-4), row 1's exact (the tolerance, 1e-4); ``stored_offsets`` are what each stored row is off by."""
+    from types import SimpleNamespace
+
+    from jacobeam.transforms.self_check import _Judgement
+
+    checker = SimpleNamespace(tolerance=1e-4, compute="float32", _floor=float(np.finfo(np.float32).tiny),
+                              plain=SimpleNamespace(split_rows=lambda name, values, rows: np.reshape(values, (rows, -1))))
+    truth = np.array([[1.0, 0.5, 0.2], [1.0, 0.3, 0.1]])
+    own = truth + np.array([[2e-4, 0, 0], [0, 0, 0]])
+    stored = truth + np.array([[stored_offsets[0], 0, 0], [0, stored_offsets[1], 0]])
+    return _Judgement(checker, ["jacobian"], {"jacobian": truth}, {"jacobian": stored}, [{"jacobian": own}],
+                      {"jacobian": None}, 2)
+
+
+def test_a_dataset_s_row_nearest_its_bound_is_reported_with_its_own_error():
+    # Row 0 is the furthest off (3e-4) but within its wider bound (8e-4); row 1 is nearer its bound (0.9e-4
+    # of 1e-4). The bound reported is row 1's with row 1's error, never row 0's error beside row 1's bound.
+    judged = _two_rows_judged((3e-4, 0.9e-4))
+    assert judged.errors["jacobian"] == pytest.approx(3e-4)
+    assert judged.nearest_bound()["jacobian"] == pytest.approx((0.9e-4, 1e-4))
+    assert judged.worst_ratio() == pytest.approx(0.9)
+    judged = _two_rows_judged((7e-4, 0.5e-4))  # now row 0 is the nearer one: 7e-4 of 8e-4
+    assert judged.nearest_bound()["jacobian"] == pytest.approx((7e-4, 8e-4))
+
+
+def test_verify_reports_each_dataset_s_largest_error_and_how_near_its_bound_it_came():
+    """``jacobeam verify``'s line per dataset: the largest error of all samples, and the largest fraction of
+    its own bound any row reached. It set the largest error beside the narrowest bound of all samples, so a
+    sample with float32 noise (its bound wider) read as beyond the bound of a folder that verified (the
+    objective of configs/trak.yaml: 1.2e-4 "bound 0.0001")."""
+    from jacobeam.pipeline.recompute import tally
+    from jacobeam.pipeline.verify import Report
+
+    report = Report(folder="out", tolerance=1e-4)
+    samples = [({"errors": {"objective": 1.2e-4}, "verdict": "ok", "dataset": "objective"}, {"objective": (1.2e-4, 4.8e-4)}),
+               ({"errors": {"objective": 0.6e-4}, "verdict": "ok", "dataset": "objective"}, {"objective": (0.6e-4, 1e-4)}),
+               ({"errors": {"objective": 0.2e-4}, "verdict": "ok", "dataset": "objective"}, {"objective": (0.2e-4, 1e-4)})]
+    for record, nearest in samples:
+        tally(report.checked, record, nearest)
+    seen = report.checked["objective"]
+    assert seen["max_error"] == pytest.approx(1.2e-4) and seen["samples"] == 3 and seen["kinks"] == 0
+    assert seen["of_bound"] == pytest.approx(0.6) and seen["bound"] == pytest.approx(1e-4)
+    report.samples = [1, 2, 3]
+    assert "max relative error 1.20e-04 on 3 sample(s), at most 0.6x its bound (tolerance 0.0001" in format_report(report)
+    tally(report.checked, {"errors": {"objective": 3e-4}, "verdict": "kink", "dataset": "objective"},
+          {"objective": (3e-4, 1e-4)})  # beyond its bound at the sample, within it a few rounding units away
+    assert seen["of_bound"] == pytest.approx(3.0) and seen["kinks"] == 1
+    assert "at most 3x its bound (tolerance 0.0001, or 4x float's own error, 1 at a kink)" in format_report(report)

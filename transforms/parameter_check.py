@@ -230,8 +230,9 @@ class ParameterSelfChecker:
         return np.arange(self.engine.outputs)
 
     def judge(self, xs: Sequence[np.ndarray], stored: Mapping[str, np.ndarray], sample_id: int,
-              label: int | None = None) -> tuple[dict[str, Any], dict[str, float]]:
-        """``check``'s record and each dataset's bound (``jacobeam verify`` reports them)."""
+              label: int | None = None) -> tuple[dict[str, Any], dict[str, tuple[float, float]]]:
+        """``check``'s record and, per dataset, ``(error, bound)`` of its row nearest its bound (``jacobeam
+        verify`` reports them)."""
         return self.judge_all([(xs, stored, sample_id, label)])[0]
 
     def check_all(self, samples: Sequence[tuple]) -> list[dict[str, Any]]:
@@ -239,7 +240,7 @@ class ParameterSelfChecker:
         (``judge_all``)."""
         return [record for record, _ in self.judge_all(samples)]
 
-    def judge_all(self, samples: Sequence[tuple]) -> list[tuple[dict[str, Any], dict[str, float]]]:
+    def judge_all(self, samples: Sequence[tuple]) -> list[tuple[dict[str, Any], dict[str, tuple[float, float]]]]:
         """``judge`` of each of ``samples`` (its arguments): each sample's gradients recomputed on its own,
         then all of them projected in one pass over ``P``, since drawing ``P``'s blocks, not their products
         with a few rows, is most of a dense check's cost. Each record's time is its own recomputing and

@@ -302,12 +302,12 @@ class SelfChecker:
 
     def judge(
         self, xs: Sequence[np.ndarray], stored: Mapping[str, np.ndarray], sample_id: int, label: int | None = None
-    ) -> tuple[dict[str, Any], dict[str, float]]:
-        """``check``'s record and each dataset's bound (``jacobeam verify`` reports them all; a shard
-        records only the worst's)."""
+    ) -> tuple[dict[str, Any], dict[str, tuple[float, float]]]:
+        """``check``'s record and, per dataset, ``(error, bound)`` of its row nearest its bound (``jacobeam
+        verify`` reports them all; a shard records only the worst dataset's)."""
         return self.judge_all([(xs, stored, sample_id, label)])[0]
 
-    def judge_all(self, samples: Sequence[tuple]) -> list[tuple[dict[str, Any], dict[str, float]]]:
+    def judge_all(self, samples: Sequence[tuple]) -> list[tuple[dict[str, Any], dict[str, tuple[float, float]]]]:
         """``judge`` of each of ``samples`` (``check``'s arguments), each reference pass one call for all of
         them: a pass's fixed cost (a call of a traced function, most of a check on a small model) is shared,
         while every sample's derivatives are still its own (``reference.tape_function``). Each record's time
@@ -418,7 +418,7 @@ def verdict(checker, judged: _Judgement, rows_differ: str | None, moved, sample_
     elif judged.worst_ratio() > 1:
         nearest = min(judged.ratio_against(point) for point in moved())
         outcome = KINK if nearest <= 1 else MISMATCH
-    worst, bounds = judged.worst(), judged.bounds()
+    worst, nearest_bound = judged.worst(), judged.nearest_bound()
     record: dict[str, Any] = {
         "id": int(sample_id),
         "verdict": outcome,
@@ -426,7 +426,7 @@ def verdict(checker, judged: _Judgement, rows_differ: str | None, moved, sample_
         "max_rel_error": "inf" if rows_differ else rounded(judged.errors[worst]),
         "errors": {name: rounded(value) for name, value in judged.errors.items()},
         "noise": {name: rounded(value) for name, value in judged.noise.items()},
-        "bound": rounded(bounds[worst]),
+        "bound": rounded(nearest_bound[worst][1]),
         "tolerance": checker.tolerance,
         "reference": checker.method,
         "truth": checker.truth,
@@ -440,7 +440,7 @@ def verdict(checker, judged: _Judgement, rows_differ: str | None, moved, sample_
     if outcome == KINK:
         record["note"] = KINK_NOTE
     record["timing"] = {"seconds": round(time.perf_counter() - began, 4), "traced": first}
-    return record, bounds
+    return record, nearest_bound
 
 
 def tied(tolerance: float, truth: np.ndarray, own: np.ndarray, got: np.ndarray, want: np.ndarray) -> bool:
@@ -526,10 +526,17 @@ class _Judgement:
     def worst(self) -> str:
         return max(self.names, key=self._ratio)
 
-    def bounds(self) -> dict[str, float]:
-        """Per dataset, the bound of its worst row."""
-        return {name: float(self._bound[name][np.argmax(self._rows[name] / self._bound[name])]) if len(self._bound[name])
-                else self.tolerance for name in self.names}
+    def nearest_bound(self) -> dict[str, tuple[float, float]]:
+        """Per dataset, ``(error, bound)`` of its row nearest its bound (the worst): the largest error may be
+        another row's, with a wider bound."""
+        nearest = {}
+        for name in self.names:
+            if not len(self._bound[name]):
+                nearest[name] = (0.0, self.tolerance)
+                continue
+            row = int(np.argmax(self._rows[name] / self._bound[name]))
+            nearest[name] = (float(self._rows[name][row]), float(self._bound[name][row]))
+        return nearest
 
 
 def mismatch_text(check: Mapping[str, Any]) -> str:
