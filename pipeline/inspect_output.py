@@ -17,6 +17,9 @@ from jacobeam.transforms.finalize import missing_sources, view_datasets
 from jacobeam.transforms.model_identity import COMPARED_LIBRARIES
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import (
+    ENGINE_PLAN,
+    INPUTS_TABLE,
+    LEASE,
     MANIFEST,
     REJECTED_FILE,
     SHARDS_DIR,
@@ -71,11 +74,25 @@ def _check_view(root: str, report: Report) -> None:
         report.problems.extend(missing_sources(root, view))
 
 
-def inspect(folder: str) -> Report:
+def output_folder(folder: str) -> tuple[str, list[str]]:
+    """``(root, its names)`` of an output folder, finished or not; a FileNotFoundError where there is no
+    folder, or a folder no run has written to (``make demo``'s ``jacobeam-demo``, say, which holds the output
+    folder ``out``), naming the output folders inside it: "the run did not finish" would send a user to
+    rerun a command that did."""
     root = storage.normalize(folder)
-    top = storage.listdir(root)
     if not storage.is_folder(root):
         raise FileNotFoundError(f"{folder}: no such output folder")
+    top = storage.listdir(root)
+    if not ({MANIFEST, SHARDS_DIR, LEASE, ENGINE_PLAN, INPUTS_TABLE} & set(top) or any(map(is_folder_temp, top))):
+        inside = [name for name in sorted(top) if storage.is_folder(storage.join(root, name))
+                  and MANIFEST in storage.listdir(storage.join(root, name))]
+        hint = f"; the output folders in it: {', '.join(inside)}" if inside else ""
+        raise FileNotFoundError(f"{folder}: not a jacobeam output folder (no {MANIFEST} or {SHARDS_DIR}/){hint}")
+    return root, top
+
+
+def inspect(folder: str) -> Report:
+    root, top = output_folder(folder)
     names = storage.listdir(storage.join(root, SHARDS_DIR))
     manifest = json.loads(storage.read_text(storage.join(root, MANIFEST))) if MANIFEST in top else None
     report = Report(

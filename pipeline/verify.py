@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from jacobeam.pipeline.coverage import check_digests, check_inputs, check_structure, with_checked_inputs
+from jacobeam.pipeline.inspect_output import output_folder
 from jacobeam.pipeline.recompute import check_aggregates, choose_samples, recompute
 from jacobeam.transforms.finalize import write_manifest
 from jacobeam.transforms.output import storage
@@ -122,10 +123,7 @@ def verify(folder: str | Path, samples: int = 0, seed: int = 0, inputs: str = "s
 
 
 def _verify(folder: str | Path, samples: int, seed: int, inputs: str, reads: storage.InputReads) -> Report:
-    root = storage.normalize(folder)
-    top = storage.listdir(root)
-    if not storage.is_folder(root):
-        raise FileNotFoundError(f"{folder}: no such output folder")
+    root, top = output_folder(str(folder))
     report = Report(folder=root)
     if MANIFEST not in top:
         report.problems.append(f"no {MANIFEST}: the run did not finish; nothing to verify")

@@ -337,3 +337,18 @@ def test_verify_reports_each_dataset_s_largest_error_and_how_near_its_bound_it_c
           {"objective": (3e-4, 1e-4)})  # beyond its bound at the sample, within it a few rounding units away
     assert seen["of_bound"] == pytest.approx(3.0) and seen["kinks"] == 1
     assert "at most 3x its bound (tolerance 0.0001, or 4x float's own error, 1 at a kink)" in format_report(report)
+
+
+def test_a_folder_holding_an_output_folder_is_named_as_such_not_as_an_unfinished_run(clean, tmp_path, capsys):
+    """``make demo`` leaves ``jacobeam-demo/`` with ``inputs/`` and the output folder ``out/``: pointed at the
+    former, inspect and verify said "the run did not finish", which sends a user to rerun a run that
+    finished. They name the output folders inside instead; a folder with a run's shards and no manifest is
+    still an unfinished run."""
+    for command in ("inspect", "verify"):
+        assert cli.main([command, str(clean)]) == 1
+        err = capsys.readouterr().err
+        assert f"{clean}: not a jacobeam output folder (no manifest.json or shards/); the output folders in it: out" in err, err
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["verify", str(tmp_path / "empty")]) == 1
+    err = capsys.readouterr().err
+    assert "not a jacobeam output folder" in err and "output folders in it" not in err, err
