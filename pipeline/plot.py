@@ -62,7 +62,8 @@ from jacobeam.transforms.output.layout import (
 )
 
 _CHUNK = 256  # samples read at a time for the histogram
-TITLE_CHARS = 44  # characters per title line in a 4-inch column at matplotlib's default title size
+TITLE_CHARS = 34  # characters per title line in a 4-inch column at matplotlib's default title size (44 fill it;
+# a title is centred on its axis, which tick labels and a colour bar push off the column's centre)
 MAX_VECTOR_MAPS = 4  # vjp: maps of the first vectors only (a figure of dozens of columns cannot be read)
 MAX_ROW_MAPS = 4  # selected output rows (top_k, indices): a map of each of the first rows, for the same reason
 
@@ -394,7 +395,7 @@ def draw(folder: str, manifest: dict[str, Any], ids: Sequence[int] | None = None
         span = grid[sample_rows, :] if len(histograms) == 1 else grid[sample_rows, k % width]
         _draw_histogram(figure.add_subplot(span), histogram, ids)
     described = (PARAMETER_DESCRIPTIONS if (manifest.get("stored") or {}).get("parameters") else DESCRIPTIONS)
-    figure.suptitle(f"reduce: {contents.kind} ({described.get(contents.kind, contents.kind)})")
+    figure.suptitle(_wrapped(f"reduce: {contents.kind} ({described.get(contents.kind, contents.kind)})", width))
     return figure, notes
 
 
@@ -408,9 +409,11 @@ def _inputs(manifest: dict[str, Any], ids: Sequence[int]) -> tuple[np.ndarray | 
         return None, f"the input files cannot be read ({str(err).splitlines()[0][:200]})"
 
 
-def _wrapped(title: str) -> str:
-    """A title in lines that fit a 4-inch column (a longer line runs past the figure's edge)."""
-    return textwrap.fill(title, TITLE_CHARS, break_long_words=False, break_on_hyphens=False)
+def _wrapped(title: str, columns: int = 1) -> str:
+    """A title in lines that fit ``columns`` 4-inch columns (a longer line runs past the figure's edge); its
+    own line breaks kept."""
+    return "\n".join(textwrap.fill(line, TITLE_CHARS * columns, break_long_words=False, break_on_hyphens=False)
+                     for line in title.split("\n"))
 
 
 def _draw_panel(figure, axis, panel: _Panel, k: int, sample_id: int, where: str = "") -> None:
@@ -451,7 +454,7 @@ def _draw_histogram(axis, histogram: _Histogram, ids: Sequence[int]) -> None:
         title += f"\ndashed: sample(s) {', '.join(str(i) for i in ids)}"
     axis.set_xlabel(histogram.label)
     axis.set_ylabel("samples")
-    axis.set_title(title)
+    axis.set_title(_wrapped(title))
 
 
 def plot(folder: str, manifest: dict[str, Any], path: str, ids: Sequence[int] | None = None,

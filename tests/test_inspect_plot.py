@@ -109,7 +109,21 @@ def _plot(out: Path, tmp_path: Path, drawn: list, ids: str | None = None):
     assert picture.stat().st_size > 0
     (figure,) = drawn
     drawn.clear()
+    assert_titles_fit(figure)
     return figure
+
+
+def assert_titles_fit(figure) -> None:
+    """Every title of ``figure`` (the figure's, each axis's) lies within the figure: none runs past its edge."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()  # laid out as saved
+    renderer, edge = canvas.get_renderer(), figure.bbox
+    for text in [figure._suptitle, *(axis.title for axis in figure.axes)]:
+        if text is not None and text.get_text():
+            extent = text.get_window_extent(renderer)
+            assert edge.x0 - 1 <= extent.x0 and extent.x1 <= edge.x1 + 1, f"{text.get_text()!r} runs past the figure's edge"
 
 
 def _maps(figure) -> dict[str, np.ndarray]:
@@ -227,6 +241,7 @@ def test_scalar_reductions_are_a_histogram_of_every_sample(folder, tmp_path, dra
     values = _view(out)[dataset]
     histograms = _histograms(_plot(out, tmp_path, drawn))
     (title, (xlabel, counted, lo, hi)), = histograms.items()
+    title = title.replace("\n", " ")
     assert label in xlabel and counted == N
     assert lo == pytest.approx(values.min()) and hi == pytest.approx(values.max())
     if name == "slogdet":

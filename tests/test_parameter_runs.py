@@ -18,6 +18,7 @@ from jacobeam.pipeline import config, plot, runner
 from jacobeam.transforms.engine.models import load
 from jacobeam.transforms.engine.parameter_space import Weight, projection_rows
 from jacobeam.transforms.output.storage import sha256
+from tests.test_inspect_plot import assert_titles_fit
 
 
 def _write(folder: Path, shape, n: int, classes: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +124,8 @@ def test_grand_scores_and_entk_features_of_a_small_conv_net(tmp_path):
         np.testing.assert_allclose(norms[i], np.sqrt(sum(squares.values())), rtol=1e-4)
     pytest.importorskip("matplotlib")
     figure, _ = plot.draw(str(tmp_path / "grand"), manifest)
-    titles = [axis.get_title() for axis in figure.axes]
+    assert_titles_fit(figure)
+    titles = [axis.get_title().replace("\n", " ") for axis in figure.axes]
     assert any("norm of the per-sample gradient" in t for t in titles) and any("objective" in t for t in titles)
     assert any("norm per layer (3 layers" in t for t in titles)
 
@@ -150,6 +152,7 @@ def test_grand_scores_and_entk_features_of_a_small_conv_net(tmp_path):
             want = jacobian @ rows
             assert np.abs(features[i] - want).max() <= 1e-4 * np.abs(want).max(), structure
         _jacobeam("verify", str(out), "--samples", "4")
+        assert_titles_fit(plot.draw(str(out), manifest)[0])
     assert json.loads(json.dumps(manifest["stored"]))["parameters"]["objective"] == "outputs"
 
 
