@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -62,6 +63,7 @@ from jacobeam.transforms.output.layout import (
 )
 
 _CHUNK = 256  # samples read at a time for the histogram
+_BEFORE_NUMBER = re.compile(r" (?=\d)")  # a space a title's lines are not broken at
 TITLE_CHARS = 34  # characters per title line in a 4-inch column at matplotlib's default title size (44 fill it;
 # a title is centred on its axis, which tick labels and a colour bar push off the column's centre)
 MAX_VECTOR_MAPS = 4  # vjp: maps of the first vectors only (a figure of dozens of columns cannot be read)
@@ -392,8 +394,9 @@ def draw(folder: str, manifest: dict[str, Any], ids: Sequence[int] | None = None
             _draw_panel(figure, figure.add_subplot(span), panel, k, sample_id, where)
             column += 1
     for k, histogram in enumerate(histograms):
-        span = grid[sample_rows, :] if len(histograms) == 1 else grid[sample_rows, k % width]
-        _draw_histogram(figure.add_subplot(span), histogram, ids)
+        alone = len(histograms) == 1  # across the figure
+        span = grid[sample_rows, :] if alone else grid[sample_rows, k % width]
+        _draw_histogram(figure.add_subplot(span), histogram, ids, width if alone else 1)
     described = (PARAMETER_DESCRIPTIONS if (manifest.get("stored") or {}).get("parameters") else DESCRIPTIONS)
     figure.suptitle(_wrapped(f"reduce: {contents.kind} ({described.get(contents.kind, contents.kind)})", width))
     return figure, notes
@@ -411,9 +414,10 @@ def _inputs(manifest: dict[str, Any], ids: Sequence[int]) -> tuple[np.ndarray | 
 
 def _wrapped(title: str, columns: int = 1) -> str:
     """A title in lines that fit ``columns`` 4-inch columns (a longer line runs past the figure's edge); its
-    own line breaks kept."""
-    return "\n".join(textwrap.fill(line, TITLE_CHARS * columns, break_long_words=False, break_on_hyphens=False)
-                     for line in title.split("\n"))
+    own line breaks kept, and a number kept with the word before it (``row 7``, ``the 10 outputs``)."""
+    lines = (textwrap.fill(_BEFORE_NUMBER.sub("\u00a0", line), TITLE_CHARS * columns, break_long_words=False,
+                           break_on_hyphens=False) for line in title.split("\n"))
+    return "\n".join(lines).replace("\u00a0", " ")
 
 
 def _draw_panel(figure, axis, panel: _Panel, k: int, sample_id: int, where: str = "") -> None:
@@ -436,7 +440,7 @@ def _draw_panel(figure, axis, panel: _Panel, k: int, sample_id: int, where: str 
     figure.colorbar(shown, ax=axis)
 
 
-def _draw_histogram(axis, histogram: _Histogram, ids: Sequence[int]) -> None:
+def _draw_histogram(axis, histogram: _Histogram, ids: Sequence[int], columns: int = 1) -> None:
     values = histogram.values
     finite = values[np.isfinite(values)]
     left_out = len(values) - len(finite)
@@ -454,7 +458,7 @@ def _draw_histogram(axis, histogram: _Histogram, ids: Sequence[int]) -> None:
         title += f"\ndashed: sample(s) {', '.join(str(i) for i in ids)}"
     axis.set_xlabel(histogram.label)
     axis.set_ylabel("samples")
-    axis.set_title(_wrapped(title))
+    axis.set_title(_wrapped(title, columns))
 
 
 def plot(folder: str, manifest: dict[str, Any], path: str, ids: Sequence[int] | None = None,

@@ -390,3 +390,14 @@ def test_the_read_it_snippet_reads_what_was_stored(folder, name):
         if found:
             variable, dataset, shape = found.groups()
             assert read[variable].shape == tuple(int(d) for d in shape.replace(" ", "").split(",") if d), line
+
+
+def test_a_title_keeps_a_number_with_the_word_before_it_and_fits_its_columns():
+    from jacobeam.pipeline.plot import TITLE_CHARS, _wrapped
+
+    title = "sample 1: input, part-000.npy row 12 of the 10 outputs over all 2,048 samples"
+    for columns in (1, 2):
+        lines = _wrapped(title, columns).split("\n")
+        assert " ".join(lines) == title and all(len(line) <= TITLE_CHARS * columns for line in lines)
+        assert not any(line.split()[0][0].isdigit() for line in lines[1:]), lines  # no line begins with a number
+    assert _wrapped("first line\nsecond") == "first line\nsecond"  # its own breaks kept
