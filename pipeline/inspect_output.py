@@ -74,6 +74,9 @@ def _check_view(root: str, report: Report) -> None:
         report.problems.extend(missing_sources(root, view))
 
 
+_LOOKED_INTO = 100  # entries of a folder that is no output folder looked into for output folders (not a data folder's)
+
+
 def output_folder(folder: str) -> tuple[str, list[str]]:
     """``(root, its names)`` of an output folder, finished or not; a FileNotFoundError where there is no
     folder, or a folder no run has written to (``make demo``'s ``jacobeam-demo``, say, which holds the output
@@ -84,7 +87,7 @@ def output_folder(folder: str) -> tuple[str, list[str]]:
         raise FileNotFoundError(f"{folder}: no such output folder")
     top = storage.listdir(root)
     if not ({MANIFEST, SHARDS_DIR, LEASE, ENGINE_PLAN, INPUTS_TABLE} & set(top) or any(map(is_folder_temp, top))):
-        inside = [name for name in sorted(top) if storage.is_folder(storage.join(root, name))
+        inside = [name for name in sorted(top) if len(top) <= _LOOKED_INTO and storage.is_folder(storage.join(root, name))
                   and MANIFEST in storage.listdir(storage.join(root, name))]
         hint = f"; the output folders in it: {', '.join(inside)}" if inside else ""
         raise FileNotFoundError(f"{folder}: not a jacobeam output folder (no {MANIFEST} or {SHARDS_DIR}/){hint}")
