@@ -86,7 +86,8 @@ def output_folder(folder: str) -> tuple[str, list[str]]:
     if not storage.is_folder(root):
         raise FileNotFoundError(f"{folder}: no such output folder")
     top = storage.listdir(root)
-    if not ({MANIFEST, SHARDS_DIR, LEASE, ENGINE_PLAN, INPUTS_TABLE} & set(top) or any(map(is_folder_temp, top))):
+    ran = {MANIFEST, LEASE, ENGINE_PLAN, INPUTS_TABLE} & set(top) or any(map(is_folder_temp, top))
+    if not ran and not storage.is_folder(storage.join(root, SHARDS_DIR)):  # listdir names no folder of an object store
         inside = [name for name in sorted(top) if len(top) <= _LOOKED_INTO and storage.is_folder(storage.join(root, name))
                   and MANIFEST in storage.listdir(storage.join(root, name))]
         hint = f"; the output folders in it: {', '.join(inside)}" if inside else ""

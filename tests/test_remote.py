@@ -189,8 +189,11 @@ def test_inspect_and_verify_read_a_remote_folder(remote_and_local, capsys):
 def test_a_remote_folder_without_manifest_is_reported_incomplete(store, capsys):
     storage.write_bytes(f"{OUT}/shards/.shard-000000000000-000000000016.h5.tmp-abc", b"x")
     assert cli.main(["inspect", OUT]) == 1
-    assert "NOT COMPLETE" in capsys.readouterr().out
+    assert "NOT COMPLETE" in capsys.readouterr().out  # a run's shards/ on an object store: a prefix, no entry
     assert cli.main(["inspect", "fakegcs://bucket/nothing"]) == cli.FAILED
+    storage.write_bytes("fakegcs://bucket/data/a.npy", b"x")
+    assert cli.main(["verify", "fakegcs://bucket/data"]) == cli.FAILED
+    assert "fakegcs://bucket/data: not a jacobeam output folder" in capsys.readouterr().err
 
 
 @pytest.mark.slow
