@@ -88,8 +88,9 @@ def output_folder(folder: str) -> tuple[str, list[str]]:
     top = storage.listdir(root)
     ran = {MANIFEST, LEASE, ENGINE_PLAN, INPUTS_TABLE} & set(top) or any(map(is_folder_temp, top))
     if not ran and not storage.is_folder(storage.join(root, SHARDS_DIR)):  # listdir names no folder of an object store
-        inside = [name for name in sorted(top) if len(top) <= _LOOKED_INTO and storage.is_folder(storage.join(root, name))
-                  and MANIFEST in storage.listdir(storage.join(root, name))]
+        inside = [] if len(top) > _LOOKED_INTO else [
+            name for name in top  # sorted by listdir
+            if storage.is_folder(storage.join(root, name)) and MANIFEST in storage.listdir(storage.join(root, name))]
         hint = f"; the output folders in it: {', '.join(inside)}" if inside else ""
         raise FileNotFoundError(f"{folder}: not a jacobeam output folder (no {MANIFEST} or {SHARDS_DIR}/){hint}")
     return root, top
