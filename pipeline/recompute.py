@@ -51,7 +51,7 @@ class _RecordedEngine:
 
             self.side = self.options.parameters
             self.layout, _ = parameter_space.layout(self.model.keras_model, self.side.layers, self.model.source)
-            self.probabilities = parameter_space.outputs_are_probabilities(self.model.keras_model)
+            self.model, self.softmax = parameter_space.objective_model(self.model, self.side.objective)
             self.outputs = int(np.prod(self.output_shape))
             self.rows_shape = parameter_space.rows_shape(self.side, self.options.outputs, self.output_shape)
 

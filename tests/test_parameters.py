@@ -9,6 +9,7 @@ import dataclasses
 import math
 from unittest import mock
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -524,17 +525,71 @@ def test_a_wrong_projection_block_and_a_wrong_row_are_mismatches():
     assert record["verdict"] == MISMATCH and "output_index" in record["detail"]
 
 
-def test_outputs_as_probabilities_read_as_such():
-    """A model ending in a softmax: margin and cross-entropy from its probabilities (no double softmax)."""
-    engine = ParameterEngine(loaded("softmax"), (12,), EngineOptions(parameters=ParameterSide(objective="margin"),
-                                                                    reduce=Reduction(kind="frobenius")))
+def confident(factory: str, dtype: str = "float32"):
+    """The test model ``factory`` (tanh hidden layer, then logits and a softmax) with its logits 60x the seeded
+    scale: float32 probabilities of exactly 1 and below 1e-7 for most samples; and ``(W1, b1, W2, b2)``."""
+    model = getattr(models, factory)(dtype)
+    dense = [layer for layer in model.layers if layer.trainable_weights]
+    kernel, bias = dense[-1].get_weights()
+    dense[-1].set_weights([60 * kernel, 60 * bias])
+    return model, [w for layer in dense for w in layer.get_weights()]
+
+
+@pytest.mark.parametrize("factory", ["softmax_mlp", "softmax_layer_head"])  # softmax as activation, as a layer
+@pytest.mark.parametrize("objective", ["margin", "loss"])
+def test_a_softmax_model_objective_is_of_its_logits_where_its_probabilities_saturate(factory, objective):
+    """A model ending in a softmax: the margin and the cross-entropy of the label are those of its logits, also
+    where float32's probabilities are exactly 1 or below Keras' clip of 1e-7 (from them: a margin of inf, a
+    loss clipped with a vanishing gradient); the outputs stored are the probabilities. The truth: the closed
+    form in float64 of ``tanh(x W1 + b1) W2 + b2``; the self-check calls the saturated values mismatches."""
+    model, weights = confident(factory)
+    width = int(model.inputs[0].shape[-1])
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(24, width)).astype(np.float32)
+    p32 = np.asarray(model(x))
+    labels = np.where(np.arange(24) % 2 == 0, p32.argmax(axis=1), p32.argmin(axis=1))  # sure right, sure wrong
+    p_label = p32[np.arange(24), labels]
+    assert (p_label == 1).any() and (p_label < 1e-7).any()  # float32 saturates both ways
+    side = ParameterSide(objective="margin") if objective == "margin" else \
+        ParameterSide(objective="loss", loss="sparse_categorical_crossentropy")
+    engine = ParameterEngine(wrap_model(model, factory), (width,), EngineOptions(parameters=side,
+                                                                                reduce=Reduction(kind="frobenius")))
     assert engine.describe()["outputs_are"] == "probabilities"
-    x = np.random.default_rng(0).normal(size=(4, 12)).astype(np.float32)
-    p = np.asarray(loaded("softmax", "float64").keras_model(x.astype(np.float64)))
-    labels = np.array([0, 1, 2, 1])
     stored, _ = engine.compute(x, labels)
-    want = np.log(p[np.arange(4), labels]) - np.log1p(-p[np.arange(4), labels])
-    assert_close(stored["objective"], want)
+
+    variables = [tf.Variable(np.asarray(w, np.float64)) for w in weights]
+    values, norms, probabilities = [], [], []
+    for i in range(24):
+        with tf.GradientTape() as tape:
+            z = tf.tanh(x[i: i + 1].astype(np.float64) @ variables[0] + variables[1]) @ variables[2] + variables[3]
+            z, y = z[0], int(labels[i])
+            others = tf.concat([z[:y], z[y + 1:]], 0)
+            value = z[y] - tf.reduce_logsumexp(others) if objective == "margin" else tf.reduce_logsumexp(z) - z[y]
+        grads = tape.gradient(value, variables)
+        probabilities.append(np.asarray(tf.nn.softmax(z)))
+        values.append(float(value))
+        norms.append(math.sqrt(sum(float(tf.reduce_sum(g * g)) for g in grads)))
+    assert np.isfinite(stored["objective"]).all()
+    assert_close(stored["objective"], values, rtol=1e-5)
+    assert_close(stored["frobenius"], norms, rtol=1e-4)  # a sure-right sample's: float32 has 1 - p_y = 0
+    np.testing.assert_allclose(stored["output"], probabilities, rtol=1e-4, atol=1e-30)  # float32's error in |z| ~ 100
+
+    checker = checker_for(engine, SelfCheck())
+    with np.errstate(divide="ignore"):  # the objective as the probabilities give it in float32
+        saturated = np.log(p_label) - np.log1p(-p_label) if objective == "margin" else -np.log(np.maximum(p_label, 1e-7))
+    for i in np.flatnonzero(p_label == 1 if objective == "margin" else p_label < 1e-7)[:2]:  # inf; clipped
+        mine = {k: v[i: i + 1] for k, v in stored.items()}
+        assert checker.check([x[i: i + 1]], mine, i, int(labels[i]))["verdict"] == OK
+        wrong = {**mine, "objective": saturated[i: i + 1].astype(np.float32)}
+        assert checker.check([x[i: i + 1]], wrong, i, int(labels[i]))["verdict"] == MISMATCH, (i, saturated[i])
+
+
+def test_a_margin_of_a_softmax_over_one_of_several_axes_is_refused():
+    x = keras.Input((3, 4))
+    model = keras.Model(x, keras.layers.Dense(5, activation="softmax")(x))
+    with pytest.raises(ModelError, match=r"one softmax over a classifier's outputs; .* outputs \(3, 5\)"):
+        ParameterEngine(wrap_model(model, "rows"), (3, 4), EngineOptions(parameters=ParameterSide(objective="margin"),
+                                                                         reduce=Reduction(kind="frobenius")))
 
 
 @pytest.mark.parametrize("groups", [1, 3])  # the inputs whole, or in groups of columns (a stride-one Conv2D's)

@@ -314,6 +314,27 @@ def test_a_dataset_s_row_nearest_its_bound_is_reported_with_its_own_error():
     assert judged.nearest_bound()["jacobian"] == pytest.approx((7e-4, 8e-4))
 
 
+@pytest.mark.parametrize("stored", [np.inf, -np.inf, np.nan, 16.1181])
+def test_a_row_float32_cannot_make_finite_bounds_nothing_and_a_wrong_value_fails(stored):
+    """A row whose own float32 computation overflows (a margin of inf where the float64 truth is 23.3) has no
+    noise to widen its bound by. It widened it to inf, and inf over inf passed: a stored inf, a NaN, and a
+    value clipped far from the truth were each judged correct. The truth itself still passes."""
+    from types import SimpleNamespace
+
+    from jacobeam.transforms.self_check import _Judgement
+
+    checker = SimpleNamespace(tolerance=1e-4, compute="float32", _floor=float(np.finfo(np.float32).tiny),
+                              plain=SimpleNamespace(split_rows=lambda name, values, rows: np.reshape(values, (rows, -1))))
+    truth, own = np.array([[23.2633], [4.5]]), np.array([[np.inf], [4.5]])
+
+    def judged(value):
+        return _Judgement(checker, ["objective"], {"objective": truth}, {"objective": np.array([[value], [4.5]])},
+                          [{"objective": own}], {"objective": None}, 2)
+
+    assert judged(stored).failing() == ["objective"] and judged(stored).worst_ratio() > 1000
+    assert judged(23.2633).failing() == [] and judged(23.2633).worst_ratio() == 0
+
+
 def test_verify_reports_each_dataset_s_largest_error_and_how_near_its_bound_it_came():
     """``jacobeam verify``'s line per dataset: the largest error of all samples, and the largest fraction of
     its own bound any row reached. It set the largest error beside the narrowest bound of all samples, so a

@@ -118,9 +118,11 @@ class ParameterSelfChecker:
         def gradient(xs, label, row):
             with tf.GradientTape() as tape:
                 y = tf.reshape(model.call(list(xs)), (-1,))
-                value = objective_value(side.objective, side.loss, engine.probabilities, y, label, row)
+                value = objective_value(side.objective, side.loss, y, label, row)
             grads = tape.gradient(value, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return y, value, [tf.convert_to_tensor(g) for g in grads]  # an embedding's: IndexedSlices
+            # the logits of a model ending in a softmax (``objective_model``): its outputs are their softmax
+            shown = tf.nn.softmax(y) if engine.softmax else y
+            return shown, value, [tf.convert_to_tensor(g) for g in grads]  # an embedding's: IndexedSlices
 
         return gradient
 

@@ -493,7 +493,10 @@ class _Judgement:
             scale = finite.max(axis=1, initial=0.0) if scales[name] is None else np.full(len(t), scales[name])
             if name != "logabsdet":  # compared absolutely
                 scale = np.maximum(scale, eps * float(finite.max(initial=0.0)))
-            self._scale[name] = np.maximum(np.maximum(scale, np.where(np.isfinite(noise), noise, 0.0)), checker._floor)
+            # A row the own computations cannot even make finite (float32 overflowing where the truth does
+            # not) has no noise to widen its bound by: an infinite bound would pass any value, inf included.
+            noise = np.where(np.isfinite(noise), noise, 0.0)
+            self._scale[name] = np.maximum(np.maximum(scale, noise), checker._floor)
             relative_noise = noise / self._scale[name]
             self._bound[name] = np.maximum(checker.tolerance, NOISE_FACTOR * relative_noise)
             self._rows[name] = self._error(name, truth[name])
@@ -508,7 +511,7 @@ class _Judgement:
         return _deviation(self._split(name, stored), self._split(name, against)) / self._scale[name]
 
     def _ratio(self, name: str) -> float:
-        return float(np.max(self._rows[name] / self._bound[name], initial=0.0))
+        return float(np.max(_over(self._rows[name], self._bound[name]), initial=0.0))
 
     def worst_ratio(self) -> float:
         """The worst row's error over its bound: beyond 1, the value fails against the truth."""
@@ -516,7 +519,7 @@ class _Judgement:
 
     def ratio_against(self, moved: Mapping[str, np.ndarray]) -> float:
         """The worst row's error over its bound, judged against a moved point's derivatives instead."""
-        return max((float(np.max(self._error(name, moved[name]) / self._bound[name], initial=0.0)) for name in self.names),
+        return max((float(np.max(_over(self._error(name, moved[name]), self._bound[name]), initial=0.0)) for name in self.names),
                    default=0.0)
 
     def failing(self) -> list[str]:
@@ -534,7 +537,7 @@ class _Judgement:
             if not len(self._bound[name]):
                 nearest[name] = (0.0, self.tolerance)
                 continue
-            row = int(np.argmax(self._rows[name] / self._bound[name]))
+            row = int(np.argmax(_over(self._rows[name], self._bound[name])))
             nearest[name] = (float(self._rows[name][row]), float(self._bound[name][row]))
         return nearest
 
@@ -548,6 +551,13 @@ def mismatch_text(check: Mapping[str, Any]) -> str:
             f"error {check['max_rel_error']}, bound {check['bound']} (tolerance {check['tolerance']:g}, or "
             f"{NOISE_FACTOR}x the error of an independent per-sample computation)"
             + "".join(f"; {name} too" for name in check.get("failing", []) if name != check["dataset"]))
+
+
+def _over(errors: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Each row's error over its bound; inf where that is undefined (NaN, inf over inf), so that it fails."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.asarray(errors) / np.asarray(bounds)
+    return np.where(np.isnan(ratio), np.inf, ratio)
 
 
 def _deviation(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:

@@ -106,13 +106,15 @@ class ProjectConfig(Section):
     where the output rows are fewer than ``dim`` (one label's row, say), the rows in reverse mode times ``P``.
 
     ``P`` is ``rng = numpy.random.default_rng(seed)``; rademacher: ``rng.choice([-1.0, 1.0], size=(d,
-    dim))``, gaussian: ``rng.standard_normal((d, dim))``; both divided by ``sqrt(dim)``. Other reductions
-    ignore these keys.
+    dim))``, gaussian: ``rng.standard_normal((d, dim))``; both divided by ``sqrt(dim)``. With ``wrt:
+    parameters`` it is drawn block by block from TensorFlow's Philox stream instead (docs/what-to-store.md),
+    and ``dim`` defaults to 2,048. Other reductions ignore these keys.
     """
 
     dim: PositiveInt = Field(
         256,
-        description="Columns of `P`: each sample's dataset `projection` is `(*rows, dim)`.",
+        description="Columns of `P`: each sample's dataset `projection` is `(*rows, dim)`. With `wrt: parameters` "
+        f"the default is {PARAMETER_PROJECT_DIM:,} (TRAK's).",
     )
     kind: Literal["rademacher", "gaussian"] = Field(
         "rademacher",
@@ -121,8 +123,9 @@ class ProjectConfig(Section):
     )
     seed: int = Field(
         0,
-        description="Seed of `numpy.random.default_rng`, which draws `P`; the manifest records it "
-        "(`stored.projection`) so that `P` can be rebuilt.",
+        description="Seed of `numpy.random.default_rng`, which draws `P` (with `wrt: parameters`, of its Philox "
+        "block stream: docs/what-to-store.md); the manifest records it (`stored.projection`) so that `P` can be "
+        "rebuilt.",
     )
     structure: Literal["dense", "kronecker"] = Field(
         "dense",
@@ -150,9 +153,9 @@ class LossObjective(Section):
     """``jacobian.objective: {loss: name}``: each sample's Keras loss against its label."""
 
     loss: Literal[LOSS_NAMES] = Field(
-        description="The Keras loss, by name, of the sample's outputs against its label (`from_logits` unless the "
-        "model's last layer ends in a softmax): `sparse_categorical_crossentropy` or `categorical_crossentropy` "
-        "(the label one-hot).",
+        description="The Keras loss, by name, of the sample's logits against its label (`from_logits`; a model "
+        "whose last layer ends in a softmax is differentiated without it): `sparse_categorical_crossentropy` or "
+        "`categorical_crossentropy` (the label one-hot).",
     )
 
 
@@ -262,9 +265,11 @@ class JacobianConfig(Section):
     objective: Literal["outputs", "margin"] | LossObjective = Field(
         "outputs",
         description="With `wrt: parameters`, what is differentiated: `outputs`, the output rows `outputs` "
-        "selects; `margin`, TRAK's margin `log p_y - log(1 - p_y)` of the sample's label `y` (from the logits, or "
-        "the probabilities where the last layer ends in a softmax); `{loss: name}`, a Keras loss of the "
-        "label. `margin` and a loss need `labels` and `outputs: all`, and store the value as `objective` `(n,)`.",
+        "selects; `margin`, TRAK's margin `log p_y - log(1 - p_y)` of the sample's label `y`, as "
+        "`z_y - logsumexp(z_j, j != y)` of the logits `z`; `{loss: name}`, a Keras loss of the label. A model "
+        "whose last layer ends in a softmax is differentiated without it for these (its probabilities saturate "
+        "in float32), its stored `output` still the probabilities. `margin` and a loss need `labels` and "
+        "`outputs: all`, and store the value as `objective` `(n,)`.",
     )
     compute_dtype: Literal["float32", "float64"] = Field(
         "float32",
@@ -297,7 +302,8 @@ class JacobianConfig(Section):
         None,
         description="Where `outputs: label` finds each sample's label: `{key: <array>}`, an array of the same "
         "input files; `{folders: true}`, each file's class subfolder; `{table: <csv or json>}`, a table of file "
-        "to label (see `jacobian.labels`). Required for `outputs: label` and unused otherwise; `null`: no labels.",
+        "to label (see `jacobian.labels`). Required for `outputs: label` and, with `wrt: parameters`, for "
+        "`objective: margin` or a loss; unused otherwise; `null`: no labels.",
     )
     reduce: Literal[FULL + PRODUCTS] = Field(
         "none",

@@ -58,6 +58,11 @@ class LoadedModel:
             ) from err
         return dataclasses.replace(wrap_model(twin, self.source), identity=self.identity)
 
+    def with_logits(self) -> LoadedModel:
+        """The same model without its last layer's softmax (``without_softmax``), computing its logits."""
+        return dataclasses.replace(wrap_model(without_softmax(self.keras_model, self.source), self.source),
+                                   identity=self.identity)
+
     def fingerprint(self) -> str:
         """sha256 over the model's weights (shapes, dtypes and values, in the model's order)."""
         digest = hashlib.sha256()
@@ -439,7 +444,7 @@ def _loaded(path: str | None, factory: str | None, builtin: str | None, logits: 
             f"model.logits: {loaded.source} is not a Keras model (a SavedModel or tf.Module): its softmax cannot "
             "be removed; load a Keras model (.keras file or factory), or set model.logits false"
         )
-    return dataclasses.replace(wrap_model(without_softmax(loaded.keras_model, loaded.source), loaded.source), identity=identity)
+    return loaded.with_logits()
 
 
 def _load(path: str | None, factory: str | None, builtin: str | None) -> LoadedModel:

@@ -207,8 +207,8 @@ def rows_shape(side, selection, output_shape: tuple[int, ...]) -> tuple[int, ...
 
 
 def outputs_are_probabilities(keras_model) -> bool:
-    """Whether the model's last layer ends in a softmax (its outputs are probabilities, not logits): how
-    ``margin`` and the losses read them (Keras's ``from_logits``)."""
+    """Whether the model's last layer ends in a softmax (its outputs are probabilities, not logits): then a
+    margin or a loss is of its logits (``objective_model``)."""
     from jacobeam.transforms.engine.models import _activation_name
 
     try:
@@ -221,28 +221,34 @@ def outputs_are_probabilities(keras_model) -> bool:
     return type(last).__name__ == "Softmax" or _activation_name(last) == "softmax"
 
 
-def objective_values(kind: str, loss: str | None, probabilities: bool, y: tf.Tensor, labels: tf.Tensor,
-                     rows: tf.Tensor) -> tf.Tensor:
+def objective_model(model, objective: str):
+    """``(model to differentiate, softmax)``: a margin or a loss of a model ending in a softmax is taken from its
+    logits (``softmax``: the stored outputs are their softmax), as Keras' losses do where they find them. From
+    the probabilities float32 saturates: ``p_y`` rounds to 1 (a margin of inf, NaN gradients) or to 0 (a loss
+    clipped at ``-log 1e-7`` with a vanishing gradient), where a float64 tape gives finite values."""
+    if objective == "outputs" or not outputs_are_probabilities(model.keras_model):
+        return model, False
+    return model.with_logits(), True
+
+
+def objective_values(kind: str, loss: str | None, y: tf.Tensor, labels: tf.Tensor, rows: tf.Tensor) -> tf.Tensor:
     """Each element's scalar objective ``(N,)`` from its flat outputs ``y`` ``(N, m)``: ``outputs``, its output
-    ``rows``; ``margin``, TRAK's ``log p_y - log(1 - p_y)`` of its label ``y``; ``loss``, the Keras loss
-    ``loss`` of its label (``from_logits`` unless the model ends in a softmax)."""
+    ``rows``; ``margin``, TRAK's ``log p_y - log(1 - p_y)`` of its label ``y``, ``z_y - logsumexp(z_j, j != y)``
+    of the logits ``y``; ``loss``, the Keras loss ``loss`` of its label, from the logits ``y`` (a model ending in a
+    softmax is differentiated without it: ``objective_model``)."""
     if kind == "outputs":
         return tf.gather(y, tf.cast(rows, tf.int32), batch_dims=1)
     labels = tf.cast(labels, tf.int32)
     if kind == "margin":
-        if probabilities:
-            p = tf.gather(y, labels, batch_dims=1)
-            return tf.math.log(p) - tf.math.log1p(-p)
         others = tf.where(tf.equal(tf.range(tf.shape(y)[1])[None], labels[:, None]), tf.cast(-np.inf, y.dtype), y)
         return tf.gather(y, labels, batch_dims=1) - tf.reduce_logsumexp(others, axis=1)
     import keras
 
     function = keras.losses.get(loss)
     target = labels if LOSSES[loss] == "index" else tf.one_hot(labels, tf.shape(y)[1], dtype=y.dtype)
-    return tf.reshape(function(target, y, from_logits=not probabilities), (-1,))
+    return tf.reshape(function(target, y, from_logits=True), (-1,))
 
 
-def objective_value(kind: str, loss: str | None, probabilities: bool, y: tf.Tensor, label: tf.Tensor,
-                    row: tf.Tensor) -> tf.Tensor:
+def objective_value(kind: str, loss: str | None, y: tf.Tensor, label: tf.Tensor, row: tf.Tensor) -> tf.Tensor:
     """One element's objective from its flat outputs ``y`` ``(m,)`` (``objective_values`` of one)."""
-    return objective_values(kind, loss, probabilities, y[None], label[None], row[None])[0]
+    return objective_values(kind, loss, y[None], label[None], row[None])[0]

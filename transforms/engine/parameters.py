@@ -45,6 +45,7 @@ from jacobeam.transforms.engine.parameter_space import (
     Weight,
     factored,
     layout,
+    objective_model,
     objective_value,
     objective_values,
     outputs_are_probabilities,
@@ -100,13 +101,14 @@ class ParameterEngine:
         if model.keras_model is None:
             raise ModelError(f"jacobian.wrt: parameters: {model.source} is not a Keras model (a SavedModel or a plain "
                              "tf.Module): its weights cannot be differentiated one layer at a time")
-        self.model = model.with_dtype(options.compute_dtype)
+        self.probabilities = outputs_are_probabilities(model.keras_model)
+        # softmax: the model differentiated is the logits, and the outputs stored are their softmax
+        self.model, self.softmax = objective_model(model.with_dtype(options.compute_dtype), side.objective)
         source = self.model.source
         self.input_names, self.input_shapes = model_checks.resolve_inputs(self.model, input_shapes)
         keras_model = self.model.keras_model
         self.layout, self._variables = layout(keras_model, side.layers, source)
         self._described_layout = self.layout.describe()
-        self.probabilities = outputs_are_probabilities(keras_model)
         self.telemetry: dict[str, Any] = {}
         dtype = tf.as_dtype(options.compute_dtype)
         self._dtype = dtype
@@ -182,6 +184,9 @@ class ParameterEngine:
             raise ModelError(f"jacobian.outputs: top_k {selection.k} of {self.outputs} outputs of {source}")
         if objective != "outputs" and self.outputs < 2:
             raise ModelError(f"jacobian.objective: {objective} needs a classifier's outputs; {source} has one output")
+        if self.softmax and self.output_shape[-1] != self.outputs:
+            raise ModelError(f"jacobian.objective: {objective} needs one softmax over a classifier's outputs; {source} "
+                             f"outputs {tuple(self.output_shape)}, a softmax over the last axis")
 
     def _choose(self, source: str) -> str:
         """The first path that agrees with a loop of per-element tape gradients on two probe samples: layer
@@ -262,7 +267,8 @@ class ParameterEngine:
         """``(xs (N, ...) per input, labels (N,), rows (N,)) -> {name: (N, ...)}`` for N elements, by ``path``:
         ``layer rules``, ``vectorized_map`` or ``map_fn``; compiled by XLA where ``jit``."""
         model, variables, side = self.model, self._variables, self.side
-        reduction, probabilities = self.options.reduce, self.probabilities
+        reduction = self.options.reduce
+        shown = tf.nn.softmax if self.softmax else tf.identity  # the outputs stored
         weights = self.layout.weights
         layer_of = {layer: i for i, layer in enumerate(self.layout.layers)}
         dtype = self._dtype
@@ -271,9 +277,9 @@ class ParameterEngine:
             *parts, label, row = args
             with tf.GradientTape() as tape:
                 y = tf.reshape(model.call([x[None] for x in parts]), (-1,))
-                value = objective_value(side.objective, side.loss, probabilities, y, label, row)
+                value = objective_value(side.objective, side.loss, y, label, row)
             grads = tape.gradient(value, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return y, value, [tf.reshape(g, (-1,)) for g in grads]
+            return shown(y), value, [tf.reshape(g, (-1,)) for g in grads]
 
         def by_layer(squares):
             found = [[] for _ in layer_of]
@@ -297,11 +303,11 @@ class ParameterEngine:
 
                 def objective(y):
                     outputs.append(tf.reshape(y, (-1, self.outputs)))
-                    return objective_values(side.objective, side.loss, probabilities, outputs[0], labels, rows)
+                    return objective_values(side.objective, side.loss, outputs[0], labels, rows)
 
                 if reduction.kind == "frobenius":  # the norms without forming the gradients where cheaper
                     values, squares = parameter_rules.gradients(model.keras_model, variables, list(xs), objective, True)
-                    return {"output": outputs[0], "objective": values, "squares_by_layer": by_layer(squares)}
+                    return {"output": shown(outputs[0]), "objective": values, "squares_by_layer": by_layer(squares)}
                 if reduction.kind == "project":  # each weight projected as soon as formed: one layer's held
                     def project(k, g):
                         return _projected(tf.reshape(g, (-1, weights[k].size)), weights[k], reduction, dtype)
@@ -314,9 +320,9 @@ class ParameterEngine:
 
                     values, products = parameter_rules.gradients(model.keras_model, variables, list(xs), objective,
                                                                  reduce=project, factors=factors)
-                    return {"output": outputs[0], "objective": values, "projection": tf.add_n(products)}
+                    return {"output": shown(outputs[0]), "objective": values, "projection": tf.add_n(products)}
                 values, grads = parameter_rules.gradients(model.keras_model, variables, list(xs), objective)
-                y, grads = outputs[0], [tf.reshape(g, (-1, w.size)) for g, w in zip(grads, weights)]
+                y, grads = shown(outputs[0]), [tf.reshape(g, (-1, w.size)) for g, w in zip(grads, weights)]
             elif path == "vectorized_map":
                 y, values, grads = tf.vectorized_map(element, (*xs, labels, rows), fallback_to_while_loop=False)
             else:
