@@ -161,6 +161,30 @@ def test_a_deleted_npy_file_of_many_rows_leaves_its_rows_across_shards(tmp_path,
     assert report.ok, report.problems
 
 
+def test_a_file_the_glob_no_longer_matches_but_still_there_is_not_deleted(tmp_path, capsys):
+    """input.paths narrowed to leave b.npy out, b.npy still there: a refusal naming it, the folder untouched
+    (it was taken as deleted: its 13 samples left the result, and putting the glob back gave them new ids
+    for good). Deleting b.npy then takes its samples out as any deleted file's."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    _write(data, SIZES)
+    raw = _npy_job(data, out)
+    _run(raw)
+    shards, manifest = _shards(out), (out / "manifest.json").read_bytes()
+    narrowed = {**raw, "input": {**raw["input"], "paths": [str(data / "a.npy"), str(data / "c.npy")]}}
+    cfg = tmp_path / "job.json"
+    cfg.write_text(json.dumps(narrowed))
+    capsys.readouterr()
+
+    assert cli.main(["run", str(cfg)]) == cli.FAILED
+    said = capsys.readouterr().err
+    assert f"input file {data / 'b.npy'} is no longer matched by input.paths but is still there (its 13 " in said, said
+    assert _shards(out) == shards and (out / "manifest.json").read_bytes() == manifest
+
+    (data / "b.npy").unlink()
+    assert cli.main(["run", str(cfg)]) == cli.OK
+    assert json.loads((out / "manifest.json").read_text())["removed"] == {"count": 13, "ids": [[7, 20]], "files": 1}
+
+
 @pytest.mark.slow  # a process of its own, killed
 @pytest.mark.parametrize("point", ["shard_commit", "shard_done"])
 def test_a_run_killed_while_it_writes_a_shard_without_a_deleted_file_leaves_a_folder_the_rerun_completes(tmp_path, point):
