@@ -36,7 +36,7 @@ log = logging.getLogger("jacobeam")
 
 # Exit statuses (the epilog of ``jacobeam --help`` lists them). USAGE is kept for what the command line
 # or config must change, so that a script can tell it from a run that failed (FAILED).
-OK, FAILED, USAGE, MISSING_EXTRA, BUSY, LOST, INTERRUPTED = 0, 1, 2, 3, 75, 76, 130
+OK, FAILED, USAGE, MISSING_EXTRA, BUSY, LOST, INTERRUPTED, TERMINATED = 0, 1, 2, 3, 75, 76, 130, 143
 EXIT_STATUSES = """exit status (retry: whether the same command, run again unchanged, can succeed):
   0    done
   1    failed: an error during the run (inputs, model, output folder, self-check), or inspect: the folder
@@ -50,9 +50,11 @@ EXIT_STATUSES = """exit status (retry: whether the same command, run again uncha
   76   lost: this run was paused past the lease's stale time and another run took the output folder
        over; this run committed nothing after that. Retry: yes, a rerun resumes the folder
   130  interrupted (Ctrl-C): complete shards are kept. Retry: yes, the same command finishes the run
+  143  terminated (SIGTERM: a scheduler stopping or preempting the job): as Ctrl-C, the folder's lease
+       released. Retry: yes, the same command finishes the run (here or on another machine)
 """
 
-_ctrl_c = CtrlC(INTERRUPTED)
+_ctrl_c = CtrlC(INTERRUPTED, TERMINATED)
 
 
 class UsageError(JacobeamError):

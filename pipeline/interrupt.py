@@ -1,5 +1,6 @@
-"""Ctrl-C in the ``jacobeam`` command: its process tree (the worker processes, the shells Beam starts them
-through) killed at once, one line saying what is kept, and the exit status the command gives an interrupt."""
+"""Ctrl-C (or SIGTERM: a scheduler's stop, a preemption) in the ``jacobeam`` command: its process tree (the
+worker processes, the shells Beam starts them through) killed at once, the output folder's lease released,
+one line saying what is kept, and the exit status the command gives an interrupt."""
 
 from __future__ import annotations
 
@@ -47,12 +48,15 @@ def descendants(pid: int) -> list[int]:
 
 
 class CtrlC:
-    """What Ctrl-C does to the command: stop at once, its worker processes with it, and say in one line
-    what is kept. A shard is complete once renamed into place (as after a kill, the next run keeps every
-    complete shard and computes the rest), so nothing needs to wind down."""
+    """What Ctrl-C and SIGTERM do to the command: stop at once, its worker processes with it, and say in one
+    line what is kept. A shard is complete once renamed into place (as after a kill, the next run keeps every
+    complete shard and computes the rest), so nothing needs to wind down; the lease is released, so that a
+    rerun elsewhere (a rescheduled job) need not wait for it to go stale."""
 
-    def __init__(self, status: int) -> None:
-        self.status = status  # cli.INTERRUPTED: cli.py keeps every exit status next to the help text listing them
+    def __init__(self, status: int, terminated: int) -> None:
+        # cli.INTERRUPTED, cli.TERMINATED: cli.py keeps every exit status next to the help text listing them
+        self.status, self.terminated = status, terminated
+        self.signal = signal.SIGINT
         self.spec = None
         self.native: quiet.NativeStderrFilter | None = None
 
@@ -62,24 +66,28 @@ class CtrlC:
     def install(self, native: quiet.NativeStderrFilter | None) -> None:
         self.native, self.spec = native, None
         signal.signal(signal.SIGINT, self)
+        signal.signal(signal.SIGTERM, self)
 
     def message(self) -> str:
+        what = "interrupted" if self.signal == signal.SIGINT else "terminated (SIGTERM)"
         if self.spec is None:
-            return "jacobeam: interrupted"
+            return f"jacobeam: {what}"
         from jacobeam.transforms.output.layout import SHARDS_DIR, shard_name
 
         expected = {shard_name(r.start, r.stop) for r in self.spec.ranges() if r.rows}
         try:
             done = len(expected & set(storage.listdir(storage.join(self.spec.output_dir, SHARDS_DIR))))
         except Exception:  # the message must come out whatever the folder does
-            return "jacobeam: interrupted; complete shards are kept: run the same command again to finish"
+            return f"jacobeam: {what}; complete shards are kept: run the same command again to finish"
         return (
-            f"jacobeam: interrupted: {done} of {len(expected)} shards complete and kept; "
+            f"jacobeam: {what}: {done} of {len(expected)} shards complete and kept; "
             "run the same command again to finish"
         )
 
     def __call__(self, signum, frame) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self.signal = signum
         logging.disable(logging.CRITICAL)  # Beam's threads would log the failure the interrupt causes
         threading.excepthook = lambda args: None
         if self.native is not None:
@@ -103,4 +111,5 @@ class CtrlC:
         try:
             os.write(fd, (("\n" if os.isatty(fd) else "") + self.message() + "\n").encode())
         finally:
-            os._exit(self.status)  # no clean-up: Beam's threads would only print what they were doing
+            # no clean-up: Beam's threads would only print what they were doing
+            os._exit(self.status if signum == signal.SIGINT else self.terminated)

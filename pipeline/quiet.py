@@ -18,7 +18,7 @@ Three sources of noise, three remedies:
 - **Local worker processes** (``--direct_running_mode multi_processing``): each imports
   ``jacobeam.pipeline.worker_start`` as it starts (``runner.py`` lists it in ``--beam_plugins``), which
   calls ``start_worker``: the worker's Python logging keeps to jacobeam's records as in the command,
-  and the worker ignores Ctrl-C, which the command handles for all of them (``interrupt.py``).
+  and the worker ignores Ctrl-C and SIGTERM, which the command handles for all of them (``interrupt.py``).
 
 The command tells its workers how to behave in the environment variable ``JACOBEAM_WORKERS``
 (``quiet`` or ``verbose``); without it (a user's own pipeline calling ``runner.run``), ``start_worker``
@@ -170,7 +170,10 @@ def start_worker() -> None:
     if mode not in ("quiet", "verbose"):
         return
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the command stops its workers on Ctrl-C
+        # The command stops its workers on Ctrl-C and SIGTERM (sent to the whole group by a terminal, by
+        # Slurm): a worker dying first would make Beam print its failure before the command's one line.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if mode == "quiet":
         real = sys.stderr
         root = logging.getLogger()

@@ -43,6 +43,8 @@ def _without_worker_notes(stderr: str) -> str:
 # jacobeam's own lines on stderr: its log records, its progress, its errors
 OWN = re.compile(r"\d\d:\d\d:\d\d (INFO|WARNING|ERROR) jacobeam(\.[\w.]+)?: .*|jacobeam: .*")
 INTERRUPTED = re.compile(rf"jacobeam: interrupted: \d of {SHARDS} shards complete and kept; run the same command again to finish")
+TERMINATED = re.compile(rf"jacobeam: terminated \(SIGTERM\): \d of {SHARDS} shards complete and kept; run the same command "
+                        "again to finish")
 
 
 def _env(**extra) -> dict[str, str]:
@@ -143,9 +145,10 @@ def _alive(pid: int) -> bool:
     return state != b"Z"
 
 
-def _interrupt(root: Path, out: Path, beam_args: list[str], whole_group: bool) -> None:
+def _interrupt(root: Path, out: Path, beam_args: list[str], whole_group: bool, signum=signal.SIGINT) -> None:
     """Start ``jacobeam -q run`` slowed down at each finished shard, Ctrl-C it once 3 shards are complete
-    (SIGINT to the command, or to its process group as a terminal does); check what it leaves."""
+    (SIGINT to the command, or to its process group as a terminal does; or ``signum``, SIGTERM as a scheduler
+    stops a job); check what it leaves: complete shards, no lease, no process."""
     command = [sys.executable, "-m", "jacobeam", "run", str(root / "config.yaml"), "-q",
                "--set", f"output.path={out}", *beam_args]
     proc = subprocess.Popen(command, cwd=root, env=_env(**{faults.DELAY_AT: "shard_done:1.5"}), text=True,
@@ -157,15 +160,16 @@ def _interrupt(root: Path, out: Path, beam_args: list[str], whole_group: bool) -
     children = _descendants(proc.pid)
     assert len(children) >= (2 if beam_args else 0)
     if whole_group:
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signum)
     else:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=60)
     stderr = _without_worker_notes(stderr)
 
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == (130 if signum == signal.SIGINT else 143), stderr
     assert stdout == ""
-    assert INTERRUPTED.fullmatch(stderr.rstrip("\n")), stderr
+    assert (INTERRUPTED if signum == signal.SIGINT else TERMINATED).fullmatch(stderr.rstrip("\n")), stderr
+    assert not (out / ".jacobeam-lease.json").exists()
     kept = int(stderr.split(": ")[2].split()[0])
     assert 3 <= kept < SHARDS and len(list((out / "shards").glob("*.h5"))) == kept
     deadline = time.monotonic() + 10
@@ -190,6 +194,17 @@ def test_ctrl_c_is_one_line_and_the_same_command_finishes(job, tmp_path):
     root, done = job
     _interrupt(root, tmp_path / "out", [], whole_group=False)
     _finish(root, tmp_path / "out", [], _checksums(root / "out"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("whole_group", [False, True])  # Kubernetes signals the command; Slurm the whole step
+def test_sigterm_stops_as_ctrl_c_does_and_releases_the_lease(job, tmp_path, whole_group):
+    """SIGTERM killed the command with status 143, no line, its lease and a temporary file left: a job
+    rescheduled elsewhere waited for the lease to go stale."""
+    root, done = job
+    beam_args = TWO_PROCESSES if whole_group else []
+    _interrupt(root, tmp_path / "out", beam_args, whole_group=whole_group, signum=signal.SIGTERM)
+    _finish(root, tmp_path / "out", beam_args, _checksums(root / "out"))
 
 
 @pytest.mark.slow
