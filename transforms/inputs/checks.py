@@ -54,16 +54,19 @@ class Labels:
 
 
 class RowDigest:
-    """sha256 of samples' bytes as read, in id order. One input: of its rows' bytes. Several inputs: of
-    each input's rows' bytes, one digest per input combined by name, so that the result does not depend
-    on how the rows were sliced."""
+    """sha256 of samples' bytes as read, in id order, in native byte order (a big-endian file's rows reach a
+    worker's digest as read or converted, depending on the slice). One input: of its rows' bytes. Several
+    inputs: of each input's rows' bytes, one digest per input combined by name, so that the result does not
+    depend on how the rows were sliced."""
 
     def __init__(self):
         self._inputs: dict[str | None, hashlib._Hash] = {}
 
     def update(self, samples: Samples) -> None:
         for name, values in parts(samples):
-            self._inputs.setdefault(name, hashlib.sha256()).update(np.ascontiguousarray(values).tobytes())
+            values = np.asarray(values)
+            native = values.astype(values.dtype.newbyteorder("="), copy=False)
+            self._inputs.setdefault(name, hashlib.sha256()).update(np.ascontiguousarray(native).tobytes())
 
     def hexdigest(self) -> str:
         if set(self._inputs) <= {None}:
