@@ -281,6 +281,20 @@ def _removed_pieces(spec: JobSpec) -> set[tuple[int, int]]:
     return {(f.first_id, f.num_samples) for f in spec.removed}
 
 
+def listed_crc32c(folder: Folder) -> tuple[tuple[str, str], ...]:
+    """``(name, crc32c)`` the folder's manifest lists for each shard on disk that holds the samples it lists
+    for it (the same ``samples_sha256``; a later run that replaced the shard with other samples is not
+    second-guessed): ``JobSpec.listed_crc32c``."""
+    found = []
+    for entry in (folder.manifest or {}).get("shards", []):
+        name, crc = storage.name_of(entry["file"]), entry.get("crc32c")
+        attrs = folder.shards.get(name)
+        if crc and attrs is not None and SAMPLES_SHA256 in attrs and entry.get("samples_sha256") == \
+                attr_text(attrs[SAMPLES_SHA256]):
+            found.append((name, crc))
+    return tuple(found)
+
+
 def holding_removed(folder: Folder, spec: JobSpec) -> list[str]:
     """The folder's shards (names) computed with samples of input files removed since (their ``inputs``
     list a piece of ``JobSpec.removed``): each is written again without them (``transforms.trim``), as a

@@ -33,6 +33,7 @@ from jacobeam.pipeline.folder import (
     Folder,
     folder_differences,
     holding_removed,
+    listed_crc32c,
     read_folder,
     recorded_run_key,
     stale_shards,
@@ -278,6 +279,7 @@ def _plan_job(config: Config, tf_threads: int | None, overwrite: bool, check_mod
         spec = dataclasses.replace(
             spec, stale=tuple(name for name in stale if name in names),
             obsolete=tuple(f"{SHARDS_DIR}/{name}" for name in stale if name not in names),
+            listed_crc32c=tuple((name, crc) for name, crc in listed_crc32c(folder) if name in names and name not in stale),
         )
         kept = [shard_ids(name) for name in folder.shards if name not in stale]  # of this run: folder_differences
         already_done = sum(stop - start for start, stop in kept)

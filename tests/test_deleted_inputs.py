@@ -345,7 +345,7 @@ def _retried(verdicts: dict[int, str]) -> set[int]:
 
 
 def test_each_exit_status_says_whether_a_retry_can_help_and_the_airflow_recipe_retries_those_only():
-    statuses = {cli.OK, cli.FAILED, cli.USAGE, cli.MISSING_EXTRA, cli.BUSY, cli.LOST, cli.INTERRUPTED}
+    statuses = {cli.OK, cli.FAILED, cli.USAGE, cli.MISSING_EXTRA, cli.BUSY, cli.LOST, cli.INTERRUPTED, cli.TERMINATED}
     blocks = re.findall(r"^  (\d+) +(.*?)(?=^  \d+ |\Z)", cli.EXIT_STATUSES, re.M | re.S)
     help_verdicts = {int(status): re.search(r"Retry: (\w+)", text).group(1) for status, text in blocks if status != "0"}
     assert set(help_verdicts) | {cli.OK} == statuses
@@ -353,6 +353,6 @@ def test_each_exit_status_says_whether_a_retry_can_help_and_the_airflow_recipe_r
     rows = re.findall(r"^\| (\d+) \|.*\| ([^|]*) \|$", (docs / "usage.md").read_text(), re.M)
     table = {int(status): verdict.strip() for status, verdict in rows if status != "0"}
     assert set(table) | {cli.OK} == statuses
-    assert _retried(help_verdicts) == _retried(table) == {cli.BUSY, cli.LOST, cli.INTERRUPTED}
+    assert _retried(help_verdicts) == _retried(table) == {cli.BUSY, cli.LOST, cli.INTERRUPTED, cli.TERMINATED}
     recipe = re.search(r"^RETRY = (\{.*\})$", (docs / "remote-and-runners.md").read_text(), re.M).group(1)
     assert set(ast.literal_eval(recipe)) == _retried(table)  # the Airflow task fails at once on the others

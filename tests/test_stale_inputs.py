@@ -19,6 +19,7 @@ from jacobeam.pipeline.inspect_output import inspect
 from jacobeam.pipeline.verify import verify
 from jacobeam.transforms import job
 from jacobeam.transforms.output.inputs_table import folder_inputs
+from jacobeam.transforms.output.storage import crc32c
 from tests import models as test_models
 from tests.reference import assert_close, tape_loop
 from tests.services import jacobeam_process
@@ -230,6 +231,7 @@ def test_a_folder_whose_identity_spelled_the_model_path_keeps_its_run_key(tmp_pa
     for shard in first["shards"]:
         with h5py.File(tmp_path / "out" / shard["file"], "r+") as h5:
             h5.attrs.update(run_key=key, run_identity=json.dumps(old, sort_keys=True))
+        shard["crc32c"] = crc32c(tmp_path / "out" / shard["file"])  # as that run's manifest listed them
     manifest = {**first, "run_identity": old, "run_key": key}
     (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
     (tmp_path / "out" / "shards" / "shard-000000000024-000000000032.h5").unlink()

@@ -96,6 +96,39 @@ def test_a_shard_without_a_checksum_in_the_manifest_is_a_problem(copy):
     ]
 
 
+@pytest.mark.parametrize("damage", ["value", "byte"])
+def test_a_rerun_computes_again_a_shard_changed_after_its_run_and_does_not_adopt_it(copy, clean, caplog, damage):
+    """A shard edited in place (a value scaled by 1.5 through h5py) or damaged on disk (a flipped byte) after
+    its run: the rerun took it as complete and wrote its new checksum into the manifest, after which
+    ``verify --samples 0`` passed it. Now the rerun warns, computes it again (as it was), and verifies."""
+    name = "shard-000000000016-000000000032.h5"
+    shard = copy / "shards" / name
+    original, others = _datasets(shard), {p.name: p.read_bytes() for p in (copy / "shards").iterdir() if p.name != name}
+    if damage == "value":
+        with h5py.File(shard, "r+") as h5:
+            h5["jacobian"][5] = 1.5 * h5["jacobian"][5]
+    else:
+        raw = bytearray(shard.read_bytes())
+        raw[-100] ^= 0x01
+        shard.write_bytes(bytes(raw))
+
+    with caplog.at_level("WARNING", logger="jacobeam"):
+        runner.run(_config(clean / "data", copy), [], show_progress=False)
+
+    assert f"{shard}: its bytes differ from those the manifest lists" in caplog.text
+    for key, values in _datasets(shard).items():
+        np.testing.assert_array_equal(values, original[key], err_msg=key)
+    assert {p.name: p.read_bytes() for p in (copy / "shards").iterdir() if p.name != name} == others  # untouched
+    manifest = json.loads((copy / "manifest.json").read_text())
+    assert manifest["run"]["samples_computed"] == 16
+    assert verify(copy, samples=0).ok
+
+
+def _datasets(shard):
+    with h5py.File(shard) as h5:
+        return {key: h5[key][:] for key in h5 if isinstance(h5[key], h5py.Dataset)}
+
+
 def test_wrong_values_behind_a_matching_checksum_are_caught_by_recomputation(copy):
     """A shard whose values were changed and whose checksum was updated to match: only recomputing
     the sample can tell, and both independent methods do."""

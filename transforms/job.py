@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -43,6 +44,8 @@ from jacobeam.transforms.read import range_findings, shard_batches
 from jacobeam.transforms.spec import JobSpec, ShardRange, input_labels, input_stamps
 from jacobeam.transforms.trim import trimmed, without_removed
 from jacobeam.transforms.write import ShardOutput, kept_record
+
+log = logging.getLogger(__name__)
 
 
 @beam.typehints.with_input_types(Any)  # a ShardRange, or a tuple of them (a work item)
@@ -66,7 +69,20 @@ class ComputeShardFn(ComputeJacobiansFn):
         )
         self._spec, self._complete = spec, complete
         self._stale = frozenset(spec.stale)
+        self._listed = dict(spec.listed_crc32c)
         self._shard_metrics = ShardMetrics()
+
+    def _changed_since_listed(self, shard: ShardRange, checksums: dict[str, str]) -> bool:
+        """Whether a complete shard's bytes differ from those the folder's manifest lists for it (its samples
+        the same: ``JobSpec.listed_crc32c``): changed after its run committed it, a warning says so."""
+        name = shard_name(shard.start, shard.stop)
+        listed, found = self._listed.get(name), checksums.get("crc32c")
+        if listed is None or found is None or listed == found:
+            return False
+        log.warning("%s: its bytes differ from those the manifest lists (crc32c %s, listed %s): changed after its "
+                    "run committed it; computed again", shard_path(self._spec.output_dir, shard.start, shard.stop),
+                    found, listed)
+        return True
 
     def setup(self) -> None:
         if not self._complete:
@@ -91,6 +107,8 @@ class ComputeShardFn(ComputeJacobiansFn):
                     yield _no_bad_samples(spec, _as_now(spec, copied))
                     continue
                 checksums = proven_checksum(path) if not stale or _reads_as_before(spec, shard, path) else None
+                if checksums is not None and self._changed_since_listed(shard, checksums):
+                    checksums, stale = None, True  # computed again, and committed over it
                 if checksums is not None:
                     self._shard_metrics.kept.inc()
                     yield _no_bad_samples(spec, _as_now(spec, kept_record(spec, shard, checksums)))

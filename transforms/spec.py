@@ -245,6 +245,10 @@ class JobSpec:
     # The pieces of input files gone since the folder was computed (``SourceFile.removed``), in id order:
     # their ids stay taken, but no shard stores or rejects them (``transforms.trim``); not in ``files``.
     removed: tuple[SourceFile, ...] = ()
+    # The folder's manifest's CRC32C of each of its shards that still holds the samples the manifest lists
+    # for it (``samples_sha256``), by name: a kept shard whose bytes differ was changed after its run
+    # committed it (edited, damaged on disk), and is computed again (``transforms.job``).
+    listed_crc32c: tuple[tuple[str, str], ...] = ()
 
     def __reduce__(self):
         # Beam pickles the spec into every step, several times (a check, the graph, each bundle), and
