@@ -153,3 +153,23 @@ def test_problems_of_overrides_alone_are_listed_one_per_line_under_the_overrides
         "  --set jacobian.threads: 0 is not one of auto, or a positive integer\n"
         "  --set output.compresion: unknown key; did you mean compression?"
     )
+
+
+def test_a_path_in_the_home_folder_is_expanded_as_a_shell_would(tmp_path, monkeypatch):
+    """``~/...`` in a config file or a quoted ``--set`` (which no shell expands): the user's home, for every
+    path key; ``output.path=~/out`` made a folder named ``~`` in the working directory. Remote URLs stay."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": {"path": "~/m.keras"},
+        "input": {"paths": "~/data/*.npy"},
+        "jacobian": {"labels": {"table": "~/labels.csv"}, "reduce": "vjp", "vectors": "~/u.npy"},
+        "output": {"path": "gs://bucket/~out"},
+    }))
+    loaded = config.load(cfg, ["output.path=~/out"])
+    assert loaded.model.path == str(tmp_path / "m.keras")
+    assert loaded.input.paths == [str(tmp_path / "data" / "*.npy")]
+    assert loaded.jacobian.labels.table == str(tmp_path / "labels.csv")
+    assert loaded.jacobian.vectors == str(tmp_path / "u.npy")
+    assert loaded.output.path == str(tmp_path / "out")
+    assert config.load(cfg, []).output.path == "gs://bucket/~out"

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
-from jacobeam.pipeline.config.section import Section, one_string_is_a_list
+from jacobeam.pipeline.config.section import Section, home_expanded, one_string_is_a_list
 from jacobeam.transforms.inputs.types import ImageOptions
 
 
@@ -63,6 +63,8 @@ class ModelConfig(Section):
         if len(given) != 1:
             raise ValueError(f"give exactly one of path, factory or builtin (got {given or 'none'})")
         return self
+
+    _home_path = field_validator("path", mode="before")(home_expanded)
 
     @field_validator("factory")
     @classmethod
@@ -189,6 +191,7 @@ class InputConfig(Section):
     )
 
     _one_glob_is_a_list = field_validator("paths", mode="before")(one_string_is_a_list)
+    _home_paths = field_validator("paths", mode="after")(home_expanded)
 
     @field_validator("key", mode="before")
     @classmethod

@@ -16,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from jacobeam.pipeline.config.section import Section, one_string_is_a_list
+from jacobeam.pipeline.config.section import Section, home_expanded, one_string_is_a_list
 from jacobeam.transforms.engine.reductions import FULL, NEEDS_ALL_ROWS, PRODUCTS
 from jacobeam.transforms.spec import EngineOptions, OutputSelection, ParameterSide, Reduction, SelfCheck
 
@@ -74,6 +74,8 @@ class LabelsConfig(Section):
         "subfolder names (fixed, whatever folders a later run finds); with `table`, the names its labels are "
         "given by. `null`: with `folders`, the sorted subfolder names; with `table`, the labels are integers.",
     )
+
+    _home_path = field_validator("table", mode="before")(home_expanded)
 
     @model_validator(mode="after")
     def _one_source(self) -> LabelsConfig:
@@ -174,6 +176,8 @@ class BasisConfig(Section):
         description="`.npy` file of `U`, shape `(m, p)`: one column per basis vector of the flattened output "
         "(`m` entries). `null`: the identity.",
     )
+
+    _home_paths = field_validator("input", "output", mode="before")(home_expanded)
 
 
 class SelfCheckConfig(Section):
@@ -355,6 +359,7 @@ class JacobianConfig(Section):
     )
 
     _one_aggregate_is_a_list = field_validator("aggregate", mode="before")(one_string_is_a_list)
+    _home_vectors = field_validator("vectors", mode="before")(home_expanded)
 
     @field_validator("wrt", mode="before")
     @classmethod

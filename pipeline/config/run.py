@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from jacobeam.pipeline.config.inputs import InputConfig, ModelConfig
 from jacobeam.pipeline.config.jacobian import JacobianConfig
-from jacobeam.pipeline.config.section import Section
+from jacobeam.pipeline.config.section import Section, home_expanded
 
 
 class OutputConfig(Section):
@@ -36,6 +36,8 @@ class OutputConfig(Section):
         "identity.",
     )
 
+    _home_path = field_validator("path", mode="before")(home_expanded)
+
 
 class Config(Section):
     """The run configuration: one YAML file plus ``--set KEY=VALUE`` overrides, validated once at start-up.
@@ -43,10 +45,10 @@ class Config(Section):
     An unknown or mistyped key, a wrong type or a missing required key is an error naming the key (and the
     closest known key, for an unknown one), and the ``--set`` override that gave it, if one did.
     ``--set a.b=VALUE`` overrides any key (VALUE is parsed as YAML). Relative paths are relative to the
-    directory jacobeam runs in. The run identity (the model source, ``input.key``, ``input.sample_shape``
-    and ``input.image`` where given, ``output.samples_per_shard`` and every ``jacobian`` key but
-    ``threads`` and ``self_check``) decides what is stored for a sample: an output folder written with
-    another identity holds another run's result.
+    directory jacobeam runs in, and a path starting with ``~`` is in your home folder. The run identity
+    (the model source, ``input.key``, ``input.sample_shape`` and ``input.image`` where given,
+    ``output.samples_per_shard`` and every ``jacobian`` key but ``threads`` and ``self_check``) decides
+    what is stored for a sample: an output folder written with another identity holds another run's result.
 
     Note:
         Build one with ``load`` (a YAML file and overrides) or ``validate`` (plain data), which report

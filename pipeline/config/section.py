@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -9,6 +10,15 @@ from pydantic import BaseModel, ConfigDict
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def home_expanded(value: Any) -> Any:
+    """A path (or each of a list) that starts with ``~`` is in the user's home, as a shell would have it: in a
+    config file or a quoted ``--set`` no shell expands it, and ``~/out`` became a folder named ``~`` in the
+    working directory."""
+    if isinstance(value, list):
+        return [home_expanded(each) for each in value]
+    return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
 
 
 def one_string_is_a_list(value: Any) -> Any:
