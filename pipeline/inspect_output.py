@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from jacobeam.pipeline.folder import Folder, read_folder, stale_names
 from jacobeam.pipeline.self_check_report import checks_line, precision_line
 from jacobeam.transforms.engine.reductions import DESCRIPTIONS, PARAMETER_DESCRIPTIONS
 from jacobeam.transforms.errors import OutputError
@@ -122,21 +123,35 @@ def inspect(folder: str) -> Report:
         return report
     _check_view(root, report)
     try:
-        report.stale = _stale(root)
+        folder = read_folder(root)  # the manifest with its input files (inputs.h5), the shards' attributes
+        report.problems.extend(_rows_changed(folder))
+        report.stale = _stale(folder)
     except OutputError as err:  # its input files' table cannot be read
         report.problems.append(str(err))
     return report
 
 
-def _stale(root: str) -> list[str]:
+def _rows_changed(folder: Folder) -> list[str]:
+    """Shards holding another number of rows than the manifest (and the view) says: replaced by a run that
+    did not finish (a file's samples removed, other samples rejected), the view reads them wrongly (rows past
+    a shorter shard's end cannot be read at all) until a run completes the folder."""
+    problems = []
+    for entry in folder.manifest["shards"]:
+        attrs = folder.shards.get(storage.name_of(entry["file"]), {})
+        if "num_rows" in attrs and int(attrs["num_rows"]) != entry["num_samples"]:
+            problems.append(f"{entry['file']} holds {int(attrs['num_rows'])} row(s) where the manifest and {VIEW} "
+                            f"have {entry['num_samples']}: a run that did not finish replaced it; run the same "
+                            "command again to complete the folder")
+    return problems
+
+
+def _stale(folder: Folder) -> list[str]:
     """The shards on disk computed from input files whose stamp changed since (files gone are not judged):
     their results may no longer be those of their inputs. Reads the inputs' listing and the shards'
     attributes only."""
     from jacobeam.pipeline.discover import stamps
-    from jacobeam.pipeline.folder import read_folder, stale_names
     from jacobeam.transforms.inputs.readers import from_a_pipeline
 
-    folder = read_folder(root)  # the manifest with its input files (inputs.h5)
     if folder.manifest is None or from_a_pipeline(folder.manifest):
         return []
     paths = sorted({storage.absolute(entry["path"]) for entry in folder.manifest["inputs"] if not entry.get("unreadable")})

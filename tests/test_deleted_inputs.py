@@ -161,6 +161,39 @@ def test_a_deleted_npy_file_of_many_rows_leaves_its_rows_across_shards(tmp_path,
     assert report.ok, report.problems
 
 
+def test_inspect_calls_a_folder_whose_shards_a_killed_run_shortened_not_complete(tmp_path, capsys):
+    """A run killed after it renamed the shards written again without a deleted file's rows, before the view
+    and the manifest (here: those put back): the view maps more rows of those shards than they hold, and
+    HDF5 cannot read past a source's end. inspect said complete; it names each such shard, and the rerun
+    completes the folder."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    _write(data, SIZES)
+    raw = _npy_job(data, out)
+    _run(raw)
+    before = {name: (out / name).read_bytes() for name in ("manifest.json", "jacobians.h5")}
+    (data / "b.npy").unlink()
+    _run(raw)
+    for name, content in before.items():
+        (out / name).write_bytes(content)
+    with h5py.File(out / "jacobians.h5") as view, pytest.raises(OSError):
+        view["jacobian"][:]
+    capsys.readouterr()
+
+    assert cli.main(["inspect", str(out)]) == cli.FAILED
+    said = capsys.readouterr().out
+    assert "NOT COMPLETE" in said
+    for name, rows in (("shard-000000000000-000000000008.h5", 7), ("shard-000000000008-000000000016.h5", 0),
+                       ("shard-000000000016-000000000024.h5", 4)):
+        assert f"shards/{name} holds {rows} row(s) where the manifest and jacobians.h5 have 8: a run that did not " \
+               "finish replaced it" in said, said
+    assert "shard-000000000024" not in said
+
+    _run(raw)
+    assert cli.main(["inspect", str(out)]) == cli.OK
+    with h5py.File(out / "jacobians.h5") as view:
+        assert len(view["jacobian"][:]) == 19
+
+
 def test_a_file_the_glob_no_longer_matches_but_still_there_is_not_deleted(tmp_path, capsys):
     """input.paths narrowed to leave b.npy out, b.npy still there: a refusal naming it, the folder untouched
     (it was taken as deleted: its 13 samples left the result, and putting the glob back gave them new ids
