@@ -35,7 +35,8 @@ _BLOCK = 256  # files described per task
 def list_inputs(patterns: list[str]) -> dict[str, str]:
     """Every file the globs match, each once, sorted, with its stamp (``SourceFile.stamp``: size and time
     of the last change, from the listing). A folder (a pattern without wildcards naming one, or ending in
-    ``/``) stands for every PNG/JPEG image under it, at any depth."""
+    ``/``) stands for every PNG/JPEG image under it, at any depth, but hidden ones: a name starting with a
+    dot, or under a folder whose does (macOS's ``._photo.jpg`` resource forks, ``.ipynb_checkpoints``)."""
     from apache_beam.io.filesystems import FileSystems
 
     paths: dict[str, str] = {}
@@ -51,7 +52,8 @@ def list_inputs(patterns: list[str]) -> dict[str, str]:
             (match,) = FileSystems.match([glob])
             found = {m.path: _stamp(m) for m in match.metadata_list}
         if folder:
-            found = {path: stamp for path, stamp in found.items() if path.lower().endswith(IMAGE_SUFFIXES)}
+            found = {path: stamp for path, stamp in found.items()
+                     if path.lower().endswith(IMAGE_SUFFIXES) and not _hidden(path[len(glob) - len("**"):])}
         if not found:
             what = "holds no PNG or JPEG images" if folder else "matches no files"
             where = "" if pattern == given else f" (looked for {pattern})"
@@ -59,6 +61,11 @@ def list_inputs(patterns: list[str]) -> dict[str, str]:
         paths = found if not paths else {**paths, **found}
     ordered = sorted(paths)  # a local listing is in order already, but where a folder sorts after a file
     return paths if ordered == list(paths) else {path: paths[path] for path in ordered}
+
+
+def _hidden(relative: str) -> bool:
+    """Whether a path below a folder has a part starting with a dot."""
+    return any(part.startswith(".") for part in relative.split("/"))
 
 
 def _local_match(pattern: str) -> dict[str, str]:

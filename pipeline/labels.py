@@ -90,9 +90,9 @@ def _folder_labels(
             raise InputError(f"{example}: its class folder {unknown[0]!r} is not among jacobian.labels.class_names {names}")
     else:
         found = set(classes.values())
-        for root in roots:  # as Keras lists classes: every subfolder of a local folder, images or not
+        for root in roots:  # as Keras lists classes: every subfolder of a local folder, images or not, hidden ones aside
             if storage.is_local(root) and os.path.isdir(root):
-                found.update(entry.name for entry in os.scandir(root) if entry.is_dir())
+                found.update(entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith("."))
         names = sorted(found)
         if recorded:
             new = sorted(found - set(recorded))

@@ -126,6 +126,20 @@ def test_fixed_class_names_and_files_outside_a_class_folder(tmp_path):
     assert "\n" not in str(found.value)
 
 
+def test_hidden_files_and_folders_of_an_image_folder_are_not_inputs_nor_classes(tmp_path):
+    """A folder copied from a Mac holds ``._name.jpg`` resource forks beside each image, and a notebook's folder
+    ``.ipynb_checkpoints``: they stopped a run (``._d1.png``: neither a PNG nor a JPEG header) and made a class.
+    Hidden names are left out, as Keras does for classes."""
+    images, out = tmp_path / "images", tmp_path / "out"
+    pixels = write_images(images, ["dog/d1.png", "cat/c1.png"])
+    (images / "dog" / "._d1.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble resource fork")
+    write_images(images, [".ipynb_checkpoints/c1-checkpoint.png", "cat/.thumbs/c1.png"])
+    manifest = run(label_job(images, out, {"folders": True}))
+    assert manifest["labels"]["class_names"] == ["cat", "dog"]
+    check_rows(out, {path: pixels[path] for path in sorted(pixels)},
+               {str(images / "cat/c1.png"): 0, str(images / "dog/d1.png"): 1})
+
+
 def test_a_glob_takes_its_classes_under_its_part_before_the_wildcard(tmp_path):
     images = tmp_path / "images"
     pixels = write_images(images, ["a/x.png", "b/y.png", "b/z.png"])
