@@ -33,6 +33,10 @@ def test_defaults_fill_the_contract_keys():
         ({"model": {"builtin": "mlp"}, "output": {"path": "o"}}, r"input: required key is missing"),
         ({**MINIMAL, "model": {"builtin": "mlp", "path": "m.keras"}}, r"model: .*exactly one of path, factory or builtin"),
         ({**MINIMAL, "model": {"factory": "no_colon"}}, r"model.factory: .*package.module:callable"),
+        ({**MINIMAL, "jacobian": {"wrt": "parameters", "objective": "Margin", "labels": {"key": "y"}}},
+         r"^config: jacobian.objective: 'Margin' is not one of outputs, margin, or \{loss: .*; did you mean margin\?$"),
+        ({**MINIMAL, "jacobian": {"wrt": "parameter", "objective": "margin", "labels": {"key": "y"}}},
+         r"jacobian.objective: .*\(wrt is \['parameter'\]: did you mean parameters\?\)$"),
     ],
 )
 def test_bad_config_names_the_key(raw, message):

@@ -395,8 +395,9 @@ class JacobianConfig(Section):
     def _parameter_side(self) -> JacobianConfig:
         if not self.on_parameters:
             if self.objective != "outputs":
+                typo = f" (wrt is {self.wrt}: did you mean parameters?)" if self.wrt == ["parameter"] else ""
                 raise ValueError("objective: is what wrt: parameters differentiates; the input side differentiates "
-                                 "the outputs")
+                                 f"the outputs{typo}")
             if self.project.structure != "dense":
                 raise ValueError("project.structure: kronecker projects the weights of wrt: parameters; the input "
                                  "side's P is dense")

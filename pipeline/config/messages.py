@@ -19,6 +19,7 @@ _FORMS = {
     "input.image.std": "a positive number, or a list of one per channel",
     "jacobian.jit_compile": "true, false or auto",
     "jacobian.wrt": "all, a list of input names, parameters or {parameters: [layer names]}",
+    "jacobian.objective": "outputs, margin, or {loss: sparse_categorical_crossentropy} (or categorical_crossentropy)",
     "jacobian.outputs": "all, argmax, label, a list of output indices such as [3, 7], or {top_k: K}",
     "jacobian.threads": "auto, or a positive integer",
 }
@@ -59,7 +60,8 @@ def _problems(error: ValidationError) -> list[tuple[str, str]]:
         if union:
             # The first error of the union is its first member's, which was given the whole value.
             if all(known != union for known, _ in problems):
-                problems.append((union, f"{given!r} is not one of {_FORMS[union]}"))
+                words = re.findall(r"[a-z_]+", _FORMS[union])
+                problems.append((union, f"{given!r} is not one of {_FORMS[union]}{_did_you_mean(given, words)}"))
         elif item["type"] == "extra_forbidden":
             problems.append((key, "unknown key" + _did_you_mean(loc[-1], _section_keys(loc[:-1]))))
         elif item["type"] == "missing":

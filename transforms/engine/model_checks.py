@@ -56,7 +56,8 @@ def resolve_wrt(names: Sequence[str], wrt: Sequence[str] | None, source: str) ->
         return list(range(len(names)))
     unknown = [name for name in wrt if name not in names]
     if unknown:
-        raise ModelError(f"jacobian.wrt: {source} has no input(s) {unknown}; it has {list(names)}")
+        typo = "; did you mean wrt: parameters (its weights)?" if "parameter" in unknown else ""
+        raise ModelError(f"jacobian.wrt: {source} has no input(s) {unknown}; it has {list(names)}{typo}")
     return [list(names).index(name) for name in wrt]
 
 
