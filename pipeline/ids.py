@@ -121,7 +121,8 @@ def place_files(
                     gone[0] += 1
                     gone[1] += entry["num_samples"]
             continue
-        changed = [
+        # A file unreadable then (under skip: no ids, no dtype) and readable now is appended, as a new file.
+        changed = [] if entry.get("unreadable") else [
             f"{what} {json.dumps(before)} there, {json.dumps(after)} now"
             for what, before, after in (("key", entry.get("key"), now.key), ("dtype", entry.get("dtype"), now.dtype))
             if before != after

@@ -273,3 +273,30 @@ def test_big_endian_samples_compute_and_verify_as_native_ones(tmp_path, suffix):
         np.testing.assert_array_equal(big[name], native[name])
     report = verify(tmp_path / "out_big", samples=2, inputs="all")
     assert report.ok, report.problems
+
+
+def test_a_file_unreadable_under_skip_then_mended_is_computed_as_a_new_file(tmp_path):
+    """A truncated ``.npz`` left out under ``on_bad_sample: skip``, then written again whole: the rerun
+    appends its samples (computed, after every old id) and keeps the rest. It was refused as another run's
+    result, ``dtype "" there, "float32" now``; deleting the file, running and putting it back was the way."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    rng = np.random.default_rng(4)
+    a, b = (rng.normal(size=(n, 8, 8, 1)).astype(np.float32) for n in (5, 7))
+    np.savez(data / "a.npz", x=a)
+    whole = (data / "a.npz").read_bytes()
+    (data / "a.npz").write_bytes(whole[: len(whole) // 2])
+    np.savez(data / "b.npz", x=b)
+    raw = job([str(data / "*.npz")], out, key="x", on_bad_sample="skip")
+    first = run(raw)
+    assert first["num_rows"] == 7
+    kept = {p.name: p.read_bytes() for p in (out / "shards").iterdir()}
+
+    (data / "a.npz").write_bytes(whole)
+    again = run(raw)
+
+    assert again["num_rows"] == 12 and again["run"]["samples_computed"] == 5
+    assert all((out / "shards" / name).read_bytes() == content for name, content in kept.items())
+    stored = view(out)
+    assert stored["sample_id"].tolist() == list(range(12))
+    assert_close(stored["jacobian"], tape_loop(test_models.small_cnn(), np.concatenate([b, a])), rtol=1e-5)
