@@ -241,9 +241,12 @@ def folder_differences(
     expected = set(spec.ranges()) if folder.shards else set()  # planning costs in the folder's shards, not all ids
     as_now = path_mapper(folder.manifest, list(spec.files), spec.output_dir)
     removed = _removed_pieces(spec)
+    outdated = set(unfinished_outdated(folder, spec))  # computed again, not a different run
     for name, attrs in folder.shards.items():
         where = f"{SHARDS_DIR}/{name}"
         shard = ShardRange(*shard_ids(name))
+        if name in outdated:
+            continue
         if shard not in expected:
             by_place.setdefault("not one of this run's shards (ids grouped differently: another input set or "
                                 "samples_per_shard)", []).append(where)
@@ -257,13 +260,7 @@ def folder_differences(
         found += model_differences(model_identity.from_attrs(attrs), attr_text(attrs.get("model_fingerprint", "")))
         if folder.manifest is None:
             found += version_differences(model_identity.versions_from_attrs(attrs))
-        # Path, key, first id and samples of each file (not the data sha256 that shards written before
-        # planning read headers only list: a changed file is told by its stamp, stale_shards), but for
-        # files removed since (``holding_removed``: such a shard is written again without them).
-        if "inputs" in attrs and [
-            entry[:4] for entry in _absolute_paths(json.loads(attr_text(attrs["inputs"])), as_now)
-            if (entry[2], entry[3]) not in removed
-        ] != [entry[:4] for entry in shard_inputs(spec.files, shard.start, shard.stop)]:
+        if _other_inputs(attrs, shard, spec, as_now, removed):
             found.append("computed from other input data (its ids now mean other samples)")
         for difference in found:
             by_place.setdefault(difference, []).append(where)
@@ -273,6 +270,32 @@ def folder_differences(
         others = f" (so do {shards}{more} shards)" if shards else ""
         differences.append(f"{places[0]}: {difference}{others}")
     return differences
+
+
+def _other_inputs(attrs: dict[str, Any], shard: ShardRange, spec: JobSpec, as_now, removed) -> bool:
+    """Whether a shard was computed from other input data than this run's ids of its range mean: path, key,
+    first id and samples of each file (not the data sha256 that shards written before planning read headers
+    only list: a changed file is told by its stamp, stale_shards), but for files removed since
+    (``holding_removed``: such a shard is written again without them)."""
+    return "inputs" in attrs and [
+        entry[:4] for entry in _absolute_paths(json.loads(attr_text(attrs["inputs"])), as_now)
+        if (entry[2], entry[3]) not in removed
+    ] != [entry[:4] for entry in shard_inputs(spec.files, shard.start, shard.stop)]
+
+
+def unfinished_outdated(folder: Folder, spec: JobSpec) -> list[str]:
+    """The shards (names) of a run that never finished (no manifest) whose ids this run places otherwise: a
+    file added that sorts among the others, a file that was unreadable and is mended. No result stands on
+    them, so they are computed again (or, outside this run's ranges, deleted once the manifest is written)
+    instead of making the folder another run's: numbering continues from a manifest only."""
+    if folder.manifest is not None or not folder.shards:
+        return []
+    expected = set(spec.ranges())
+    as_now = path_mapper(None, list(spec.files), spec.output_dir)
+    return sorted(name for name, attrs in folder.shards.items()
+                  if attr_text(attrs.get("run_key", "")) == spec.run_key  # this run's: else another run's result
+                  and (ShardRange(*shard_ids(name)) not in expected
+                       or _other_inputs(attrs, ShardRange(*shard_ids(name)), spec, as_now, set())))
 
 
 def _removed_pieces(spec: JobSpec) -> set[tuple[int, int]]:

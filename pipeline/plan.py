@@ -38,6 +38,7 @@ from jacobeam.pipeline.folder import (
     recorded_run_key,
     stale_shards,
     stored_fingerprint,
+    unfinished_outdated,
 )
 from jacobeam.pipeline.identity import run_identity
 from jacobeam.pipeline.ids import path_mapper, place_files, shard_ranges
@@ -275,6 +276,11 @@ def _plan_job(config: Config, tf_threads: int | None, overwrite: bool, check_mod
             log.info("%d shard(s) computed with other labels of their files (jacobian.labels): their samples are "
                      "read again, and computed again where their labels differ", len(relabelled))
             stale = sorted([*stale, *relabelled])
+        outdated = [name for name in unfinished_outdated(folder, spec) if name not in stale]
+        if outdated:
+            log.info("%d shard(s) of the unfinished run here hold samples whose ids this run places otherwise (input "
+                     "files added among the others, or mended): computed again", len(outdated))
+            stale = sorted([*stale, *outdated])
         names = {shard_name(r.start, r.stop) for r in spec.ranges()}
         spec = dataclasses.replace(
             spec, stale=tuple(name for name in stale if name in names),

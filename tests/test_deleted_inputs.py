@@ -194,6 +194,36 @@ def test_inspect_calls_a_folder_whose_shards_a_killed_run_shortened_not_complete
         assert len(view["jacobian"][:]) == 19
 
 
+@pytest.mark.parametrize("added", ["a", "bb"])  # sorting before the others, or between them
+def test_a_run_that_never_finished_takes_a_file_added_among_the_others(tmp_path, added):
+    """A first run stopped with some shards complete (no manifest: ids are numbered afresh), then a file
+    added that sorts among the others: the shards whose ids now mean other samples are computed again (and
+    one no range of the run names goes), the others kept. It was refused as another run's result, and
+    --overwrite threw the complete shards away. The result is a fresh run's, sample for sample."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    _write(data, {"b": 13, "c": 12})  # ids b 0..13, c 13..25; shards of 8: [0,8) [8,16) [16,24) [24,25)
+    raw = _npy_job(data, out)
+    _run(raw)
+    for name in ("manifest.json", "jacobians.h5", "inputs.h5", "shards/shard-000000000016-000000000024.h5"):
+        (out / name).unlink()  # as a run killed with two of its shards complete left it
+    kept = _shards(out)["shard-000000000000-000000000008.h5"]
+    _write(data, {added: 7}, seed=1)
+
+    manifest = _run(raw)
+
+    fresh = tmp_path / "fresh"
+    _run(_npy_job(data, fresh))
+    assert manifest["num_rows"] == 32
+    after, want = _rows(out), _rows(fresh)
+    assert sorted(after) == sorted(want) == list(range(32))
+    for i in want:
+        for name in want[i]:
+            np.testing.assert_array_equal(after[i][name], want[i][name], err_msg=f"sample {i} {name}")
+    shards = _shards(out)
+    assert sorted(shards) == sorted(_shards(fresh))  # shard-...24-...25 gone: no range of the run names it
+    assert (shards["shard-000000000000-000000000008.h5"] == kept) == (added != "a")  # b's first 8 rows: same ids
+
+
 def test_a_file_the_glob_no_longer_matches_but_still_there_is_not_deleted(tmp_path, capsys):
     """input.paths narrowed to leave b.npy out, b.npy still there: a refusal naming it, the folder untouched
     (it was taken as deleted: its 13 samples left the result, and putting the glob back gave them new ids
