@@ -14,6 +14,7 @@ import yaml
 
 from jacobeam.pipeline import cli, config, runner
 from jacobeam.pipeline.verify import verify
+from jacobeam.transforms.errors import InputError
 from jacobeam.transforms.inputs import tfrecords
 from jacobeam.transforms.inputs.readers import describe, open_samples
 from jacobeam.transforms.output.inputs_table import folder_inputs
@@ -300,3 +301,30 @@ def test_a_file_unreadable_under_skip_then_mended_is_computed_as_a_new_file(tmp_
     stored = view(out)
     assert stored["sample_id"].tolist() == list(range(12))
     assert_close(stored["jacobian"], tape_loop(test_models.small_cnn(), np.concatenate([b, a])), rtol=1e-5)
+
+
+def test_a_run_whose_every_sample_was_rejected_is_finished_once_its_files_are_mended(tmp_path):
+    """Under skip, a truncated ``a.npz`` and a ``b.npz`` of NaNs: the run fails, nothing to compute, naming the
+    unreadable file (it said ``row None``), and leaves its shards of rejected samples. Both files mended, the
+    same command finishes it: a's samples now take the first ids, so b's shards are computed again. It was
+    refused as another run's result."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    rng = np.random.default_rng(5)
+    a, b = (rng.normal(size=(n, 8, 8, 1)).astype(np.float32) for n in (5, 20))
+    np.savez(data / "a.npz", x=a)
+    whole = (data / "a.npz").read_bytes()
+    (data / "a.npz").write_bytes(whole[: len(whole) // 2])
+    np.savez(data / "b.npz", x=np.full_like(b, np.nan))
+    raw = job([str(data / "*.npz")], out, key="x", on_bad_sample="skip")
+    with pytest.raises(InputError, match=rf"all 20 samples are rejected; nothing to compute \({data / 'a.npz'}: ") as found:
+        run(raw)
+    assert "row None" not in str(found.value)
+    assert list((out / "shards").glob("*.h5"))
+
+    (data / "a.npz").write_bytes(whole)
+    np.savez(data / "b.npz", x=b)
+    manifest = run(raw)
+
+    assert manifest["num_rows"] == 25 and manifest["run"]["samples_computed"] == 25
+    assert_close(view(out)["jacobian"], tape_loop(test_models.small_cnn(), np.concatenate([a, b])), rtol=1e-5)

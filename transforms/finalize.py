@@ -574,8 +574,10 @@ def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
     ordered = check_coverage(records, spec.num_samples, [*rejected, *removed_runs(spec)])
     stored = [record for record in ordered if record.num_samples]
     if not stored:
+        first = rejected[0]  # a sample's, or a whole file's (unreadable: no row)
+        where = first.file if first.row is None else f"{first.file}: row {first.row}"
         raise InputError(f"input.paths: all {spec.num_samples} samples are rejected; nothing to compute "
-                         f"({rejected[0].file}: row {rejected[0].row}: {rejected[0].reason}, ...)")
+                         f"({where}: {first.reason}, ...)")
     versions = check_shards(ordered, spec)
     if versions:  # a worker image other than the launcher's: the numbers may differ in the last bits
         log.warning("%d shard(s) computed with other library versions than this process's (the manifest's "
