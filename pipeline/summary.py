@@ -63,7 +63,8 @@ def run_summary(result) -> str:
     shapes = ", ".join(
         f"{name} ({', '.join(str(d) for d in info['shape'])})" for name, info in manifest["datasets"].items()
     )
-    metrics = ", ".join(f"{k}={v}" for k, v in sorted(result.metrics.items()) if not isinstance(v, dict))
+    metrics = ", ".join(f"{k}={v}" if not isinstance(v, dict) else f"{k}=mean {v['mean']:g} max {v['max']:g}"
+                        for k, v in sorted(result.metrics.items()))
     rejected, nonfinite = manifest["rejected"], manifest["nonfinite"]["count"]
     warnings = []
     if rejected["count"] or rejected["unreadable_files"]:

@@ -328,3 +328,26 @@ def test_a_run_whose_every_sample_was_rejected_is_finished_once_its_files_are_me
 
     assert manifest["num_rows"] == 25 and manifest["run"]["samples_computed"] == 25
     assert_close(view(out)["jacobian"], tape_loop(test_models.small_cnn(), np.concatenate([a, b])), rtol=1e-5)
+
+
+def test_a_record_whose_data_fails_its_checksum_is_bad_alone(tmp_path):
+    """A TFRecord record damaged inside its data (its length header sound) is rejected, and the records after
+    it are read: docs/inputs.md said every record from it on was bad."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    x = np.random.default_rng(6).normal(size=(8, 12)).astype(np.float32)
+    records = [example(v=row) for row in x]
+    write_tfrecord(folder / "a.tfrecord", records)
+    raw = bytearray((folder / "a.tfrecord").read_bytes())
+    raw[sum(len(r) + 16 for r in records[:3]) + 12] ^= 0xFF  # record 3's first data byte
+    (folder / "a.tfrecord").write_bytes(bytes(raw))
+
+    run(job([str(folder / "*.tfrecord")], tmp_path / "out", "tests.models:small_mlp", key="v", sample_shape=[12],
+            on_bad_sample="skip"))
+
+    rejected = [json.loads(line) for line in (tmp_path / "out" / "rejected.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["row"]) for r in rejected] == [(3, 3)] and rejected[0]["reason"].startswith("corrupt: ")
+    kept = [0, 1, 2, 4, 5, 6, 7]
+    stored = view(tmp_path / "out")
+    np.testing.assert_array_equal(stored["sample_id"], kept)
+    assert_close(stored["jacobian"], tape_loop(test_models.small_mlp(), x[kept]), rtol=1e-5)

@@ -97,6 +97,7 @@ def test_a_run_prints_jacobeam_lines_only(job):
     assert done.returncode == 0, done.stderr
     assert _foreign(done.stderr) == []
     assert done.stdout.startswith("done: 32 samples")
+    assert re.search(r"\nmetrics: batch_latency_ms=mean [\d.]+ max [\d.]+, batches=8, ", done.stdout), done.stdout
     # what the self-check found, in its own line: one sample of each of the 8 shards of 4, all right (tanh MLP)
     assert ("\nself-check: 8 sample(s) in 8 shard(s) recomputed on their own: 8 passed, 0 at a kink, 0 mismatch(es); "
             "max relative error ") in done.stdout
