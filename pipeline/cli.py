@@ -194,7 +194,7 @@ def _inspect(args) -> int:
     report = inspect(args.folder)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     if args.plot and report.ok:
-        from jacobeam.pipeline.plot import plot
+        from jacobeam.pipeline.plot import SamplesNotStored, plot
 
         if not storage.is_local(args.folder):
             raise JacobeamError(
@@ -204,6 +204,8 @@ def _inspect(args) -> int:
         notes: list[str] = []
         try:
             print(f"plot: {plot(args.folder, report.manifest, args.plot, args.samples, notes)}")
+        except SamplesNotStored as err:
+            raise UsageError(str(err)) from err
         except ValueError as err:
             raise JacobeamError(str(err)) from err
         for note in notes:

@@ -70,6 +70,10 @@ MAX_VECTOR_MAPS = 4  # vjp: maps of the first vectors only (a figure of dozens o
 MAX_ROW_MAPS = 4  # selected output rows (top_k, indices): a map of each of the first rows, for the same reason
 
 
+class SamplesNotStored(ValueError):
+    """``--samples`` names ids the folder has no row of: a command line to fix (exit status 2)."""
+
+
 @dataclasses.dataclass
 class _Panel:
     """One column of the sample rows: a picture per chosen sample."""
@@ -350,7 +354,7 @@ def draw(folder: str, manifest: dict[str, Any], ids: Sequence[int] | None = None
         bad = [i for i in ids if i not in row_of]
         if bad:
             gaps = " (rejected samples have no row)" if len(stored_ids) < stored_ids[-1] + 1 else ""
-            raise ValueError(f"--samples {bad}: ids run from {stored_ids[0]} to {stored_ids[-1]}{gaps}")
+            raise SamplesNotStored(f"--samples {bad}: ids run from {stored_ids[0]} to {stored_ids[-1]}{gaps}")
         contents = _Contents(view, manifest, [row_of[i] for i in ids])
         contents.collect()
         sources = _sources(view, contents.rows)

@@ -71,6 +71,22 @@ def test_unreadable_or_non_mapping_config_file(tmp_path):
         config.load(listing)
 
 
+def test_malformed_yaml_is_one_line_naming_where(tmp_path):
+    """PyYAML's message quotes the text over several lines with a caret; the error is one line."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {builtin: mlp\ninput: x\n")
+    with pytest.raises(config.ConfigError) as found:
+        config.load(bad)
+    assert str(found.value) == (f"{bad} is not valid YAML: expected ',' or '}}', but got ':' at line 2, column 6 "
+                                "(while parsing a flow mapping)")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(MINIMAL))
+    with pytest.raises(config.ConfigError) as found:
+        config.load(path, ["input.paths=[unclosed"])
+    assert str(found.value) == ("--set input.paths: value '[unclosed' is not valid YAML: expected ',' or ']', but got "
+                                "'<stream end>' at line 1, column 10 (while parsing a flow sequence)")
+
+
 def test_shipped_configs_are_valid_and_demo_yaml_is_the_builtin_demo():
     configs = Path(__file__).parent.parent / "configs"
     for path in configs.glob("*.yaml"):

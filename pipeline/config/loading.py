@@ -38,7 +38,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as err:
-        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML: {err}") from err
+        raise ConfigError(f"--set {key}: value {raw!r} is not valid YAML: {_yaml_problem(err)}") from err
     return key.strip().split("."), value
 
 
@@ -106,7 +106,7 @@ def load(path: str | Path | None, overrides: list[str] = (), base: dict[str, Any
         try:
             raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"{path} is not valid YAML: {err}") from None
+            raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a YAML mapping at the top level")
     overridden = []
@@ -120,3 +120,14 @@ def load(path: str | Path | None, overrides: list[str] = (), base: dict[str, Any
 def to_dict(config: Config) -> dict[str, Any]:
     """The resolved config as plain data (for the manifest)."""
     return config.model_dump(mode="json")
+
+
+def _yaml_problem(err: Exception) -> str:
+    """PyYAML's error in one line: what it expected and where (its message quotes the text over several lines,
+    with a caret under the place)."""
+    problem, mark = getattr(err, "problem", None), getattr(err, "problem_mark", None)
+    if problem is None:
+        return " ".join(str(err).split())
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context = getattr(err, "context", None)
+    return f"{problem}{where}" + (f" ({context})" if context else "")
