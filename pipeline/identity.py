@@ -87,12 +87,39 @@ def run_identity(config: dict[str, Any]) -> dict[str, Any]:
     return comparable(identity)
 
 
+# Keys an identity leaves out at their default (``run_identity``): a message says the default, not null.
+_LEFT_OUT = {"jacobian.objective": "outputs", "jacobian.project.structure": "dense", "model.logits": False}
+
+
 def identity_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     """How two identities differ, one line per key; file names compared as ``comparable`` takes them (a
-    folder's recorded identity may spell them as its run's config did)."""
-    theirs, ours = comparable(theirs), comparable(ours)
+    folder's recorded identity may spell them as its run's config did). A key given as a word on one side
+    and as a mapping on the other (``objective: margin``, ``objective: {loss: ...}``) is one line."""
+    theirs, ours = _folded(comparable(theirs), comparable(ours))
     return [
-        f"{key} is {json.dumps(theirs.get(key))} there, {json.dumps(ours.get(key))} in this run"
+        f"{key} is {json.dumps(theirs.get(key, _LEFT_OUT.get(key)))} there, "
+        f"{json.dumps(ours.get(key, _LEFT_OUT.get(key)))} in this run"
         for key in sorted(set(theirs) | set(ours))
-        if theirs.get(key) != ours.get(key)
+        if theirs.get(key, _LEFT_OUT.get(key)) != ours.get(key, _LEFT_OUT.get(key))
     ]
+
+
+def _folded(theirs: dict[str, Any], ours: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both identities with the dotted keys under a key the other side gives as a value folded into a mapping
+    under that key."""
+    parents = {key for one, other in ((theirs, ours), (ours, theirs)) for key in one
+               if any(k.startswith(key + ".") for k in other)}
+    if not parents:
+        return theirs, ours
+
+    def fold(identity: dict[str, Any]) -> dict[str, Any]:
+        found = {}
+        for key, value in identity.items():
+            parent = next((p for p in parents if key.startswith(p + ".")), None)
+            if parent is None:
+                found[key] = value
+            else:
+                found.setdefault(parent, {})[key[len(parent) + 1:]] = value
+        return found
+
+    return fold(theirs), fold(ours)

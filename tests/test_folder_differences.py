@@ -12,7 +12,7 @@ import pytest
 
 from jacobeam.pipeline import config, plan
 from jacobeam.pipeline.folder import folder_differences, read_folder, stale_shards
-from jacobeam.pipeline.identity import run_identity
+from jacobeam.pipeline.identity import identity_differences, run_identity
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.inputs_table import folder_inputs
 from jacobeam.transforms.spec import run_key
@@ -153,3 +153,18 @@ def test_a_file_with_a_jacobeam_name_but_other_content_is_alien(fake_run, tmp_pa
     assert Path(name).name not in folder.shards
     if name == "manifest.json":
         assert folder.manifest is None
+
+
+def test_a_refusal_names_each_changed_key_once_with_its_values_as_configured():
+    """A key left out of an identity at its default reads as that default, and a key that is a word on one
+    side and a mapping on the other is one line: ``objective`` read ``"margin" there, null`` and, besides,
+    ``objective.loss is null there``; ``project.structure`` read ``null`` where the folder's was dense."""
+    folder = {"jacobian.objective": "margin", "jacobian.project.dim": 2048, "jacobian.wrt": "parameters"}
+    run = {"jacobian.objective.loss": "sparse_categorical_crossentropy", "jacobian.project.dim": 2048,
+           "jacobian.project.structure": "kronecker", "jacobian.wrt.parameters": ["logits"], "model.logits": False}
+    assert identity_differences(folder, run) == [
+        'jacobian.objective is "margin" there, {"loss": "sparse_categorical_crossentropy"} in this run',
+        'jacobian.project.structure is "dense" there, "kronecker" in this run',
+        'jacobian.wrt is "parameters" there, {"parameters": ["logits"]} in this run',
+    ]
+    assert identity_differences({**folder, "jacobian.project.structure": "dense"}, folder) == []

@@ -200,5 +200,5 @@ def test_a_run_with_logits_stores_their_jacobians_and_does_not_share_shards(tmp_
     assert any("; output too" in problem or ": output differs" in problem for problem in told.problems), told.problems
     manifest_file.write_text(original)
     # A run without logits does not take the folder as its own.
-    with pytest.raises(JacobeamError, match=r"written by a different run: model.logits is true there, null in this run"):
+    with pytest.raises(JacobeamError, match=r"written by a different run: model.logits is true there, false in this run"):
         runner.run(_cfg(tmp_path / "data", out), [], show_progress=False)
