@@ -218,7 +218,8 @@ def _result(manifest: dict[str, Any]) -> str | None:
     side = stored.get("parameters")
     if side is not None:  # wrt: parameters
         objective = side["objective"] if side["objective"] != "loss" else f"loss {side['loss']}"
-        return (f"{shown}: {PARAMETER_DESCRIPTIONS.get(kind, kind)} (wrt: parameters, {side['size']:,} weight entries; "
+        size = f"{side['size']:,} weight entries; " if "size" in side else ""  # a no-op rerun's dropped it
+        return (f"{shown}: {PARAMETER_DESCRIPTIONS.get(kind, kind)} (wrt: parameters, {size}"
                 f"objective: {objective}; reduce: {kind}{selected}){_classes(manifest.get('labels'))}")
     return f"{shown}: {DESCRIPTIONS.get(kind, kind)} (reduce: {kind}{selected}){_classes(manifest.get('labels'))}"
 

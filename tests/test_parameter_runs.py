@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 import yaml
 
-from jacobeam.pipeline import config, plot, runner
+from jacobeam.pipeline import cli, config, plot, runner
 from jacobeam.transforms.engine.models import load
 from jacobeam.transforms.engine.parameter_space import Weight, projection_rows
 from jacobeam.transforms.output.storage import sha256
@@ -175,3 +175,20 @@ def test_a_wrong_projection_checked_at_its_shards_end_stops_the_run_before_the_s
     with pytest.raises(SelfCheckError, match=r"shards/\S+ \(ids \d+ to \d+\), sample \d+"):
         runner.run(cfg, [], show_progress=False)
     assert not list((tmp_path / "out").rglob("*.h5"))
+
+
+def test_a_rerun_that_computes_nothing_keeps_the_weights_layout_that_rebuilds_p(tmp_path, capsys):
+    """A complete TRAK folder run again with another self-check (every shard kept, no engine built): the
+    manifest's ``stored.parameters`` lost the weights' layout (names, shapes, offsets: what rebuilds ``P``)
+    and ``inspect`` failed on it with a KeyError."""
+    _write(tmp_path / "data", (12,), 30, 3)
+    raw = lambda **check: _config(tmp_path / "data", tmp_path / "out", {"factory": "tests.models:softmax_mlp"}, 16,  # noqa: E731
+                                  objective="margin", reduce="project", project={"dim": 32}, **check)
+    first = runner.run(raw(), [], show_progress=False).manifest
+    again = runner.run(raw(self_check={"samples": 1}), [], show_progress=False).manifest
+
+    assert again["run"]["samples_computed"] == 0
+    assert again["stored"]["parameters"] == first["stored"]["parameters"] and "size" in first["stored"]["parameters"]
+    capsys.readouterr()
+    assert cli.main(["inspect", str(tmp_path / "out")]) == cli.OK
+    assert f"wrt: parameters, {first['stored']['parameters']['size']:,} weight entries" in capsys.readouterr().out

@@ -354,6 +354,7 @@ def build_manifest(
     rejected: Sequence[Rejected] = (),
     rejected_sha256: str | None = None,
     input_files: dict[str, Any] | None = None,
+    previous: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     first = next((record for record in records if record.num_samples), records[0])
     attrs = read_attrs(storage.join(spec.output_dir, first.file))
@@ -383,7 +384,7 @@ def build_manifest(
         "output_dir": spec.output_dir,
         "model_identity": spec.model_identity or None,
         "datasets": {name: {"shape": ["n", *shape], "dtype": dtype} for name, (shape, dtype) in fields.items()},
-        "stored": _stored(spec, records),
+        "stored": _stored(spec, records, previous),
         # jacobian.labels folders or table: how each file's label was given, and the class names by index.
         **({"labels": spec.labels} if spec.labels else {}),
         # The input files' table, one row each (``input_entries``), is in inputs.h5 (``inputs_table``).
@@ -467,21 +468,25 @@ def _run(run_id: str, started_at: float, computed: int, kept: int) -> dict[str, 
             "samples_per_second": round(computed / wall, 2) if wall > 0 else None}
 
 
-def _parameters(spec: JobSpec, records) -> dict[str, Any]:
+def _parameters(spec: JobSpec, records, previous: dict[str, Any] | None = None) -> dict[str, Any]:
     """The parameter side's ``stored.parameters``: the objective, and the weights as the engine laid them out
     (``parameter_space.ParameterLayout.describe``: names, shapes, offsets, the layers of
-    ``frobenius_by_layer``), with the projection's block rows: what rebuilds ``P``."""
+    ``frobenius_by_layer``), with the projection's block rows: what rebuilds ``P``. A run that computed no
+    shard has no engine's layout: the ``previous`` manifest's stands (the same run identity, the same weights);
+    it was dropped, and ``inspect`` failed on the folder."""
     side = spec.engine.parameters
     engine = next((record.engine for record in records if record.engine and "layout" in record.engine), {})
+    layout = engine.get("layout") or {
+        key: value for key, value in (((previous or {}).get("stored") or {}).get("parameters") or {}).items()
+        if key not in ("objective", "loss", "layers_asked", "projection_rebuilt_by")}
     found: dict[str, Any] = {"objective": side.objective, "loss": side.loss,
-                             "layers_asked": None if side.layers is None else list(side.layers),
-                             **(engine.get("layout") or {})}
+                             "layers_asked": None if side.layers is None else list(side.layers), **layout}
     if spec.engine.reduce.kind == "project":
         found["projection_rebuilt_by"] = "jacobeam.transforms.engine.parameter_space.projection_rows"
     return found
 
 
-def _stored(spec: JobSpec, records=()) -> dict[str, Any]:
+def _stored(spec: JobSpec, records=(), previous: dict[str, Any] | None = None) -> dict[str, Any]:
     """How the stored datasets were made: the rows rule, the reduction and its parameters."""
     selection, reduction = spec.engine.outputs, spec.engine.reduce
     stored: dict[str, Any] = {"outputs": selection.rule, "reduce": reduction.kind}
@@ -507,7 +512,7 @@ def _stored(spec: JobSpec, records=()) -> dict[str, Any]:
     if reduction.kind == "basis":
         stored["basis"] = {"input": reduction.basis_input, "output": reduction.basis_output}
     if spec.engine.parameters is not None:
-        stored["parameters"] = _parameters(spec, records)
+        stored["parameters"] = _parameters(spec, records, previous)
     return stored
 
 
@@ -561,6 +566,12 @@ def write_manifest(output_dir: str, manifest: dict[str, Any], guard: fence.Fence
     storage.write_atomically(storage.join(output_dir, MANIFEST), lambda temp: temp.write_text(text), "manifest", guard)
 
 
+def _previous(output_dir: str) -> dict[str, Any] | None:
+    """The folder's manifest before this run's replaces it, or None."""
+    path = storage.join(output_dir, MANIFEST)
+    return json.loads(storage.read_text(path)) if storage.exists(path) else None
+
+
 def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
     """Check that ``records`` and their rejected samples (and the plan's unreadable files) cover every id
     once, then write
@@ -597,7 +608,7 @@ def finalize(records: Sequence[ShardRecord], spec: JobSpec) -> dict[str, Any]:
     remove_temp_files(spec.output_dir, spec.run_id, guard)
     inputs_table.keep_previous(spec.output_dir, guard)  # the old manifest's table, until the new manifest
     input_files = inputs_table.write_table(spec.output_dir, input_entries(spec), guard)
-    manifest = build_manifest(spec, ordered, fields, rejected, rejected_sha256, input_files)
+    manifest = build_manifest(spec, ordered, fields, rejected, rejected_sha256, input_files, _previous(spec.output_dir))
     manifest["aggregates"] = summary
     write_manifest(spec.output_dir, manifest, guard)
     with fence.held(guard):
