@@ -32,7 +32,9 @@ The rule, per checked sample (``_Judgement``):
   other batch shapes differently); without a float64 copy, the spread of the two;
 - a row fails when its error exceeds ``max(tolerance, NOISE_FACTOR * noise)``: the tolerance of the
   compute dtype (``reference.RTOL``, at least twice the store dtype's epsilon) where the model is
-  well-conditioned, and clearly worse than float32 itself where it is not;
+  well-conditioned, and clearly worse than float32 itself where it is not; a noise that is not finite
+  counts as none (it would bound nothing), and a row whose stored value and truth disagree on which
+  entries are finite always fails;
 - at a kink the derivative is a set (ReLU at 0, max-pooling ties): where some row fails against the
   truth, the truth is computed again at the sample moved by up to one unit of rounding of the compute
   dtype and by up to 16 (``KINK_UNITS``; ``KINK_DIRECTIONS`` seeded directions each, both ways), and the
