@@ -215,6 +215,10 @@ def _result(manifest: dict[str, Any]) -> str | None:
     stored = manifest.get("stored") or {}
     kind = stored.get("reduce", "none")
     selected = "" if stored.get("outputs", "all") == "all" else f"; outputs {_selection(stored)}, listed in output_index"
+    projection = stored.get("projection")
+    if kind == "project" and projection:  # what rebuilds P (docs/what-to-store.md)
+        selected += (f"; P {projection['dim']:,} columns, {projection['kind']}, seed {projection['seed']}, "
+                     f"{projection.get('structure', 'dense')}")
     side = stored.get("parameters")
     if side is not None:  # wrt: parameters
         objective = side["objective"] if side["objective"] != "loss" else f"loss {side['loss']}"

@@ -191,4 +191,6 @@ def test_a_rerun_that_computes_nothing_keeps_the_weights_layout_that_rebuilds_p(
     assert again["stored"]["parameters"] == first["stored"]["parameters"] and "size" in first["stored"]["parameters"]
     capsys.readouterr()
     assert cli.main(["inspect", str(tmp_path / "out")]) == cli.OK
-    assert f"wrt: parameters, {first['stored']['parameters']['size']:,} weight entries" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"wrt: parameters, {first['stored']['parameters']['size']:,} weight entries" in said
+    assert "reduce: project; P 32 columns, rademacher, seed 0, dense)" in said  # what rebuilds P
