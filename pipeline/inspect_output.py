@@ -123,9 +123,9 @@ def inspect(folder: str) -> Report:
         return report
     _check_view(root, report)
     try:
-        folder = read_folder(root)  # the manifest with its input files (inputs.h5), the shards' attributes
-        report.problems.extend(_rows_changed(folder))
-        report.stale = _stale(folder)
+        state = read_folder(root)  # the manifest with its input files (inputs.h5), the shards' attributes
+        report.problems.extend(_rows_changed(state))
+        report.stale = _stale(state)
     except OutputError as err:  # its input files' table cannot be read
         report.problems.append(str(err))
     return report

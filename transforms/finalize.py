@@ -472,8 +472,7 @@ def _parameters(spec: JobSpec, records, previous: dict[str, Any] | None = None) 
     """The parameter side's ``stored.parameters``: the objective, and the weights as the engine laid them out
     (``parameter_space.ParameterLayout.describe``: names, shapes, offsets, the layers of
     ``frobenius_by_layer``), with the projection's block rows: what rebuilds ``P``. A run that computed no
-    shard has no engine's layout: the ``previous`` manifest's stands (the same run identity, the same weights);
-    it was dropped, and ``inspect`` failed on the folder."""
+    shard has no engine's layout: the ``previous`` manifest's stands (the same run identity, the same weights)."""
     side = spec.engine.parameters
     engine = next((record.engine for record in records if record.engine and "layout" in record.engine), {})
     layout = engine.get("layout") or {

@@ -14,8 +14,7 @@ class Section(BaseModel):
 
 def home_expanded(value: Any) -> Any:
     """A path (or each of a list) that starts with ``~`` is in the user's home, as a shell would have it: in a
-    config file or a quoted ``--set`` no shell expands it, and ``~/out`` became a folder named ``~`` in the
-    working directory."""
+    config file or a quoted ``--set`` no shell expands it."""
     if isinstance(value, list):
         return [home_expanded(each) for each in value]
     return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
