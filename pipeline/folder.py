@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from jacobeam.pipeline.identity import identity_differences, run_identity
@@ -203,14 +203,17 @@ def stored_fingerprint(folder: Folder) -> str | None:
 
 
 def folder_differences(
-    folder: Folder, spec: JobSpec, fingerprint: str | None, accept_library_versions: bool = False
+    folder: Folder, spec: JobSpec, fingerprint: str | None, accept_library_versions: bool = False,
+    outdated: Collection[str] | None = None,
 ) -> list[str]:
     """How what the folder holds differs from this run; empty when it can be resumed or extended.
 
     The model is compared by its identity (``transforms.model_identity``) where the folder recorded one,
     else (a folder written before) by the weights' ``fingerprint``, when the launcher loaded the model.
     Library versions are compared with the manifest's (the last finished run's; a run that accepted
-    others wrote its own there), or without a manifest with each shard's; unless accepted."""
+    others wrote its own there), or without a manifest with each shard's; unless accepted. The shards
+    ``outdated`` (``unfinished_outdated``'s, computed here where not given) are computed again, not
+    differences."""
     differences = []
     by_place: dict[str, list[str]] = {}  # the same difference in many places (manifest, shards) is listed once
     ours = spec.model_identity
@@ -241,7 +244,7 @@ def folder_differences(
     expected = set(spec.ranges()) if folder.shards else set()  # planning costs in the folder's shards, not all ids
     as_now = path_mapper(folder.manifest, list(spec.files), spec.output_dir)
     removed = _removed_pieces(spec)
-    outdated = set(unfinished_outdated(folder, spec))  # computed again, not a different run
+    outdated = set(unfinished_outdated(folder, spec) if outdated is None else outdated)
     for name, attrs in folder.shards.items():
         where = f"{SHARDS_DIR}/{name}"
         shard = ShardRange(*shard_ids(name))

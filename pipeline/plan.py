@@ -241,7 +241,8 @@ def _plan_job(config: Config, tf_threads: int | None, overwrite: bool, check_mod
     key = recorded_run_key(folder, identity)
     spec = _build_spec(config, placed, segments, identity, tf_threads, kept_weights, model, key)
     spec = dataclasses.replace(spec, labels=labels)
-    differences += folder_differences(folder, spec, fingerprint, accept_library_versions)
+    outdated = unfinished_outdated(folder, spec)  # an unfinished run's shards whose ids now mean other samples
+    differences += folder_differences(folder, spec, fingerprint, accept_library_versions, outdated)
     remove: list[str] = list(folder.unproven)
     if differences:
         if not overwrite:
@@ -276,7 +277,7 @@ def _plan_job(config: Config, tf_threads: int | None, overwrite: bool, check_mod
             log.info("%d shard(s) computed with other labels of their files (jacobian.labels): their samples are "
                      "read again, and computed again where their labels differ", len(relabelled))
             stale = sorted([*stale, *relabelled])
-        outdated = [name for name in unfinished_outdated(folder, spec) if name not in stale]
+        outdated = [name for name in outdated if name not in stale]
         if outdated:
             log.info("%d shard(s) of the unfinished run here hold samples whose ids this run places otherwise (input "
                      "files added among the others, or mended): computed again", len(outdated))
