@@ -276,17 +276,24 @@ def test_big_endian_samples_compute_and_verify_as_native_ones(tmp_path, suffix):
     assert report.ok, report.problems
 
 
+def _truncated_a(data: Path, rows_b: int, seed: int) -> tuple[np.ndarray, np.ndarray, bytes]:
+    """``data/a.npz`` (5 samples) cut in half, unreadable; returns its samples, ``rows_b`` more for a ``b.npz``
+    (not written), and a.npz's whole bytes, to mend it with."""
+    data.mkdir()
+    rng = np.random.default_rng(seed)
+    a, b = (rng.normal(size=(n, 8, 8, 1)).astype(np.float32) for n in (5, rows_b))
+    np.savez(data / "a.npz", x=a)
+    whole = (data / "a.npz").read_bytes()
+    (data / "a.npz").write_bytes(whole[: len(whole) // 2])
+    return a, b, whole
+
+
 def test_a_file_unreadable_under_skip_then_mended_is_computed_as_a_new_file(tmp_path):
     """A truncated ``.npz`` left out under ``on_bad_sample: skip``, then written again whole: the rerun
     appends its samples (computed, after every old id) and keeps the rest. It was refused as another run's
     result, ``dtype "" there, "float32" now``; deleting the file, running and putting it back was the way."""
     data, out = tmp_path / "data", tmp_path / "out"
-    data.mkdir()
-    rng = np.random.default_rng(4)
-    a, b = (rng.normal(size=(n, 8, 8, 1)).astype(np.float32) for n in (5, 7))
-    np.savez(data / "a.npz", x=a)
-    whole = (data / "a.npz").read_bytes()
-    (data / "a.npz").write_bytes(whole[: len(whole) // 2])
+    a, b, whole = _truncated_a(data, 7, seed=4)
     np.savez(data / "b.npz", x=b)
     raw = job([str(data / "*.npz")], out, key="x", on_bad_sample="skip")
     first = run(raw)
@@ -309,12 +316,7 @@ def test_a_run_whose_every_sample_was_rejected_is_finished_once_its_files_are_me
     same command finishes it: a's samples now take the first ids, so b's shards are computed again. It was
     refused as another run's result."""
     data, out = tmp_path / "data", tmp_path / "out"
-    data.mkdir()
-    rng = np.random.default_rng(5)
-    a, b = (rng.normal(size=(n, 8, 8, 1)).astype(np.float32) for n in (5, 20))
-    np.savez(data / "a.npz", x=a)
-    whole = (data / "a.npz").read_bytes()
-    (data / "a.npz").write_bytes(whole[: len(whole) // 2])
+    a, b, whole = _truncated_a(data, 20, seed=5)
     np.savez(data / "b.npz", x=np.full_like(b, np.nan))
     raw = job([str(data / "*.npz")], out, key="x", on_bad_sample="skip")
     with pytest.raises(InputError, match=rf"all 20 samples are rejected; nothing to compute \({data / 'a.npz'}: ") as found:
