@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="override a config key (VALUE is YAML), e.g. --set output.path=out/")
     run.add_argument("--overwrite", action="store_true",
                      help="replace the result of a different run in output.path (only files jacobeam wrote are "
-                     "removed); a folder holding this run's own partial or earlier result is resumed, not replaced")
+                     "removed), once the new one is complete; a folder holding this run's own partial or earlier "
+                     "result is resumed, not replaced")
     run.add_argument("--accept-library-versions", action="store_true",
                      help="resume or extend a folder computed with other versions of TensorFlow, Keras, numpy or "
                      "jacobeam (refused by default, naming them); the new shards record their own versions")

@@ -72,16 +72,19 @@ class CtrlC:
         what = "interrupted" if self.signal == signal.SIGINT else "terminated (SIGTERM)"
         if self.spec is None:
             return f"jacobeam: {what}"
-        from jacobeam.transforms.output.layout import SHARDS_DIR, shard_name
+        from jacobeam.transforms.output.layout import OVERWRITE_DIR, SHARDS_DIR, shard_name
+
+        # An --overwrite computes in a folder of its own (pipeline.overwrite): the old result is still whole.
+        replacing = "; the result it replaces is untouched" if storage.name_of(self.spec.output_dir) == OVERWRITE_DIR else ""
 
         expected = {shard_name(r.start, r.stop) for r in self.spec.ranges() if r.rows}
         try:
             done = len(expected & set(storage.listdir(storage.join(self.spec.output_dir, SHARDS_DIR))))
         except Exception:  # the message must come out whatever the folder does
-            return f"jacobeam: {what}; complete shards are kept: run the same command again to finish"
+            return f"jacobeam: {what}; complete shards are kept: run the same command again to finish{replacing}"
         return (
             f"jacobeam: {what}: {done} of {len(expected)} shards complete and kept; "
-            "run the same command again to finish"
+            f"run the same command again to finish{replacing}"
         )
 
     def __call__(self, signum, frame) -> None:

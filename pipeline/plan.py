@@ -77,6 +77,15 @@ class UpToDate:
     files: int  # input files listed
 
 
+@dataclasses.dataclass
+class Replace:
+    """The output folder holds another run's complete result, and ``--overwrite`` replaces it: the new
+    result is computed beside it, in ``pipeline.overwrite.staging(root)``, and moved in once committed."""
+
+    root: str
+    differences: list[str]  # how the folder's run differs from this one
+
+
 def _check_files_named(config: Config) -> None:
     """Every file the config names (besides inputs) exists. A missing one is a ``ModelError``, as when the
     engine cannot read it, not a ``ConfigError``: the config is valid, the file is not there."""
@@ -150,12 +159,14 @@ def plan_run(
     config: Config, tf_threads: int | None = None, overwrite: bool = False, check_model: bool = True,
     accept_library_versions: bool = False, identify_model: bool = True, run_id: str = "", *,
     folder: Folder | None = None, shortcut: bool = True,
-) -> Job | UpToDate:
+) -> Job | UpToDate | Replace:
     """``UpToDate`` when the output folder holds this run's complete result already and nothing it was
     computed from changed (``pipeline.up_to_date``: judged from listings, stamps and the folder's
     metadata, not per file); otherwise the job ``make_job`` would plan with the same arguments, the
     listing and the folder read once. ``folder``: as ``read_folder`` found it, where the caller has it.
-    ``shortcut`` false: always ``make_job`` (a caller's pipeline runs the job, whatever it finds)."""
+    ``shortcut`` false: always ``make_job`` (a caller's pipeline runs the job, whatever it finds).
+    ``Replace`` where ``overwrite`` is to replace another run's complete result: it is computed in a
+    folder of its own first (``pipeline.overwrite``); ``make_job`` plans as if the old result were removed."""
     folder = _prepare(config, tf_threads, check_model, identify_model, folder)
     listed = list_inputs(config.input.paths)
     if shortcut and not overwrite:
@@ -165,7 +176,7 @@ def plan_run(
             return UpToDate(folder.root, folder.manifest, len(listed))
         log.debug("planning the run in full: %s", why)
     return _plan_job(config, tf_threads, overwrite, check_model, accept_library_versions, identify_model, run_id,
-                     folder, listed)
+                     folder, listed, replace=True)
 
 
 def make_job(
@@ -207,7 +218,7 @@ def _prepare(config: Config, tf_threads: int | None, check_model: bool, identify
 
 def _plan_job(config: Config, tf_threads: int | None, overwrite: bool, check_model: bool,
               accept_library_versions: bool, identify_model: bool, run_id: str, folder: Folder,
-              listed: dict[str, str] | None) -> Job:
+              listed: dict[str, str] | None, replace: bool = False) -> Job | Replace:
     policy = config.input.on_bad_sample
     # Files whose stamp the folder's manifest recorded keep the description it recorded (no header read).
     known = recorded_descriptions(folder.manifest, to_dict(config)["input"])
@@ -252,6 +263,8 @@ def _plan_job(config: Config, tf_threads: int | None, overwrite: bool, check_mod
                 f"output folder {folder.root} holds the result of a different run:\n  {listed}{more}\n"
                 "use --overwrite to replace it (jacobeam removes only files it wrote), or choose another output.path"
             )
+        if replace and folder.manifest is not None:
+            return Replace(folder.root, differences)
         log.warning("--overwrite: replacing the different run in %s", folder.root)
         remove = list(folder.owned)
         files, labels, _ = file_labels(config, files, None)

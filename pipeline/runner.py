@@ -19,8 +19,9 @@ import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import DirectOptions, PipelineOptions, StandardOptions
 
+from jacobeam.pipeline import overwrite as overwrite_module
 from jacobeam.pipeline import plan
-from jacobeam.pipeline.config import Config, ConfigError
+from jacobeam.pipeline.config import Config, ConfigError, to_dict
 from jacobeam.pipeline.folder import Folder, judged_by_weights, read_folder
 from jacobeam.pipeline.output_lease import remove_created, take_lease
 from jacobeam.pipeline.progress import ShardProgress
@@ -334,8 +335,15 @@ def run(
     done = False
     try:
         with _heap_frozen():
+            # An --overwrite whose new result was committed, stopped before it replaced the old one.
+            overwrite_module.finish(config.output.path, to_dict(config)["output"]["path"], _guard(config, lease))
             result = _run_leased(config, options, show_progress, overwrite, verify_samples, pipeline, engine_factory,
                                  planned, accept_library_versions, lease)
+            if isinstance(result, plan.Replace):
+                result = _replace(result, config, options, show_progress, verify_samples, pipeline, engine_factory,
+                                  planned, accept_library_versions, wait, lease)
+            else:
+                overwrite_module.warn_unfinished(config.output.path)
         done = True
         return result
     finally:
@@ -346,6 +354,34 @@ def run(
             lease.release()
             if not done:
                 remove_created(created)
+
+
+def _guard(config: Config, lease: Lease | None) -> fence.Fence | None:
+    """The fence of the commits of the run holding ``lease`` on the folder ``config`` writes."""
+    return fence.Fence(storage.normalize(config.output.path), lease.run_id) if lease is not None else None
+
+
+def _replace(
+    replace: plan.Replace, config, options, show_progress, verify_samples, pipeline, engine_factory, planned,
+    accept_library_versions, wait, lease: Lease | None,
+) -> RunResult:
+    """``--overwrite`` of another run's complete result (``pipeline.overwrite``): the run, in the staging
+    folder inside the output folder, then its result moved in."""
+    staged = overwrite_module.staging(replace.root)
+    log.warning("--overwrite: replacing the different run in %s once this run's result is complete (computed in "
+                "%s until then; the old result stays whole and readable)", replace.root, staged)
+    staged_config = config.model_copy(update={"output": config.output.model_copy(update={"path": staged})})
+    inner, created = take_lease(staged, wait)
+    try:
+        result = _run_leased(staged_config, options, show_progress, True, 0, pipeline, engine_factory, planned,
+                             accept_library_versions, inner)
+    finally:
+        if inner is not None:
+            inner.release()
+        remove_created(created)  # the staging folder, if the run failed before it wrote anything
+    guard = _guard(config, lease)
+    manifest = overwrite_module.finish(replace.root, to_dict(config)["output"]["path"], guard)
+    return _verified(replace.root, manifest, result.metrics, verify_samples, guard)
 
 
 def _warn_idle_workers(spec: JobSpec, options: PipelineOptions) -> None:
@@ -395,7 +431,7 @@ def _lost_lease_first(spec: JobSpec) -> Iterator[None]:
 def _run_leased(
     config, options, show_progress, overwrite, verify_samples, pipeline, engine_factory, planned, accept_library_versions,
     lease: Lease | None,
-) -> RunResult:
+) -> RunResult | plan.Replace:
     folder = read_folder(config.output.path)
     check_model = engine_factory is None and (pipeline is not None or launcher_loads_model(config, options, folder))
     run_id = lease.run_id if lease is not None else ""
@@ -404,6 +440,8 @@ def _run_leased(
         accept_library_versions=accept_library_versions, identify_model=engine_factory is None, run_id=run_id,
         folder=folder, shortcut=pipeline is None,
     )
+    if isinstance(job, plan.Replace):
+        return job
     if isinstance(job, plan.UpToDate):
         guard = fence.Fence(job.root, run_id) if run_id else None
         manifest = _record_up_to_date(job, run_id or uuid.uuid4().hex[:12], guard, tf_threads(config, options))

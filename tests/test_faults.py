@@ -166,3 +166,80 @@ def test_killed_multi_process_run_then_resumed_equals_a_clean_run(job):
     _killed_run(config, after=random.Random(11).uniform(4.0, 9.0), args=args)
     _resume(config)
     assert_same_as(out, clean)
+
+
+# --- --overwrite (pipeline.overwrite) -------------------------------------------------------------------------
+
+# The replacing run: another identity (shards of 16 ids, not 8), so that every old shard goes.
+_REPLACING = {"output": {"samples_per_shard": 16}}
+
+
+@pytest.fixture(scope="module")
+def replaced(job):
+    """``job``'s folder, and a clean run of the replacing config in a fresh folder: what an overwrite must leave."""
+    root, clean = job
+    config = _config(root, root / "data", root / "clean-replacing")
+    cfg = json.loads(config.read_text())
+    cfg["output"].update(_REPLACING["output"])
+    config.write_text(json.dumps(cfg))
+    assert cli.main(["-q", "run", str(config)]) == 0
+    return root, clean, root / "clean-replacing"
+
+
+def _overwriting(root: Path, clean: Path, name: str) -> tuple[Path, Path]:
+    """A copy of the clean folder at ``root/name``, and the replacing config for it."""
+    out = root / name
+    shutil.copytree(clean, out)
+    config = root / f"{name}-replacing.yaml"
+    cfg = json.loads(_config(root, root / "data", out).read_text())
+    cfg["output"].update(_REPLACING["output"])
+    config.write_text(json.dumps(cfg))
+    return out, config
+
+
+def _files(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("point", ["setup", "shard_write:2", "shard_done:1", "view", "manifest"])
+def test_an_overwrite_killed_before_its_result_is_committed_leaves_the_old_one_whole(replaced, point):
+    """Killed while it computes (in its staging folder), an overwrite has not touched the old result: every
+    file of it is as it was and it verifies. The same command then finishes the overwrite."""
+    root, clean, reference = replaced
+    out, config = _overwriting(root, clean, f"overwritten-{point.replace(':', '-')}")
+    before = _files(out)
+
+    assert _killed_run(config, kill_at=point, args=["--overwrite"]) == -signal.SIGKILL
+
+    kept = {k: v for k, v in _files(out).items() if not k.startswith(".jacobeam-overwrite/") and k != ".jacobeam-lease.json"}
+    assert kept == before  # the killed run's lease is left, as any killed run's
+    assert verify(out, samples=0, inputs="all").ok
+    assert cli.main(["-q", "run", str(config), "--overwrite"]) == 0
+    assert_same_as(out, reference)
+
+
+@pytest.mark.parametrize("point", ["overwrite_move:1", "overwrite_move:3", "overwrite_moved"])
+@pytest.mark.parametrize("rerun", ["--overwrite", "no flag"])
+def test_an_overwrite_killed_while_its_result_moves_in_is_finished_by_the_next_run(replaced, point, rerun):
+    """Killed once its result is committed in the staging folder, while moving it in: the next run of the
+    folder, with or without ``--overwrite``, moves the rest in before it plans, and finds it complete."""
+    root, clean, reference = replaced
+    out, config = _overwriting(root, clean, f"moving-{point.replace(':', '-')}-{rerun.strip('-').replace(' ', '-')}")
+
+    assert _killed_run(config, kill_at=point, args=["--overwrite"]) == -signal.SIGKILL
+    assert (out / ".jacobeam-overwrite" / "manifest.json").exists()
+
+    assert cli.main(["-q", "run", str(config), *([rerun] if rerun == "--overwrite" else [])]) == 0
+    assert_same_as(out, reference)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["output_dir"] == str(out) and manifest["config"]["output"]["path"] == str(out)
+
+
+def test_a_run_of_the_old_config_after_a_committed_overwrite_is_refused(replaced, capsys):
+    """An overwrite killed after its commit has replaced the result: the old config's run finds another run's."""
+    root, clean, _ = replaced
+    out, config = _overwriting(root, clean, "moving-then-old")
+    assert _killed_run(config, kill_at="overwrite_move:2", args=["--overwrite"]) == -signal.SIGKILL
+    assert cli.main(["-q", "run", str(_config(root, root / "data", out))]) == cli.FAILED
+    assert "holds the result of a different run" in capsys.readouterr().err
+    assert not (out / ".jacobeam-overwrite").exists()

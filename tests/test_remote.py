@@ -312,3 +312,5 @@ def test_a_foreign_remote_folder_is_refused_and_overwrite_removes_only_our_files
     assert _remote_bytes(f"{OUT}/notes.txt") == b"mine"
     for shard in replaced["shards"]:
         assert _remote_bytes(f"{OUT}/{shard['file']}{CRC32C_SUFFIX}").decode() == shard["crc32c"]
+    staged = f"{OUT}/.jacobeam-overwrite"  # computed there, then moved in: nothing left behind
+    assert storage.listdir(staged) == [] and storage.listdir(f"{staged}/shards") == []

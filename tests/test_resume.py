@@ -1,6 +1,7 @@
 """Resuming, incremental runs, foreign output folders, --overwrite, and a transient DoFn failure."""
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -244,6 +245,43 @@ def test_a_foreign_folder_is_refused_saying_what_differs_and_overwrite_replaces_
     cli.main(["-q", "run", str(cfg), *overrides, "--set", f"output.path={fresh}"])
     assert {k: v for k, v in _shas(out).items() if k != "README"} == _shas(fresh)
     assert json.loads((out / "manifest.json").read_text())["run"]["samples_computed"] == (39 if change == "inputs" else 40)
+
+
+def test_an_overwrite_that_fails_leaves_the_old_result_whole_and_the_same_command_then_replaces_it(
+    clean, tmp_path, fail_once, caplog
+):
+    """The replacing run computes in a folder of its own: failed, it has not touched the old result (every
+    file as it was, verified); run again, it keeps what it had computed, and then the folder holds
+    exactly what a fresh run writes, the user's files still there."""
+    root, _, _ = clean
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)
+    (out / "notes.txt").write_text("mine")
+    files = {p: sha256(p) for p in out.rglob("*") if p.is_file()}
+    replacing = _config(root / "data", out, outputs=[0, 2])
+
+    with pytest.raises(Exception, match=r"injected transient failure"):
+        runner.run(replacing, [], show_progress=False, overwrite=True)
+
+    assert {p: sha256(p) for p in out.rglob("*") if p.is_file() and ".jacobeam-overwrite" not in p.parts} == files
+    assert verify(out, samples=2, inputs="all").ok
+    staged = sorted(p.name for p in (out / ".jacobeam-overwrite" / "shards").iterdir())
+    assert staged == ["shard-000000000000-000000000016.h5"]  # computed before the failure, in id order
+    with caplog.at_level(logging.WARNING, logger="jacobeam"):  # the old config: its result is complete
+        assert runner.run(_config(root / "data", out), [], show_progress=False).manifest["run"]["samples_computed"] == 0
+    assert "an --overwrite stopped before its result was complete left 1 file(s)" in caplog.text
+
+    manifest = runner.run(replacing, [], show_progress=False, overwrite=True).manifest
+
+    assert [s["computed_in_this_run"] for s in manifest["shards"]] == [False, True, True]
+    fresh = tmp_path / "fresh"
+    runner.run(_config(root / "data", fresh, outputs=[0, 2]), [], show_progress=False)
+    assert _shas(out) == _shas(fresh)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*(p.name for p in fresh.iterdir()), "notes.txt"])
+    assert manifest["output_dir"] == str(out) and manifest["config"]["output"]["path"] == str(out)
+    for name, values in _view(out).items():
+        np.testing.assert_array_equal(values, _view(fresh)[name])
+    assert verify(out, samples=4).ok
 
 
 def test_overwrite_on_this_runs_own_partial_result_resumes_it(clean, tmp_path):

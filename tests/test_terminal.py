@@ -209,6 +209,35 @@ def test_sigterm_stops_as_ctrl_c_does_and_releases_the_lease(job, tmp_path, whol
 
 
 @pytest.mark.slow
+def test_ctrl_c_of_an_overwrite_says_the_result_it_replaces_is_untouched(job, tmp_path):
+    """An ``--overwrite`` computes in a folder of its own: stopped, it says that the old result is as it was,
+    and it is; the same command then replaces it."""
+    root, _ = job
+    out = tmp_path / "out"
+    old = _jacobeam("run", "config.yaml", "-q", "--set", f"output.path={out}", "--set", "jacobian.outputs=[0]", cwd=root)
+    assert old.returncode == 0, old.stderr
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    command = [sys.executable, "-m", "jacobeam", "run", "config.yaml", "-q", "--set", f"output.path={out}", "--overwrite"]
+    proc = subprocess.Popen(command, cwd=root, env=_env(**{faults.DELAY_AT: "shard_done:1.5"}), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    staged, deadline = out / ".jacobeam-overwrite" / "shards", time.monotonic() + 240
+    while len(list(staged.glob("*.h5"))) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+
+    assert proc.returncode == 130, stderr
+    warning, line = stderr.rstrip("\n").split("\n")
+    assert re.fullmatch(r"[\d:]+ WARNING jacobeam\.pipeline\.runner: --overwrite: replacing the different run in .*", warning)
+    assert re.fullmatch(INTERRUPTED.pattern + "; the result it replaces is untouched", line), stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and ".jacobeam-overwrite" not in p.parts} == before
+    again = _jacobeam("run", "config.yaml", "-q", "--set", f"output.path={out}", "--overwrite", cwd=root)
+    assert again.returncode == 0, again.stderr
+    assert _checksums(out) == _checksums(root / "out") and not (out / ".jacobeam-overwrite").exists()
+
+
+@pytest.mark.slow
 def test_ctrl_c_with_two_worker_processes_stops_them_all(job, tmp_path):
     root, done = job
     _interrupt(root, tmp_path / "out", TWO_PROCESSES, whole_group=True)

@@ -15,6 +15,8 @@ Imports nothing else of jacobeam. ::
       rejected.jsonl                         samples rejected under on_bad_sample: skip
       engine-plan.json                       the engine's set-up decisions, a cache (see ENGINE_PLAN)
       manifest.json                          written last: the output exists once it does
+      .jacobeam-overwrite/                   an --overwrite's new result, until it replaces the folder's
+                                             (``pipeline.overwrite``): laid out as the folder
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ ENGINE_PLAN = "engine-plan.json"
 # The one-writer lease (``transforms.output.lease``): created exclusively by the run that writes the
 # folder, removed when it ends; jacobeam's own file, never alien, never removed for another run.
 LEASE = ".jacobeam-lease.json"
+# Where ``--overwrite`` computes the result that replaces the folder's (``pipeline.overwrite``).
+OVERWRITE_DIR = ".jacobeam-overwrite"
 
 # Datasets and attributes of a shard.
 JACOBIAN = "jacobian"

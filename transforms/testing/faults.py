@@ -11,7 +11,9 @@ process die, or a shard fail, at named points:
     yet renamed), ``shard_renamed`` (remote folder only: renamed, its checksum sidecar not yet written),
     ``shard_done`` (renamed, not yet reported), ``view_write`` (inside ``jacobians.h5``'s
     temporary file), ``view``, ``rejected``, ``manifest`` (that file's temporary file written, not yet
-    renamed into place).
+    renamed into place), ``overwrite_move`` (an ``--overwrite``'s result committed in its staging folder:
+    one more of its files moved in, ``pipeline.overwrite``), ``overwrite_moved`` (its manifest written at
+    the top, the staged one not yet removed).
 ``JACOBEAM_TEST_DELAY_AT=POINT:SECONDS``
     Sleep SECONDS each time this process reaches ``POINT``: slows a run down (at ``shard_commit``, say,
     with a shard complete in its temporary file) so that a test can kill a worker or the launcher while
