@@ -11,7 +11,9 @@ rebuilt from what the manifest records (``_RecordedEngine``: no probing, the run
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -118,11 +120,7 @@ def recompute(
     engine = _RecordedEngine(loaded, manifest, tuple(int(d) for d in read_attrs(first)["output_shape"]))
     checker = checker_for(engine, SelfCheck())
     several = len(engine.input_names) > 1
-    sources = manifest_sources(manifest)
-    for sample_id in report.samples:
-        source = next(s for s in sources if s.first_id <= sample_id < s.stop_id)
-        with open_samples(source) as rows:
-            read = rows.read(source.row(sample_id), source.row(sample_id) + 1)
+    for sample_id, source, read in _read_samples(report.samples, manifest_sources(manifest), open_samples):
         # jacobian.labels folders or table: the file's label, as the manifest's table of input files records it.
         label = source.label if source.label is not None else (
             _label(source, sample_id, engine.label_key) if engine.label_key else None)
@@ -150,6 +148,20 @@ def recompute(
             report.problems.append(f"{at}: {mismatch_text(record)}")
     report.method = f"{checker.method}, against the {checker.truth or 'compute dtype reference'}"
     report.tolerance = checker.tolerance
+
+
+def _read_samples(ids: list[int], sources, open_samples) -> Iterator[tuple[int, Any, Any]]:
+    """Each of ``ids`` (increasing) with its source file and its sample as read, each file opened once and
+    read forwards: a compressed ``.npz`` member seeks by decompressing from its start, so a file opened
+    again per sample was read again up to that sample."""
+    opened = None
+    with contextlib.ExitStack() as stack:
+        for sample_id in ids:
+            source = next(s for s in sources if s.first_id <= sample_id < s.stop_id)
+            if opened is not source:
+                stack.close()
+                rows, opened = stack.enter_context(open_samples(source)), source
+            yield sample_id, source, rows.read(source.row(sample_id), source.row(sample_id) + 1)
 
 
 def tally(checked: dict[str, dict[str, Any]], record: dict[str, Any], nearest_bound: dict[str, tuple[float, float]]) -> None:
