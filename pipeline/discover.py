@@ -12,6 +12,7 @@ again (``transforms.job``).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -30,6 +31,8 @@ from jacobeam.transforms.output import storage
 log = logging.getLogger(__name__)
 
 _BLOCK = 256  # files described per task
+# Image formats a folder may hold that jacobeam does not read (Keras's image folders also take BMP and GIF).
+_OTHER_IMAGES = (".bmp", ".gif", ".webp", ".tif", ".tiff", ".heic")
 
 
 def list_inputs(patterns: list[str]) -> dict[str, str]:
@@ -52,8 +55,9 @@ def list_inputs(patterns: list[str]) -> dict[str, str]:
             (match,) = FileSystems.match([glob])
             found = {m.path: _stamp(m) for m in match.metadata_list}
         if folder:
-            found = {path: stamp for path, stamp in found.items()
-                     if path.lower().endswith(IMAGE_SUFFIXES) and not _hidden(path[len(glob) - len("**"):])}
+            shown = {path: stamp for path, stamp in found.items() if not _hidden(path[len(glob) - len("**"):])}
+            found = {path: stamp for path, stamp in shown.items() if path.lower().endswith(IMAGE_SUFFIXES)}
+            _warn_other_images(given, shown)
         if not found:
             what = "holds no PNG or JPEG images" if folder else "matches no files"
             where = "" if pattern == given else f" (looked for {pattern})"
@@ -61,6 +65,19 @@ def list_inputs(patterns: list[str]) -> dict[str, str]:
         paths = found if not paths else {**paths, **found}
     ordered = sorted(paths)  # a local listing is in order already, but where a folder sorts after a file
     return paths if ordered == list(paths) else {path: paths[path] for path in ordered}
+
+
+def _warn_other_images(given: str, paths) -> None:
+    """Say how many images of formats jacobeam does not read a folder holds: they are left out."""
+    others = collections.Counter(suffix for suffix in map(_suffix, paths) if suffix in _OTHER_IMAGES)
+    if others:
+        counts = ", ".join(f"{count} {suffix}" for suffix, count in sorted(others.items()))
+        log.warning("input.paths %r: %d image(s) left out (%s): jacobeam reads PNG and JPEG images; convert them to "
+                    "read them", given, sum(others.values()), counts)
+
+
+def _suffix(path: str) -> str:
+    return os.path.splitext(path)[1].lower()
 
 
 def _hidden(relative: str) -> bool:

@@ -4,6 +4,7 @@
 new files are computed alone; a changed label computes its shard again; verify passes."""
 
 import json
+import logging
 from pathlib import Path
 
 import h5py
@@ -138,6 +139,25 @@ def test_hidden_files_and_folders_of_an_image_folder_are_not_inputs_nor_classes(
     assert manifest["labels"]["class_names"] == ["cat", "dog"]
     check_rows(out, {path: pixels[path] for path in sorted(pixels)},
                {str(images / "cat/c1.png"): 0, str(images / "dog/d1.png"): 1})
+
+
+def test_images_of_formats_not_read_in_a_folder_are_named_in_a_warning(tmp_path, caplog):
+    """A folder with BMP or GIF images among its PNGs (Keras reads those too): they are left out, not silently."""
+    from jacobeam.pipeline.discover import list_inputs
+
+    images = tmp_path / "images"
+    write_images(images, ["cat/c1.png"])
+    (images / "dog").mkdir()
+    for name in ("cat/c2.bmp", "dog/d1.gif", "dog/d2.GIF", "cat/.c3.bmp", "notes.txt"):
+        (images / name).write_bytes(b"not read")
+    with caplog.at_level(logging.WARNING, logger="jacobeam"):
+        assert list(list_inputs([str(images)])) == [str(images / "cat/c1.png")]
+    assert f"input.paths {str(images)!r}: 3 image(s) left out (1 .bmp, 2 .gif): jacobeam reads PNG and JPEG" in caplog.text
+    caplog.clear()
+    (images / "cat" / "c2.bmp").unlink()
+    with caplog.at_level(logging.WARNING, logger="jacobeam"):
+        list_inputs([str(images / "cat")])  # PNG images, and a hidden BMP: nothing to say
+    assert "left out" not in caplog.text
 
 
 def test_a_glob_takes_its_classes_under_its_part_before_the_wildcard(tmp_path):
