@@ -244,8 +244,9 @@ def _classes(labels: dict[str, Any] | None) -> str:
 
 def _precision(manifest: dict[str, Any]) -> str | None:
     """How accurate the stored values are, as the self-check measured it (``self_check_report.precision_line``)."""
-    compute = (manifest.get("config", {}).get("jacobian") or {}).get("compute_dtype", "float32")
-    return precision_line(manifest.get("self_check") or {}, compute)
+    jacobian = manifest.get("config", {}).get("jacobian") or {}
+    return precision_line(manifest.get("self_check") or {}, jacobian.get("compute_dtype", "float32"),
+                          jacobian.get("store_dtype", "float32"))
 
 
 def _versions(manifest: dict[str, Any]) -> str | None:

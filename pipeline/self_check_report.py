@@ -33,11 +33,16 @@ def checks_line(summary: Mapping[str, Any]) -> str:
     return line
 
 
-def precision_line(summary: Mapping[str, Any], compute_dtype: str) -> str | None:
+# The unit roundoff of each store dtype (half its machine epsilon).
+_ROUNDING = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
+
+
+def precision_line(summary: Mapping[str, Any], compute_dtype: str, store_dtype: str = "float32") -> str | None:
     """The run's precision in one line, for its result datasets (``output`` aside where there are others):
     ``saliency: float32 error against a float64 copy of the model median 2.2e-3, max 1.7e-2 on 28 checked
     samples (TensorFlow's own per-sample gradient: median 3.3e-3, max 1.7e-2); jacobian.compute_dtype:
-    float64 for more``, the hint where a value that passed is more than 1e-4 off."""
+    float64 for more``, the hint where a value that passed is more than 1e-4 off, and more than storing it in
+    ``store_dtype`` puts it off (float16's rounding alone is 4.9e-4: float64 would not help)."""
     found = (summary or {}).get("precision")
     if not found:
         return None
@@ -49,13 +54,15 @@ def precision_line(summary: Mapping[str, Any], compute_dtype: str) -> str | None
     def show(value) -> str:
         return value if isinstance(value, str) else f"{value:.2g}"
 
+    coarser = _ROUNDING.get(store_dtype, 0.0) > _ROUNDING.get(compute_dtype, 0.0)
+    what = f"{compute_dtype} stored as {store_dtype}" if coarser else compute_dtype  # the error is the stored values'
     parts = []
     for name in names:
         error, noise = datasets[name]["error"], datasets[name]["noise"]
         if error["max"] == 0 and truth == TRUTH_FLOAT64:  # a float64 run: the same numbers once both are stored
             parts.append(f"{name}: {compute_dtype} values identical, as stored, to those of {reference}")
             continue
-        part = f"{name}: {compute_dtype} error against {reference} median {show(error['median'])}, max {show(error['max'])}"
+        part = f"{name}: {what} error against {reference} median {show(error['median'])}, max {show(error['max'])}"
         if truth == TRUTH_FLOAT64 and compute_dtype != "float64":
             part += f" (TensorFlow's own per-sample gradient: median {show(noise['median'])}, max {show(noise['max'])})"
         parts.append(part)
@@ -63,6 +70,8 @@ def precision_line(summary: Mapping[str, Any], compute_dtype: str) -> str | None
     # float64 helps where the values that passed are far off (not where one is wrong: that is a mismatch).
     passed = [datasets[name]["passed_max"] for name in names if datasets[name]["passed_max"] is not None]
     worst = max(passed, key=lambda v: float("inf") if v == "inf" else v, default=None)
-    if truth == TRUTH_FLOAT64 and compute_dtype != "float64" and worst is not None and (worst == "inf" or worst > 1e-4):
+    rounding = 4 * _ROUNDING.get(store_dtype, 0.0)  # a few roundings of the stored values
+    if truth == TRUTH_FLOAT64 and compute_dtype != "float64" and worst is not None and (
+            worst == "inf" or worst > max(1e-4, rounding)):
         line += "; jacobian.compute_dtype: float64 for more"
     return line

@@ -78,7 +78,9 @@ def run_summary(result) -> str:
                         "were computed: no rows (their ids stay taken; the manifest's 'removed' lists them)")
     if nonfinite:
         warnings.append(f"nonfinite: {nonfinite:,} sample(s) with NaN/Inf results (the 'nonfinite' dataset flags them)")
-    precision = precision_line(manifest.get("self_check") or {}, manifest["config"]["jacobian"].get("compute_dtype", "float32"))
+    jacobian = manifest["config"]["jacobian"]
+    precision = precision_line(manifest.get("self_check") or {}, jacobian.get("compute_dtype", "float32"),
+                               jacobian.get("store_dtype", "float32"))
     reads = _reads(manifest)
     width = max(len(code) for code, _ in reads)
     total = time.time() - process_started_at()

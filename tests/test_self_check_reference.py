@@ -173,6 +173,21 @@ def test_the_precision_line_says_identical_where_there_is_no_error():
                     f"{self_check_report.TRUTH_FLOAT64} on 3 checked sample(s)")
 
 
+@pytest.mark.parametrize(("store_dtype", "passed_max", "hint"), [
+    ("float32", 6e-4, True), ("float16", 6e-4, False), ("float16", 5e-3, True), ("bfloat16", 5e-3, False),
+    ("float32", 5e-5, False),
+])
+def test_the_precision_line_suggests_float64_only_where_storing_is_not_what_limits_it(store_dtype, passed_max, hint):
+    """float16 stores values 4.9e-4 off by its rounding alone: computing in float64 would not bring them nearer."""
+    error = {"median": passed_max / 3, "max": passed_max}
+    summary = {"precision": {"against": self_check_report.TRUTH_FLOAT64, "samples": 3, "datasets": {
+        "jacobian": {"error": error, "noise": error, "passed_max": passed_max}}}}
+    line = self_check_report.precision_line(summary, "float32", store_dtype)
+    assert line.endswith("; jacobian.compute_dtype: float64 for more") == hint, line
+    stored = f" stored as {store_dtype}" if store_dtype in ("float16", "bfloat16") else ""
+    assert line.startswith(f"jacobian: float32{stored} error against"), line
+
+
 def test_prepare_builds_the_references_beside_the_batches_and_a_failure_is_the_first_checks():
     """``prepare`` (a run's worker calls it at set-up) builds, traces and calls the references once on a
     thread of its own: the first check then finds them built, and judges as one that built them would. If
