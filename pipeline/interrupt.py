@@ -4,6 +4,7 @@ one line saying what is kept, and the exit status the command gives an interrupt
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -74,9 +75,13 @@ class CtrlC:
             return f"jacobeam: {what}"
         from jacobeam.transforms.output.layout import OVERWRITE_DIR, SHARDS_DIR, shard_name
 
-        # An --overwrite computes in a folder of its own (pipeline.overwrite): the old result is still whole.
-        replacing = "; the result it replaces is untouched" if storage.name_of(self.spec.output_dir) == OVERWRITE_DIR else ""
-
+        replacing = ""
+        if storage.name_of(self.spec.output_dir) == OVERWRITE_DIR:
+            moved = self._moved_in(what)
+            if moved:
+                return moved
+            # An --overwrite computes in a folder of its own (pipeline.overwrite): the old result is still whole.
+            replacing = "; the result it replaces is untouched"
         expected = {shard_name(r.start, r.stop) for r in self.spec.ranges() if r.rows}
         try:
             done = len(expected & set(storage.listdir(storage.join(self.spec.output_dir, SHARDS_DIR))))
@@ -86,6 +91,24 @@ class CtrlC:
             f"jacobeam: {what}: {done} of {len(expected)} shards complete and kept; "
             f"run the same command again to finish{replacing}"
         )
+
+    def _moved_in(self, what: str) -> str | None:
+        """Where an ``--overwrite`` was stopped once its result was committed (``pipeline.overwrite.finish``):
+        moving it in, or moved (and being verified). None: it was still computing."""
+        from jacobeam.transforms.output.layout import MANIFEST
+
+        staged = self.spec.output_dir
+        root = staged.rstrip("/").rsplit("/", 1)[0]
+        try:
+            if storage.exists(storage.join(staged, MANIFEST)):
+                return (f"jacobeam: {what} while this run's result replaced the one in {root}: the next run of the "
+                        "folder finishes replacing it")
+            manifest = json.loads(storage.read_text(storage.join(root, MANIFEST)))
+            if manifest["run"]["id"] == self.spec.run_id:
+                return f"jacobeam: {what}: this run's result has replaced the one in {root}"
+        except Exception:  # the message must come out whatever the folder does
+            pass
+        return None
 
     def __call__(self, signum, frame) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)

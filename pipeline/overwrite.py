@@ -4,8 +4,8 @@ The new result is computed in a folder of its own inside the output folder, ``OU
 (``layout.OVERWRITE_DIR``): a run like any other there, resumed there when interrupted. Until its
 manifest is committed there, the old result is whole and readable, and a failed or interrupted
 overwrite leaves it so. ``finish`` then moves the new result in: it removes the old manifest (the old
-result ends there), then the old files that no file of the new result replaces, moves the new files
-in (shards first, the view last), writes the manifest at the top and removes the staged one. Each step
+result ends there), then the old files (the view first), moves the new files in (shards first, the
+view last), writes the manifest at the top and removes the staged one. Each step
 can be done again, so a run stopped among them is finished by the next run of the folder, before it
 plans. Every removal and move is a commit of the run holding the folder's lease (``guard``).
 """
@@ -63,13 +63,21 @@ def pending(root: str) -> dict[str, Any] | None:
     return manifest if isinstance(manifest, dict) and "run_key" in manifest and "shards" in manifest else None
 
 
-def warn_unfinished(root: str) -> None:
-    """Say so where an ``--overwrite`` of ``root`` stopped before its result was complete: its staging
-    folder holds shards that only the same ``--overwrite`` uses."""
+def unfinished(root: str) -> str | None:
+    """What an ``--overwrite`` of ``root`` that stopped before its result was complete left (None: nothing):
+    its staging folder holds shards that only the same ``--overwrite`` uses."""
     shards = storage.listdir(storage.join(staging(root), SHARDS_DIR))
-    if shards:
-        log.warning("%s: an --overwrite stopped before its result was complete left %d file(s) in %s: run it again "
-                    "to finish it, or remove that folder", storage.normalize(root), len(shards), staging(root))
+    if not shards:
+        return None
+    return (f"an --overwrite stopped before its result was complete left {len(shards)} file(s) in {staging(root)}: "
+            "run it again to finish it, or remove that folder")
+
+
+def warn_unfinished(root: str) -> None:
+    """Say what an ``--overwrite`` of ``root`` stopped early left (``unfinished``), if it left anything."""
+    left = unfinished(root)
+    if left:
+        log.warning("%s: %s", storage.normalize(root), left)
 
 
 def finish(root: str, output_path: str, guard: fence.Fence | None) -> dict[str, Any] | None:
@@ -89,8 +97,11 @@ def finish(root: str, output_path: str, guard: fence.Fence | None) -> dict[str, 
     named |= {name + suffix for name in named for suffix in CHECKSUM_SUFFIXES}
     with fence.held(guard):
         storage.delete(storage.join(root, MANIFEST))
-    # The new result's files were moved in already, or are still to move (and replace theirs).
-    old = [path for path in read_folder(root).owned if _relative(root, path) not in named | set(new)]
+    # Every file but the new result's moved in already (a run stopped among the moves moved some), the old
+    # view first: it would read the old shards and the new ones as one result while they are swapped.
+    moved = named - set(new)
+    old = sorted((path for path in read_folder(root).owned if _relative(root, path) not in moved),
+                 key=lambda path: _relative(root, path) != VIEW)
     if old:
         with fence.held(guard):
             storage.delete(*old)
@@ -98,16 +109,16 @@ def finish(root: str, output_path: str, guard: fence.Fence | None) -> dict[str, 
         with fence.held(guard):
             storage.rename(storage.join(staged, name), storage.join(root, name))
         faults.reached("overwrite_move")
-    moved = copy.deepcopy(manifest)
-    moved["output_dir"] = root
-    moved["config"]["output"]["path"] = output_path
-    write_manifest(root, moved, guard)
+    top = copy.deepcopy(manifest)
+    top["output_dir"] = root
+    top["config"]["output"]["path"] = output_path
+    write_manifest(root, top, guard)
     faults.reached("overwrite_moved")
     with fence.held(guard):
         storage.delete(storage.join(staged, MANIFEST), storage.join(staged, INPUTS_PREVIOUS),
                        storage.join(staged, LEASE))
     _remove_if_empty(staged)
-    return moved
+    return top
 
 
 def _staged_files(staged: str) -> list[str]:

@@ -43,6 +43,7 @@ from jacobeam.pipeline.folder import (
 from jacobeam.pipeline.identity import run_identity
 from jacobeam.pipeline.ids import path_mapper, place_files, shard_ranges
 from jacobeam.pipeline.labels import file_labels, relabelled_shards
+from jacobeam.pipeline.overwrite import unfinished
 from jacobeam.transforms.errors import ModelError, OutputError
 from jacobeam.transforms.finalize import remove_temp_files
 from jacobeam.transforms.inputs.readers import check_labels
@@ -259,9 +260,11 @@ def _plan_job(config: Config, tf_threads: int | None, overwrite: bool, check_mod
         if not overwrite:
             listed = "\n  ".join(differences[:_MAX_LISTED])
             more = f"\n  ... and {len(differences) - _MAX_LISTED} more" if len(differences) > _MAX_LISTED else ""
+            left = unfinished(folder.root)
             raise OutputError(
                 f"output folder {folder.root} holds the result of a different run:\n  {listed}{more}\n"
                 "use --overwrite to replace it (jacobeam removes only files it wrote), or choose another output.path"
+                + (f"\n({left})" if left else "")
             )
         if replace and folder.manifest is not None:
             return Replace(folder.root, differences)

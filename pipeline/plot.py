@@ -80,8 +80,11 @@ class _Panel:
 
     titles: list[str]  # per chosen sample, after "sample <id>: "
     pictures: list[np.ndarray]  # per chosen sample: a 2-D array, or 1-D for a curve
-    style: str  # "map" (non-negative, over the input's pixels), "matrix" (signed heatmap), "curve"
-    row_labels: list[list[int]] | None = None  # per chosen sample, a matrix's rows (output indices)
+    style: str  # "map" (non-negative, over the input's pixels), "matrix" (signed heatmap), "curve", "layers" (bars)
+    row_labels: list[list] | None = None  # per chosen sample, a matrix's rows (output indices), or the layers' names
+
+
+_LAYERS_NAMED = 40  # a per-layer panel names its layers up to this many
 
 
 @dataclasses.dataclass
@@ -195,7 +198,9 @@ class _Contents:
             self.scalar("frobenius", f"norm of the per-sample {what}")
             by_layer = self.chosen("frobenius_by_layer").astype(np.float64)
             titles = [f"norm per layer ({by_layer.shape[1]} layers, model order)"] * len(by_layer)
-            self.panels.append(_Panel(titles, list(by_layer), "curve"))
+            layers = side.get("layers")
+            names = [list(layers)] * len(by_layer) if layers and len(layers) == by_layer.shape[1] else None
+            self.panels.append(_Panel(titles, list(by_layer), "layers", names))
         for name, label in (("projection", "norm of g P (estimates |g|)"), ("gradient", f"norm of the per-sample {what}")):
             if name in view:
                 self.histogram([name], _frobenius, label)
@@ -427,6 +432,13 @@ def _wrapped(title: str, columns: int = 1) -> str:
 def _draw_panel(figure, axis, panel: _Panel, k: int, sample_id: int, where: str = "") -> None:
     picture = panel.pictures[k]
     axis.set_title(_wrapped(f"sample {sample_id}: {panel.titles[k]}" + (f", {where}" if where else "")))
+    if panel.style == "layers":  # one bar per layer, named where they are few enough to read
+        axis.bar(np.arange(len(picture)), picture)
+        axis.set_xlabel("layer, in model order")
+        names = panel.row_labels[k] if panel.row_labels else None
+        if names and len(names) <= _LAYERS_NAMED:
+            axis.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
+        return
     if panel.style == "curve":
         axis.plot(np.arange(len(picture)), picture, marker=".")
         axis.axhline(0.0, color="gray", linewidth=0.5)
@@ -455,11 +467,16 @@ def _draw_histogram(axis, histogram: _Histogram, ids: Sequence[int], columns: in
         title += f"\n{histogram.title}"
     if finite.size:
         axis.hist(finite, bins=min(50, max(5, len(finite) // 4)))
-    for value in histogram.marked or ():
+    marked = list(zip(ids, histogram.marked or ()))
+    for _, value in marked:
         if np.isfinite(value):
             axis.axvline(value, color="black", linestyle="--", linewidth=0.8)
-    if histogram.marked:
-        title += f"\ndashed: sample(s) {', '.join(str(i) for i in ids)}"
+    drawn = [str(i) for i, value in marked if np.isfinite(value)]
+    not_drawn = [str(i) for i, value in marked if not np.isfinite(value)]
+    if drawn:
+        title += f"\ndashed: sample(s) {', '.join(drawn)}"
+    if not_drawn:
+        title += f"\nnot finite, not drawn: sample(s) {', '.join(not_drawn)}"
     axis.set_xlabel(histogram.label)
     axis.set_ylabel("samples")
     axis.set_title(_wrapped(title, columns))

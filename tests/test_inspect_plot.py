@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 
-from jacobeam.pipeline import cli, config, runner
+from jacobeam.pipeline import cli, config, plot, runner
 from jacobeam.pipeline.summary import run_summary
 
 N = 6  # samples of each run
@@ -401,3 +401,20 @@ def test_a_title_keeps_a_number_with_the_word_before_it_and_fits_its_columns():
         assert " ".join(lines) == title and all(len(line) <= TITLE_CHARS * columns for line in lines)
         assert not any(line.split()[0][0].isdigit() for line in lines[1:]), lines  # no line begins with a number
     assert _wrapped("first line\nsecond") == "first line\nsecond"  # its own breaks kept
+
+
+def test_a_chosen_sample_whose_value_is_not_finite_is_said_not_drawn():
+    """The histogram marks the chosen samples with dashed lines; one whose value is not finite has none, and
+    the title says so rather than calling it dashed."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots()
+    try:
+        values = np.array([1.0, np.inf, 2.0, 3.0])
+        plot._draw_histogram(axis, plot._Histogram(values, "norm", [1.0, float("inf")]), [0, 1])
+        title = axis.get_title().replace("\n", " ")
+        assert "dashed: sample(s) 0 " in title and "not finite, not drawn: sample(s) 1" in title, title
+        assert "(1 non-finite left out)" in title and len(axis.lines) == 1
+    finally:
+        plt.close(figure)

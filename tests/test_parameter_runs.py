@@ -128,6 +128,10 @@ def test_grand_scores_and_entk_features_of_a_small_conv_net(tmp_path):
     titles = [axis.get_title().replace("\n", " ") for axis in figure.axes]
     assert any("norm of the per-sample gradient" in t for t in titles) and any("objective" in t for t in titles)
     assert any("norm per layer (3 layers" in t for t in titles)
+    layers = next(axis for axis in figure.axes if "norm per layer" in axis.get_title())
+    assert [tick.get_text() for tick in layers.get_xticklabels()] == ["conv", "bn", "head"]  # categories, named
+    shown = int(layers.get_title().split(":")[0].split()[-1])  # "sample <id>: norm per layer ..."
+    np.testing.assert_array_equal([bar.get_height() for bar in layers.patches], by_layer[shown])
 
     for structure in ("dense", "kronecker"):  # P rebuilt from what the manifest records
         out = tmp_path / f"entk_{structure}"

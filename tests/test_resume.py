@@ -13,6 +13,7 @@ import pytest
 
 from jacobeam.pipeline import cli, config, runner
 from jacobeam.pipeline.verify import verify
+from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.output.inputs_table import folder_inputs
 from jacobeam.transforms.output.storage import sha256
 from jacobeam.transforms.testing import faults
@@ -270,6 +271,9 @@ def test_an_overwrite_that_fails_leaves_the_old_result_whole_and_the_same_comman
     with caplog.at_level(logging.WARNING, logger="jacobeam"):  # the old config: its result is complete
         assert runner.run(_config(root / "data", out), [], show_progress=False).manifest["run"]["samples_computed"] == 0
     assert "an --overwrite stopped before its result was complete left 1 file(s)" in caplog.text
+    with pytest.raises(OutputError, match=r"holds the result of a different run:(.|\n)*\n\(an --overwrite stopped before "
+                       r"its result was complete left 1 file\(s\) in .*/out/\.jacobeam-overwrite: run it again"):
+        runner.run(_config(root / "data", out, outputs=[1]), [], show_progress=False)
 
     manifest = runner.run(replacing, [], show_progress=False, overwrite=True).manifest
 

@@ -238,6 +238,52 @@ def test_ctrl_c_of_an_overwrite_says_the_result_it_replaces_is_untouched(job, tm
 
 
 @pytest.mark.slow
+def test_ctrl_c_while_an_overwrite_moves_its_result_in_says_the_next_run_finishes_it(job, tmp_path):
+    root, _ = job
+    out = tmp_path / "out"
+    old = _jacobeam("run", "config.yaml", "-q", "--set", f"output.path={out}", "--set", "jacobian.outputs=[0]", cwd=root)
+    assert old.returncode == 0, old.stderr
+    command = [sys.executable, "-m", "jacobeam", "run", "config.yaml", "-q", "--set", f"output.path={out}", "--overwrite"]
+    proc = subprocess.Popen(command, cwd=root, env=_env(**{faults.DELAY_AT: "overwrite_move:2"}), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while (out / "manifest.json").exists():  # the old result ends once the new one is committed
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+
+    assert proc.returncode == 130, stderr
+    assert stderr.rstrip("\n").split("\n")[-1] == (
+        f"jacobeam: interrupted while this run's result replaced the one in {out}: the next run of the folder finishes "
+        "replacing it")
+    again = _jacobeam("run", "config.yaml", "-q", "--set", f"output.path={out}", cwd=root)  # no --overwrite needed
+    assert again.returncode == 0, again.stderr
+    assert _checksums(out) == _checksums(root / "out") and not (out / ".jacobeam-overwrite").exists()
+
+
+def test_the_interrupt_line_of_an_overwrite_says_where_it_was(tmp_path):
+    """Computing (the old result untouched), moving its result in, or done (verifying): each its own line."""
+    from types import SimpleNamespace
+
+    from jacobeam.pipeline.interrupt import CtrlC
+
+    out, staged = tmp_path / "out", tmp_path / "out" / ".jacobeam-overwrite"
+    (staged / "shards").mkdir(parents=True)
+    handler = CtrlC(130, 143)
+    handler.planned(SimpleNamespace(output_dir=str(staged), run_id="new", ranges=lambda: []))
+    (out / "manifest.json").write_text(json.dumps({"run": {"id": "old"}}))
+    assert handler.message() == ("jacobeam: interrupted: 0 of 0 shards complete and kept; run the same command again "
+                                 "to finish; the result it replaces is untouched")
+    (staged / "manifest.json").write_text(json.dumps({"run": {"id": "new"}}))
+    (out / "manifest.json").unlink()
+    assert handler.message() == (f"jacobeam: interrupted while this run's result replaced the one in {out}: the next "
+                                 "run of the folder finishes replacing it")
+    (staged / "manifest.json").rename(out / "manifest.json")
+    assert handler.message() == f"jacobeam: interrupted: this run's result has replaced the one in {out}"
+
+
+@pytest.mark.slow
 def test_ctrl_c_with_two_worker_processes_stops_them_all(job, tmp_path):
     root, done = job
     _interrupt(root, tmp_path / "out", TWO_PROCESSES, whole_group=True)
