@@ -55,6 +55,7 @@ from jacobeam.transforms.spec import JobSpec, ModelSource, Rejected, run_key
 log = logging.getLogger(__name__)
 
 _MAX_LISTED = 8  # differences shown in one error message
+_COUNTED_BY_TENSORFLOW = (".tfrecord.gz", ".tfrecords.gz")  # a GZIP stream's records: counted by reading it through
 
 
 @dataclasses.dataclass
@@ -223,6 +224,14 @@ def _plan_job(config: Config, tf_threads: int | None, overwrite: bool, check_mod
     policy = config.input.on_bad_sample
     # Files whose stamp the folder's manifest recorded keep the description it recorded (no header read).
     known = recorded_descriptions(folder.manifest, to_dict(config)["input"])
+    listed = list_inputs(config.input.paths) if listed is None else listed
+    if any(path.lower().endswith(_COUNTED_BY_TENSORFLOW) and getattr(known.get(path), "stamp", None) != stamp
+           for path, stamp in listed.items()):
+        # Counting a compressed file's records is this process's first TensorFlow op, which sizes its pools:
+        # the in-process runner's workers want theirs.
+        from jacobeam.transforms.engine.threads import configure_tf_threads
+
+        configure_tf_threads(tf_threads, warn=False)
     files = resolve_inputs(
         config.input.paths, config.input.key, policy, config.input.shape(), config.input.image_options(), known,
         listed,

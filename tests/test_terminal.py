@@ -284,6 +284,25 @@ def test_the_interrupt_line_of_an_overwrite_says_where_it_was(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_grown_compressed_tfrecord_file_is_counted_without_a_warning_about_threads(tmp_path):
+    """Counting a .tfrecord.gz file's records (read through: it grew) was the launcher's first TensorFlow op,
+    before its threads were set: each rerun warned that they could not be."""
+    from tests.test_more_inputs import example, write_tfrecord
+
+    rng = np.random.default_rng(0)
+    samples = rng.normal(size=(20, 784)).astype(np.float32)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "config.yaml").write_text(json.dumps({
+        "model": {"builtin": "mlp"}, "input": {"paths": ["data/*.tfrecord.gz"], "key": "x", "sample_shape": [784]},
+        "jacobian": {"batch_size": 8}, "output": {"path": "out", "samples_per_shard": 8}}))
+    for rows in (12, 20):
+        write_tfrecord(tmp_path / "data" / "a.tfrecord.gz", [example(x=x) for x in samples[:rows]])
+        done = _jacobeam("run", "config.yaml", "-q", cwd=tmp_path)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["num_samples"] == 20
+
+
+@pytest.mark.slow
 def test_ctrl_c_with_two_worker_processes_stops_them_all(job, tmp_path):
     root, done = job
     _interrupt(root, tmp_path / "out", TWO_PROCESSES, whole_group=True)
