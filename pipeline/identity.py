@@ -33,13 +33,17 @@ def spelled(path: str) -> str:
 
 def comparable(identity: dict[str, Any]) -> dict[str, Any]:
     """An identity (this run's, or one a folder recorded, however old) with its file names as the
-    comparison takes them: the model file by its content (``MODEL_FILE``), other files ``spelled``."""
+    comparison takes them: the model file by its content (``MODEL_FILE``), other files ``spelled``; and the
+    layers of ``wrt: {parameters: [...]}`` sorted, each once (their order and repeats change nothing)."""
     found = dict(identity)
     if found.get("model.path") is not None:
         found["model.path"] = MODEL_FILE
     for key in _PATH_KEYS:
         if isinstance(found.get(key), str):
             found[key] = spelled(found[key])
+    layers = found.get("jacobian.wrt.parameters")
+    if isinstance(layers, list):  # a set: its weights are taken once each, in the model's order
+        found["jacobian.wrt.parameters"] = sorted(set(layers))
     return found
 
 

@@ -198,3 +198,27 @@ def test_a_rerun_that_computes_nothing_keeps_the_weights_layout_that_rebuilds_p(
     said = capsys.readouterr().out
     assert f"wrt: parameters, {first['stored']['parameters']['size']:,} weight entries" in said
     assert "reduce: project; P 32 columns, rademacher, seed 0, dense)" in said  # what rebuilds P
+
+
+@pytest.mark.slow
+def test_the_layers_of_wrt_parameters_are_a_set_their_order_and_repeats_are_the_same_run(tmp_path):
+    """The weights are taken once each, in the model's order, however the layers are listed: a folder written
+    with ``[head, conv]`` is resumed by ``[conv, head, conv]`` (it was refused as another run's)."""
+    _write(tmp_path / "data", (6, 6, 2), 40, 4, seed=2)
+    model = {"factory": "tests.models:bn_cnn"}
+
+    def run(out: str, layers: list[str]):
+        cfg = _config(tmp_path / "data", tmp_path / out, model, 16, wrt={"parameters": layers},
+                      objective={"loss": "sparse_categorical_crossentropy"}, reduce="frobenius")
+        return runner.run(cfg, [], show_progress=False).manifest
+
+    run("out", ["head", "conv"])
+    (tmp_path / "out" / "shards" / "shard-000000000016-000000000032.h5").unlink()
+    (tmp_path / "out" / "manifest.json").unlink()
+    resumed = run("out", ["conv", "head", "conv"])
+    run("fresh", ["conv", "head"])
+
+    assert resumed["run"]["samples_computed"] == 16 and resumed["stored"]["parameters"]["layers"] == ["conv", "head"]
+    with h5py.File(tmp_path / "out" / "jacobians.h5") as ours, h5py.File(tmp_path / "fresh" / "jacobians.h5") as theirs:
+        for name in ("frobenius", "frobenius_by_layer", "objective", "sample_id"):
+            np.testing.assert_array_equal(ours[name][:], theirs[name][:])
