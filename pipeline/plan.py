@@ -85,7 +85,6 @@ class Replace:
     result is computed beside it, in ``pipeline.overwrite.staging(root)``, and moved in once committed."""
 
     root: str
-    differences: list[str]  # how the folder's run differs from this one
 
 
 def _check_files_named(config: Config) -> None:
@@ -276,7 +275,7 @@ def _plan_job(config: Config, tf_threads: int | None, overwrite: bool, check_mod
                 + (f"\n({left})" if left else "")
             )
         if replace and folder.manifest is not None:
-            return Replace(folder.root, differences)
+            return Replace(folder.root)
         log.warning("--overwrite: replacing the different run in %s", folder.root)
         remove = list(folder.owned)
         files, labels, _ = file_labels(config, files, None)

@@ -33,7 +33,7 @@ def checks_line(summary: Mapping[str, Any]) -> str:
     return line
 
 
-# The unit roundoff of each store dtype (half its machine epsilon).
+# The unit roundoff of each dtype (half its machine epsilon).
 _ROUNDING = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
 
 
