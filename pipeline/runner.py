@@ -371,7 +371,8 @@ def _replace(
     log.warning("--overwrite: replacing the different run in %s once this run's result is complete (computed in "
                 "%s until then; the old result stays whole and readable)", replace.root, staged)
     staged_config = config.model_copy(update={"output": config.output.model_copy(update={"path": staged})})
-    inner, created = take_lease(staged, wait)
+    # Its own lease, as any run's, where the folder has one (a file system without one was said so once).
+    inner, created = take_lease(staged, wait) if lease is not None else (None, [])
     try:
         result = _run_leased(staged_config, options, show_progress, True, 0, pipeline, engine_factory, planned,
                              accept_library_versions, inner)
