@@ -90,6 +90,7 @@ def test_a_complete_folder_reruns_as_a_full_rerun_would(tmp_path, monkeypatch, c
     assert first["run"]["samples_computed"] == 43 and first["self_check"]["samples_checked"] > 0
     again = _rerun_both_ways(raw, tmp_path / "out", monkeypatch, caplog)
     assert again["aggregates"] == first["aggregates"] and again["self_check"]["samples_checked"] > 0
+    assert again["engine"] == first["engine"] and first["engine"]["mode"]  # the engine that computed the shards
     assert verify(str(tmp_path / "out"), samples=4).ok
 
 

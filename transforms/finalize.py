@@ -375,9 +375,9 @@ def build_manifest(
         "output_shape": [int(d) for d in attrs["output_shape"]],
         "dtype": str(attrs["dtype"]),
         "model_fingerprint": first.model_fingerprint,
-        # What the engine ran and why, as the first worker that computed a shard reported it (None when
-        # every shard was kept from an earlier attempt).
-        "engine": next((record.engine for record in records if record.engine), None),
+        # What the engine ran and why, as the first worker that computed a shard reported it; where every
+        # shard was kept, as the folder's last manifest recorded it (the engine that computed them).
+        "engine": next((record.engine for record in records if record.engine), None) or (previous or {}).get("engine"),
         "run_key": spec.run_key,
         "run_identity": spec.identity,
         # Where the folder was written: a copy of it (moved with its inputs) matches their paths by it.
@@ -436,7 +436,7 @@ def build_manifest(
 def rerun_manifest(manifest: dict[str, Any], run_id: str, started_at: float, tf_threads: int | None) -> dict[str, Any]:
     """The manifest of run ``run_id``, which found its folder up to date (``pipeline.up_to_date``):
     ``manifest``, the last run's, as ``build_manifest`` writes it for a run that computed nothing and
-    kept every shard (no engine, no worker's figures, no time spent checking)."""
+    kept every shard (the engine that computed them, no worker's figures, no time spent checking)."""
     recorded = {key: value for key, value in manifest.items() if key != "inputs"}  # the table's rows: inputs.h5
 
     def kept(shard: dict[str, Any]) -> dict[str, Any]:
@@ -448,7 +448,6 @@ def rerun_manifest(manifest: dict[str, Any], run_id: str, started_at: float, tf_
     return {
         **recorded,
         "created_at": _now(),
-        "engine": None,
         "shards": [kept(shard) for shard in manifest["shards"]],
         **({"self_check": {**manifest["self_check"], "seconds": 0.0}} if manifest.get("self_check") else {}),
         "tf_threads": tf_threads,
