@@ -64,7 +64,8 @@ class Report:
 def _check_view(root: str, report: Report) -> None:
     path = storage.join(root, VIEW)
     if not storage.exists(path):
-        report.problems.append(f"{VIEW} is missing")
+        report.problems.append(f"{VIEW} is missing (a run that did not finish removes it before it replaces a shard "
+                               "by one holding other samples; the same command writes it again)")
         return
     import h5py
 

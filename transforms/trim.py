@@ -10,7 +10,8 @@ removed files had rows in the shard, the kept samples are read again (read, not 
 and must be the samples the shard holds (the same ids stored, the same rejected); where they had none
 (every sample of theirs rejected), the digests stand and nothing is read. The new shard replaces the
 old one in one rename when committed (``ShardWriter``'s ``replace``), as a stale shard's replacement
-does: until then the old one stays, and the manifest and ``jacobians.h5`` still name it.
+does: until then the old one stays, and the manifest still names it (``jacobians.h5``, which maps its
+rows as they were, goes just before: ``ShardWriter._retire_view``).
 
 A shard that cannot be copied so (it holds partial sums, ``jacobian.aggregate``, which cannot lose a
 sample's share; its other files' stamps changed too; it stores no digest) is computed again instead.

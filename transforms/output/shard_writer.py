@@ -24,7 +24,7 @@ import numpy as np
 
 from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.output import storage
-from jacobeam.transforms.output.layout import CRC32C_SUFFIX, NONFINITE, SAMPLE_ID, shard_name
+from jacobeam.transforms.output.layout import CRC32C_SUFFIX, NONFINITE, SAMPLE_ID, VIEW, shard_name
 from jacobeam.transforms.output.shards import proven_checksum, read_attrs, shard_path
 from jacobeam.transforms.testing import faults
 
@@ -321,6 +321,8 @@ class ShardWriter:
         self._h5.attrs.update(num_rows=count, nonfinite_count=self.nonfinite)
         self._h5.close()
         self._h5 = None
+        if self._replace:
+            self._retire_view()
         try:
             with self._file.explained():
                 checksum = storage.crc32c(self._file.local)
@@ -334,6 +336,24 @@ class ShardWriter:
                 storage.write_bytes(self.final_path + CRC32C_SUFFIX, checksum.encode())
         faults.reached("shard_done")
         self._checksum = checksum
+
+    def _retire_view(self) -> None:
+        """Remove ``jacobians.h5`` before this shard replaces one that holds other samples (a deleted file's
+        rows taken out, others rejected): the view maps each shard's rows as they were, and its own
+        per-row sources (``source_file``, ``source_row``) would name another sample's file and row for the
+        new rows. Without a view the folder reads as not complete until the run's end writes it again."""
+        import h5py
+
+        if not storage.exists(self.final_path):
+            return
+        try:
+            with storage.open_h5(self.final_path) as old, h5py.File(self._file.local, "r") as new:
+                same = np.array_equal(old[SAMPLE_ID][:], new[SAMPLE_ID][:])
+        except (OSError, KeyError):  # unreadable: as if it held other samples
+            same = False
+        if not same:
+            with self._fence():
+                storage.delete(storage.join(self._output_dir, VIEW))
 
     def _kept_existing(self) -> str:
         """A complete shard took this one's name while it was written: another attempt of this run (a
