@@ -287,18 +287,35 @@ def _other_inputs(attrs: dict[str, Any], shard: ShardRange, spec: JobSpec, as_no
 
 
 def unfinished_outdated(folder: Folder, spec: JobSpec) -> list[str]:
-    """The shards (names) of a run that never finished (no manifest) whose ids this run places otherwise: a
-    file added that sorts among the others, a file that was unreadable and is mended. No result stands on
-    them, so they are computed again (or, outside this run's ranges, deleted once the manifest is written)
-    instead of making the folder another run's: numbering continues from a manifest only."""
-    if folder.manifest is not None or not folder.shards:
+    """The shards (names) of a run that did not finish whose ids this run places otherwise. Without a
+    manifest (the run never finished): a file added that sorts among the others, a file that was
+    unreadable and is mended. With one: a shard a later run that did not finish wrote again without a
+    file deleted then, which is back (put back under its path: the manifest's ids are its). No result
+    stands on them, so they are computed again (or, outside this run's ranges, deleted once the manifest is
+    written) instead of making the folder another run's: numbering continues from a manifest only."""
+    if not folder.shards:
         return []
-    expected = set(spec.ranges())
-    as_now = path_mapper(None, list(spec.files), spec.output_dir)
-    return sorted(name for name, attrs in folder.shards.items()
-                  if attr_text(attrs.get("run_key", "")) == spec.run_key  # this run's: else another run's result
-                  and (ShardRange(*shard_ids(name)) not in expected
-                       or _other_inputs(attrs, ShardRange(*shard_ids(name)), spec, as_now, set())))
+    ours = {name: attrs for name, attrs in folder.shards.items()
+            if attr_text(attrs.get("run_key", "")) == spec.run_key}  # this run's: else another run's result
+    as_now = path_mapper(folder.manifest, list(spec.files), spec.output_dir)
+    if folder.manifest is None:
+        expected = set(spec.ranges())
+        return sorted(name for name, attrs in ours.items()
+                      if ShardRange(*shard_ids(name)) not in expected
+                      or _other_inputs(attrs, ShardRange(*shard_ids(name)), spec, as_now, set()))
+    listed = {storage.name_of(entry["file"]): entry.get("samples_sha256") for entry in folder.manifest["shards"]}
+    return sorted(name for name, attrs in ours.items()
+                  if name in listed and listed[name] != attr_text(attrs.get(SAMPLES_SHA256, ""))
+                  and _fewer_inputs(attrs, ShardRange(*shard_ids(name)), spec, as_now))
+
+
+def _fewer_inputs(attrs: dict[str, Any], shard: ShardRange, spec: JobSpec, as_now) -> bool:
+    """Whether a shard lists only some of the files this run's ids of its range mean, each as this run does."""
+    if "inputs" not in attrs:
+        return False
+    recorded = _absolute_paths(json.loads(attr_text(attrs["inputs"])), as_now)
+    theirs = {json.dumps(entry[:4], sort_keys=True) for entry in recorded}
+    return theirs < {json.dumps(list(entry[:4]), sort_keys=True) for entry in shard_inputs(spec.files, shard.start, shard.stop)}
 
 
 def _removed_pieces(spec: JobSpec) -> set[tuple[int, int]]:

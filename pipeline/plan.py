@@ -303,8 +303,8 @@ def _plan_job(config: Config, tf_threads: int | None, overwrite: bool, check_mod
             stale = sorted([*stale, *relabelled])
         outdated = [name for name in outdated if name not in stale]
         if outdated:
-            log.info("%d shard(s) of the unfinished run here hold samples whose ids this run places otherwise (input "
-                     "files added among the others, or mended): computed again", len(outdated))
+            log.info("%d shard(s) of a run here that did not finish hold samples whose ids this run places otherwise "
+                     "(input files added among the others, mended, or put back): computed again", len(outdated))
             stale = sorted([*stale, *outdated])
         names = {shard_name(r.start, r.stop) for r in spec.ranges()}
         spec = dataclasses.replace(

@@ -194,6 +194,33 @@ def test_inspect_calls_a_folder_whose_shards_a_killed_run_shortened_not_complete
         assert len(view["jacobian"][:]) == 19
 
 
+def test_a_file_deleted_then_put_back_after_a_run_that_did_not_finish_is_computed_again(tmp_path):
+    """A run killed after it wrote shards again without a deleted file (its manifest and view not yet
+    written), then the file put back: the manifest's ids are still the file's, and the shortened shards
+    were refused as computed from other input data, a folder only --overwrite could mend."""
+    data, out = tmp_path / "data", tmp_path / "out"
+    arrays = _write(data, SIZES)
+    raw = _npy_job(data, out)
+    _run(raw)
+    top = {name: (out / name).read_bytes() for name in ("manifest.json", "jacobians.h5", "inputs.h5", "rejected.jsonl")}
+    (data / "a.npy").unlink()
+    _run(raw)
+    for name, content in top.items():  # as the run killed before its view and manifest left them
+        (out / name).write_bytes(content)
+    np.save(data / "a.npy", arrays["a"])
+
+    manifest = _run(raw)
+
+    assert manifest["run"]["samples_computed"] == 8 and manifest["removed"]["count"] == 0  # shard 0..8 again, with a
+    fresh = tmp_path / "fresh"
+    _run(_npy_job(data, fresh))
+    assert _rows(out).keys() == _rows(fresh).keys() == set(range(32))
+    for sample_id, row in _rows(fresh).items():
+        for name, values in row.items():
+            np.testing.assert_array_equal(_rows(out)[sample_id][name], values)
+    assert verify(out, samples=2, inputs="all").ok
+
+
 @pytest.mark.parametrize("added", ["a", "bb"])  # sorting before the others, or between them
 def test_a_run_that_never_finished_takes_a_file_added_among_the_others(tmp_path, added):
     """A first run stopped with some shards complete (no manifest: ids are numbered afresh), then a file
