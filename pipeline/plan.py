@@ -44,7 +44,7 @@ from jacobeam.pipeline.identity import run_identity
 from jacobeam.pipeline.ids import path_mapper, place_files, shard_ranges
 from jacobeam.pipeline.labels import file_labels, relabelled_shards
 from jacobeam.pipeline.overwrite import unfinished
-from jacobeam.transforms.errors import ModelError, OutputError
+from jacobeam.transforms.errors import InputError, ModelError, OutputError
 from jacobeam.transforms.finalize import remove_temp_files
 from jacobeam.transforms.inputs.readers import check_labels
 from jacobeam.transforms.model_identity import model_identity
@@ -169,7 +169,7 @@ def plan_run(
     ``Replace`` where ``overwrite`` is to replace another run's complete result: it is computed in a
     folder of its own first (``pipeline.overwrite``); ``make_job`` plans as if the old result were removed."""
     folder = _prepare(config, tf_threads, check_model, identify_model, folder)
-    listed = list_inputs(config.input.paths)
+    listed = _listed(config, folder)
     if shortcut and not overwrite:
         model = ModelSource(**to_dict(config)["model"]) if identify_model else None
         why = up_to_date.why_not(folder, _recorded_config(config), listed, model)
@@ -217,13 +217,26 @@ def _prepare(config: Config, tf_threads: int | None, check_model: bool, identify
     return read_folder(config.output.path) if folder is None else folder
 
 
+def _listed(config: Config, folder: Folder) -> dict[str, str]:
+    """``discover.list_inputs`` of the config's globs. Where they match nothing, the folder's result stays:
+    every input file gone is refused (a mistyped glob looks the same), saying so."""
+    try:
+        return list_inputs(config.input.paths)
+    except InputError as err:
+        recorded = len((folder.manifest or {}).get("inputs") or ())
+        if not recorded:
+            raise
+        raise InputError(f"{err}: refused, as a mistyped glob would be, and the result in {folder.root} ({recorded:,} "
+                         "input file(s)) is kept; to empty it, delete the output folder") from None
+
+
 def _plan_job(config: Config, tf_threads: int | None, overwrite: bool, check_model: bool,
               accept_library_versions: bool, identify_model: bool, run_id: str, folder: Folder,
               listed: dict[str, str] | None, replace: bool = False) -> Job | Replace:
     policy = config.input.on_bad_sample
     # Files whose stamp the folder's manifest recorded keep the description it recorded (no header read).
     known = recorded_descriptions(folder.manifest, to_dict(config)["input"])
-    listed = list_inputs(config.input.paths) if listed is None else listed
+    listed = _listed(config, folder) if listed is None else listed
     if any(path.lower().endswith(_COUNTED_BY_TENSORFLOW) and getattr(known.get(path), "stamp", None) != stamp
            for path, stamp in listed.items()):
         # Counting a compressed file's records is this process's first TensorFlow op, which sizes its pools:

@@ -221,6 +221,23 @@ def test_a_file_deleted_then_put_back_after_a_run_that_did_not_finish_is_compute
     assert verify(out, samples=2, inputs="all").ok
 
 
+def test_every_input_file_gone_is_refused_saying_the_result_is_kept_and_how_to_empty_it(tmp_path, capsys):
+    data, out = tmp_path / "data", tmp_path / "out"
+    _write(data, SIZES)
+    raw = _npy_job(data, out)
+    _run(raw)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for path in data.iterdir():
+        path.unlink()
+    cfg = tmp_path / "job.json"
+    cfg.write_text(json.dumps(raw))
+    assert cli.main(["-q", "run", str(cfg)]) == cli.FAILED
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.endswith(f"matches no files: refused, as a mistyped glob would be, and the result in {out} (3 input "
+                         "file(s)) is kept; to empty it, delete the output folder"), said
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".jacobeam-lease.json"} == before
+
+
 @pytest.mark.parametrize("added", ["a", "bb"])  # sorting before the others, or between them
 def test_a_run_that_never_finished_takes_a_file_added_among_the_others(tmp_path, added):
     """A first run stopped with some shards complete (no manifest: ids are numbered afresh), then a file
