@@ -43,6 +43,8 @@ class Report:
     # Shards (as the manifest names them) computed from input files whose stamp changed since: the next
     # run reads their samples again and computes those whose samples differ (``pipeline.folder.stale_names``).
     stale: list[str] = field(default_factory=list)
+    # Input files the result was computed from that are gone: the next run takes their samples out.
+    gone: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -54,6 +56,7 @@ class Report:
             "complete": self.ok,
             "problems": self.problems,
             "stale": self.stale,
+            "gone": self.gone,
             "view": self.view,
             "shards_on_disk": self.shards_on_disk,
             "temp_files": self.temp_files,
@@ -126,7 +129,7 @@ def inspect(folder: str) -> Report:
     try:
         state = read_folder(root)  # the manifest with its input files (inputs.h5), the shards' attributes
         report.problems.extend(_rows_changed(state))
-        report.stale = _stale(state)
+        report.stale, report.gone = _stale(state)
     except OutputError as err:  # its input files' table cannot be read
         report.problems.append(str(err))
     return report
@@ -146,17 +149,19 @@ def _rows_changed(folder: Folder) -> list[str]:
     return problems
 
 
-def _stale(folder: Folder) -> list[str]:
-    """The shards on disk computed from input files whose stamp changed since (files gone are not judged):
-    their results may no longer be those of their inputs. Reads the inputs' listing and the shards'
-    attributes only."""
+def _stale(folder: Folder) -> tuple[list[str], list[str]]:
+    """The shards on disk computed from input files whose stamp changed since, and the input files gone
+    since (their shards are not judged): their results may no longer be those of their inputs. Reads the
+    inputs' listing and the shards' attributes only."""
     from jacobeam.pipeline.discover import stamps
     from jacobeam.transforms.inputs.readers import from_a_pipeline
 
     if folder.manifest is None or from_a_pipeline(folder.manifest):
-        return []
-    paths = sorted({storage.absolute(entry["path"]) for entry in folder.manifest["inputs"] if not entry.get("unreadable")})
-    return [f"{SHARDS_DIR}/{name}" for name in stale_names(folder, stamps(paths))]
+        return [], []
+    paths = sorted({storage.absolute(entry["path"]) for entry in folder.manifest["inputs"]
+                    if not entry.get("unreadable") and not entry.get("removed")})
+    found = stamps(paths)
+    return [f"{SHARDS_DIR}/{name}" for name in stale_names(folder, found)], [path for path in paths if path not in found]
 
 
 def _inputs(shape: list[int] | dict[str, list[int]]) -> str:
@@ -282,6 +287,12 @@ def format_report(report: Report) -> str:
                  f"stamp): {', '.join(report.stale)}; the next run reads their samples again and computes those "
                  "whose samples differ"]
                 if report.stale
+                else []
+            ),
+            *(
+                [f"  gone        {len(report.gone)} input file(s) deleted since: {', '.join(report.gone[:3])}"
+                 f"{', ...' if len(report.gone) > 3 else ''}; the next run takes their samples out"]
+                if report.gone
                 else []
             ),
             *(

@@ -221,6 +221,21 @@ def test_a_file_deleted_then_put_back_after_a_run_that_did_not_finish_is_compute
     assert verify(out, samples=2, inputs="all").ok
 
 
+def test_inspect_names_input_files_deleted_since_until_a_run_takes_them_out(tmp_path, capsys):
+    data, out = tmp_path / "data", tmp_path / "out"
+    _write(data, SIZES)
+    raw = _npy_job(data, out)
+    _run(raw)
+    (data / "b.npy").unlink()
+    capsys.readouterr()
+    assert cli.main(["inspect", str(out)]) == cli.OK
+    assert f"  gone        1 input file(s) deleted since: {data / 'b.npy'}; the next run takes their samples out" in \
+        capsys.readouterr().out
+    _run(raw)
+    assert cli.main(["inspect", str(out), "--json"]) == cli.OK
+    assert json.loads(capsys.readouterr().out)["gone"] == []
+
+
 def test_every_input_file_gone_is_refused_saying_the_result_is_kept_and_how_to_empty_it(tmp_path, capsys):
     data, out = tmp_path / "data", tmp_path / "out"
     _write(data, SIZES)
