@@ -231,9 +231,12 @@ def test_inspect_names_input_files_deleted_since_until_a_run_takes_them_out(tmp_
     assert cli.main(["inspect", str(out)]) == cli.OK
     assert f"  gone        1 input file(s) deleted since: {data / 'b.npy'}; the next run takes their samples out" in \
         capsys.readouterr().out
-    _run(raw)
+    manifest = _run(raw)
     assert cli.main(["inspect", str(out), "--json"]) == cli.OK
     assert json.loads(capsys.readouterr().out)["gone"] == []
+    # Its ids are removed, not rejected: in the manifest's totals and in each shard's
+    assert manifest["removed"]["count"] == 13 and manifest["rejected"]["count"] == 0
+    assert [shard["rejected"] for shard in manifest["shards"]] == [0] * len(manifest["shards"])
 
 
 def test_every_input_file_gone_is_refused_saying_the_result_is_kept_and_how_to_empty_it(tmp_path, capsys):

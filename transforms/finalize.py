@@ -362,8 +362,9 @@ def build_manifest(
     stored = sum(record.num_samples for record in records)
     num_rejected = sum(run.num_samples for run in rejected)
 
-    def rejected_in(record: ShardRecord) -> int:
-        return record.stop - record.start - record.num_samples
+    def rejected_in(record: ShardRecord) -> int:  # the range's ids neither stored nor removed (files gone)
+        removed = sum(max(0, min(record.stop, f.stop_id) - max(record.start, f.first_id)) for f in spec.removed)
+        return record.stop - record.start - record.num_samples - removed
 
     return {
         "jacobeam_version": version(),
