@@ -29,7 +29,7 @@ from jacobeam.transforms.compute import EngineFactory
 from jacobeam.transforms.finalize import Finalize, rerun_manifest, write_manifest
 from jacobeam.transforms.job import ComputeShards
 from jacobeam.transforms.output import fence, storage
-from jacobeam.transforms.output.layout import MANIFEST, SHARDS_DIR, shard_name
+from jacobeam.transforms.output.layout import MANIFEST, SHARDS_DIR, shard_ids, shard_name
 from jacobeam.transforms.output.lease import Lease
 from jacobeam.transforms.spec import JobSpec
 from jacobeam.transforms.testing import faults
@@ -454,10 +454,11 @@ def _run_leased(
         planned(spec)
     faults.reached("plan")
     ranges = spec.ranges()
+    to_read = sum(stop - start for start, stop in map(shard_ids, spec.stale))  # kept where they read as before
     log.info(
-        "%d samples of shape %s in %d file(s) -> %d shard(s) in %s (%d samples already complete, %d unreadable "
-        "file(s))", spec.num_samples, spec.sample_shape, len(spec.files), len(ranges), spec.output_dir,
-        already_done, len(spec.file_rejects),
+        "%d samples of shape %s in %d file(s) -> %d shard(s) in %s (%d samples already complete, %d to read again, "
+        "%d unreadable file(s))", spec.num_samples, spec.sample_shape, len(spec.files), len(ranges), spec.output_dir,
+        already_done, to_read, len(spec.file_rejects),
     )
     _warn_idle_workers(spec, options)
     progress = ShardProgress(spec, already_done) if show_progress and is_local(options) else contextlib.nullcontext()
