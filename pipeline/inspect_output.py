@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jacobeam.pipeline.folder import Folder, read_folder, stale_names
+from jacobeam.pipeline.overwrite import pending
 from jacobeam.pipeline.self_check_report import checks_line, precision_line
 from jacobeam.transforms.engine.reductions import DESCRIPTIONS, PARAMETER_DESCRIPTIONS
 from jacobeam.transforms.errors import OutputError
@@ -22,6 +23,7 @@ from jacobeam.transforms.output.layout import (
     INPUTS_TABLE,
     LEASE,
     MANIFEST,
+    OVERWRITE_DIR,
     REJECTED_FILE,
     SHARDS_DIR,
     VIEW,
@@ -112,6 +114,10 @@ def inspect(folder: str) -> Report:
         temp_files=[name for name in names if is_shard_temp(name)] + [name for name in top if is_folder_temp(name)],
     )
     if manifest is None:
+        if pending(root) is not None:  # pipeline.overwrite: a run stopped while it moved its result in
+            report.problems.append(f"no {MANIFEST}: an --overwrite committed its result in {OVERWRITE_DIR} and was "
+                                   "stopped while moving it in; the next run of the folder finishes that")
+            return report
         report.problems.append(
             f"no {MANIFEST}: the run did not finish ({len(report.shards_on_disk)} complete shard(s), "
             f"{len(report.temp_files)} temporary file(s)); run the same command again to complete it"

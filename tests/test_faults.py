@@ -220,7 +220,7 @@ def test_an_overwrite_killed_before_its_result_is_committed_leaves_the_old_one_w
 
 @pytest.mark.parametrize("point", ["overwrite_move:1", "overwrite_move:3", "overwrite_moved"])
 @pytest.mark.parametrize("rerun", ["--overwrite", "no flag"])
-def test_an_overwrite_killed_while_its_result_moves_in_is_finished_by_the_next_run(replaced, point, rerun):
+def test_an_overwrite_killed_while_its_result_moves_in_is_finished_by_the_next_run(replaced, point, rerun, capsys):
     """Killed once its result is committed in the staging folder, while moving it in: the next run of the
     folder, with or without ``--overwrite``, moves the rest in before it plans, and finds it complete."""
     root, clean, reference = replaced
@@ -230,6 +230,10 @@ def test_an_overwrite_killed_while_its_result_moves_in_is_finished_by_the_next_r
     assert (out / ".jacobeam-overwrite" / "manifest.json").exists()
     if point.startswith("overwrite_move:"):  # old shards and new: no view reads them as one result
         assert not (out / "manifest.json").exists() and not (out / "jacobians.h5").exists()
+        capsys.readouterr()
+        assert cli.main(["inspect", str(out)]) == cli.FAILED
+        assert "an --overwrite committed its result in .jacobeam-overwrite and was stopped while moving it in; the " \
+               "next run of the folder finishes that" in capsys.readouterr().out
 
     assert cli.main(["-q", "run", str(config), *([rerun] if rerun == "--overwrite" else [])]) == 0
     assert_same_as(out, reference)
