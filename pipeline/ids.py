@@ -74,6 +74,25 @@ def _recorded_root(previous: dict[str, Any] | None) -> str | None:
     return os.path.realpath(root)
 
 
+def _in_copy(previous: dict[str, Any], output_dir: str | None, folders: set[str]) -> Callable[[str], str | None]:
+    """For a folder copied (or moved) together with its inputs: a recorded input path's place in the copy,
+    where that is a folder holding this run's input files but the file is not there (deleted from the
+    copy; the recorded path is the original's, still there). None otherwise: not copied, or copied
+    without its inputs (a recorded file this run does not match is then a narrowed glob's)."""
+    old_root = _recorded_root(previous)
+    new_root = os.path.realpath(output_dir) if output_dir and is_local(output_dir) else None
+    if old_root is None or new_root is None or old_root == new_root:
+        return lambda path: None
+
+    def copy_of(path: str) -> str | None:
+        if not is_local(path):
+            return None
+        moved = os.path.normpath(os.path.join(new_root, os.path.relpath(os.path.realpath(path), old_root)))
+        return moved if moved != path and os.path.dirname(moved) in folders and not exists(moved) else None
+
+    return copy_of
+
+
 def place_files(
     files: list[SourceFile], previous: dict[str, Any] | None, output_dir: str | None = None
 ) -> tuple[list[SourceFile], list[tuple[int, int]], list[str]]:
@@ -96,6 +115,7 @@ def place_files(
         return placed, [(0, max(f.stop_id for f in placed))], []
     as_now = path_mapper(previous, files, output_dir)
     current = {f.path: f for f in files}
+    copy_of = _in_copy(previous, output_dir, {os.path.realpath(os.path.dirname(path)) for path in current if is_local(path)})
     placed, differences, end = [], [], 0
     covered: dict[str, int] = {}  # rows of each file that the previous run's pieces hold
     gone = [0, 0]  # files newly gone, and their samples: for the log
@@ -104,7 +124,9 @@ def place_files(
         path, old_stop = as_now(entry["path"]), entry["first_id"] + entry["num_samples"]
         end = max(end, old_stop)
         now = current.get(path)
-        if now is None and not entry.get("removed") and entry["num_samples"] and exists(path):
+        if now is None and not entry.get("removed") and entry["num_samples"] and exists(path) and copy_of(path):
+            path = copy_of(path)  # the original's file, still there: the copy's, beside this run's files, is gone
+        elif now is None and not entry.get("removed") and entry["num_samples"] and exists(path):
             # Still there, no longer matched: a narrowed glob, not a deletion (which would drop its samples
             # and renumber them for good when the glob is put back).
             differences.append(f"input file {path} is no longer matched by input.paths but is still there (its "

@@ -268,6 +268,35 @@ def test_a_folder_copied_with_cp_a_and_run_from_the_copy_is_the_same_run(tmp_pat
     assert verify(tmp_path / "copy" / "out", samples=2).ok
 
 
+def test_a_copied_project_whose_old_inputs_are_deleted_from_the_copy_takes_their_samples_out(tmp_path, monkeypatch, capsys):
+    """The copy's files gone, the original's still there: they were named as files the glob no longer
+    matched (a narrowed glob), and the run refused. A file still in the copy but not matched is that."""
+    project = tmp_path / "project"
+    arrays = _write(project / "data")
+    test_models.small_mlp().save(project / "m.keras")
+    (project / "job.yaml").write_text(json.dumps(_cfg("data/*.npy", "out", {"path": "m.keras"})))
+    monkeypatch.chdir(project)
+    assert cli.main(["-q", "run", "job.yaml"]) == 0
+    subprocess.run(["cp", "-a", "project", "copy"], cwd=tmp_path, check=True)
+    copy = tmp_path / "copy"
+    monkeypatch.chdir(copy)
+    capsys.readouterr()  # c.npy still in the copy, no longer matched: refused
+    assert cli.main(["-q", "run", "job.yaml", "--set", "input.paths=['data/[ab].npy']"]) == cli.FAILED
+    assert "c.npy is no longer matched by input.paths but is still there" in capsys.readouterr().err
+    for path in (copy / "data").iterdir():
+        path.unlink()
+    new = np.random.default_rng(5).normal(size=(6, 12)).astype(np.float32)
+    np.save(copy / "data" / "z.npy", new)
+
+    assert cli.main(["-q", "run", "job.yaml"]) == 0
+
+    manifest = json.loads((copy / "out" / "manifest.json").read_text())
+    assert manifest["removed"]["count"] == sum(len(a) for a in arrays.values()) and manifest["num_rows"] == 6
+    assert_close(_view(copy / "out")["jacobian"], _reference(new))
+    assert verify(copy / "out", samples=2).ok
+    assert sorted(p.name for p in (project / "data").iterdir()) == sorted(f"{n}.npy" for n in arrays)  # untouched
+
+
 # --- appended rows -----------------------------------------------------------------------------------------
 
 
