@@ -280,10 +280,18 @@ def _other_inputs(attrs: dict[str, Any], shard: ShardRange, spec: JobSpec, as_no
     first id and samples of each file (not the data sha256 that shards written before planning read headers
     only list: a changed file is told by its stamp, stale_shards), but for files removed since
     (``holding_removed``: such a shard is written again without them)."""
-    return "inputs" in attrs and [
-        entry[:4] for entry in _absolute_paths(json.loads(attr_text(attrs["inputs"])), as_now)
-        if (entry[2], entry[3]) not in removed
-    ] != [entry[:4] for entry in shard_inputs(spec.files, shard.start, shard.stop)]
+    return "inputs" in attrs and [entry for entry in _recorded_inputs(attrs, as_now)
+                                   if (entry[2], entry[3]) not in removed] != _planned_inputs(spec, shard)
+
+
+def _recorded_inputs(attrs: dict[str, Any], as_now) -> list[list[Any]]:
+    """A shard's ``inputs``: path (as this run names it), key, first id and samples of each file."""
+    return [entry[:4] for entry in _absolute_paths(json.loads(attr_text(attrs["inputs"])), as_now)]
+
+
+def _planned_inputs(spec: JobSpec, shard: ShardRange) -> list[list[Any]]:
+    """``_recorded_inputs`` as this run's plan has them for the range ``shard``."""
+    return [entry[:4] for entry in shard_inputs(spec.files, shard.start, shard.stop)]
 
 
 def unfinished_outdated(folder: Folder, spec: JobSpec) -> list[str]:
@@ -313,9 +321,11 @@ def _fewer_inputs(attrs: dict[str, Any], shard: ShardRange, spec: JobSpec, as_no
     """Whether a shard lists only some of the files this run's ids of its range mean, each as this run does."""
     if "inputs" not in attrs:
         return False
-    recorded = _absolute_paths(json.loads(attr_text(attrs["inputs"])), as_now)
-    theirs = {json.dumps(entry[:4], sort_keys=True) for entry in recorded}
-    return theirs < {json.dumps(list(entry[:4]), sort_keys=True) for entry in shard_inputs(spec.files, shard.start, shard.stop)}
+
+    def files(entries: list[list[Any]]) -> set[str]:
+        return {json.dumps(entry, sort_keys=True) for entry in entries}
+
+    return files(_recorded_inputs(attrs, as_now)) < files(_planned_inputs(spec, shard))
 
 
 def _removed_pieces(spec: JobSpec) -> set[tuple[int, int]]:

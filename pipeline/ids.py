@@ -124,8 +124,8 @@ def place_files(
         path, old_stop = as_now(entry["path"]), entry["first_id"] + entry["num_samples"]
         end = max(end, old_stop)
         now = current.get(path)
-        if now is None and not entry.get("removed") and entry["num_samples"] and exists(path) and copy_of(path):
-            path = copy_of(path)  # the original's file, still there: the copy's, beside this run's files, is gone
+        if now is None and not entry.get("removed") and entry["num_samples"] and exists(path) and (twin := copy_of(path)):
+            path = twin  # the original's file, still there: the copy's, beside this run's files, is gone
         elif now is None and not entry.get("removed") and entry["num_samples"] and exists(path):
             # Still there, no longer matched: a narrowed glob, not a deletion (which would drop its samples
             # and renumber them for good when the glob is put back).

@@ -244,9 +244,9 @@ def test_a_folder_whose_identity_spelled_the_model_path_keeps_its_run_key(tmp_pa
     assert verify(tmp_path / "out", samples=2).ok
 
 
-def test_a_folder_copied_with_cp_a_and_run_from_the_copy_is_the_same_run(tmp_path, monkeypatch):
-    """Model, data and output in one project folder, named relative in the config; the folder copied with
-    ``cp -a`` (and the original removed: moved) and the same command run from the copy keeps every shard."""
+def _copied_project(tmp_path: Path, monkeypatch) -> tuple[Path, dict[str, np.ndarray]]:
+    """Model, data and output in one project folder, named relative in the config, run there, then copied
+    with ``cp -a`` to ``copy`` beside it, which becomes the working directory; the project and its arrays."""
     project = tmp_path / "project"
     arrays = _write(project / "data")
     test_models.small_mlp().save(project / "m.keras")
@@ -254,8 +254,15 @@ def test_a_folder_copied_with_cp_a_and_run_from_the_copy_is_the_same_run(tmp_pat
     monkeypatch.chdir(project)
     assert cli.main(["-q", "run", "job.yaml"]) == 0
     subprocess.run(["cp", "-a", "project", "copy"], cwd=tmp_path, check=True)
-    shutil.rmtree(project)
     monkeypatch.chdir(tmp_path / "copy")
+    return project, arrays
+
+
+def test_a_folder_copied_with_cp_a_and_run_from_the_copy_is_the_same_run(tmp_path, monkeypatch):
+    """Model, data and output in one project folder, named relative in the config; the folder copied with
+    ``cp -a`` (and the original removed: moved) and the same command run from the copy keeps every shard."""
+    project, arrays = _copied_project(tmp_path, monkeypatch)
+    shutil.rmtree(project)
     inodes = _inodes(tmp_path / "copy" / "out")
 
     assert cli.main(["-q", "run", "job.yaml"]) == 0
@@ -271,15 +278,8 @@ def test_a_folder_copied_with_cp_a_and_run_from_the_copy_is_the_same_run(tmp_pat
 def test_a_copied_project_whose_old_inputs_are_deleted_from_the_copy_takes_their_samples_out(tmp_path, monkeypatch, capsys):
     """The copy's files gone, the original's still there: they were named as files the glob no longer
     matched (a narrowed glob), and the run refused. A file still in the copy but not matched is that."""
-    project = tmp_path / "project"
-    arrays = _write(project / "data")
-    test_models.small_mlp().save(project / "m.keras")
-    (project / "job.yaml").write_text(json.dumps(_cfg("data/*.npy", "out", {"path": "m.keras"})))
-    monkeypatch.chdir(project)
-    assert cli.main(["-q", "run", "job.yaml"]) == 0
-    subprocess.run(["cp", "-a", "project", "copy"], cwd=tmp_path, check=True)
+    project, arrays = _copied_project(tmp_path, monkeypatch)
     copy = tmp_path / "copy"
-    monkeypatch.chdir(copy)
     capsys.readouterr()  # c.npy still in the copy, no longer matched: refused
     assert cli.main(["-q", "run", "job.yaml", "--set", "input.paths=['data/[ab].npy']"]) == cli.FAILED
     assert "c.npy is no longer matched by input.paths but is still there" in capsys.readouterr().err
