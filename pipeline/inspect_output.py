@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jacobeam.pipeline.folder import Folder, read_folder, stale_names
-from jacobeam.pipeline.overwrite import pending
+from jacobeam.pipeline.overwrite import pending, unfinished
 from jacobeam.pipeline.self_check_report import checks_line, precision_line
 from jacobeam.transforms.engine.reductions import DESCRIPTIONS, PARAMETER_DESCRIPTIONS
 from jacobeam.transforms.errors import OutputError
@@ -47,6 +47,8 @@ class Report:
     stale: list[str] = field(default_factory=list)
     # Input files the result was computed from that are gone: the next run takes their samples out.
     gone: list[str] = field(default_factory=list)
+    # What an --overwrite stopped before its result was complete left beside this result (pipeline.overwrite).
+    unfinished_overwrite: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -59,6 +61,7 @@ class Report:
             "problems": self.problems,
             "stale": self.stale,
             "gone": self.gone,
+            "unfinished_overwrite": self.unfinished_overwrite,
             "view": self.view,
             "shards_on_disk": self.shards_on_disk,
             "temp_files": self.temp_files,
@@ -123,6 +126,7 @@ def inspect(folder: str) -> Report:
             f"{len(report.temp_files)} temporary file(s)); run the same command again to complete it"
         )
         return report
+    report.unfinished_overwrite = unfinished(root)
     for shard in manifest["shards"]:
         if not storage.exists(storage.join(root, shard["file"])):
             report.problems.append(f"{shard['file']} is listed in the manifest but missing")
@@ -301,6 +305,7 @@ def format_report(report: Report) -> str:
                 if report.gone
                 else []
             ),
+            *([f"  overwrite   {report.unfinished_overwrite}"] if report.unfinished_overwrite else []),
             *(
                 [
                     f"  rejected    {manifest['rejected']['count']:,} sample(s), "

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jacobeam.pipeline import cli, config, runner
+from jacobeam.pipeline.inspect_output import format_report, inspect
 from jacobeam.pipeline.verify import verify
 from jacobeam.transforms.errors import OutputError
 from jacobeam.transforms.output.inputs_table import folder_inputs
@@ -268,6 +269,9 @@ def test_an_overwrite_that_fails_leaves_the_old_result_whole_and_the_same_comman
     assert verify(out, samples=2, inputs="all").ok
     staged = sorted(p.name for p in (out / ".jacobeam-overwrite" / "shards").iterdir())
     assert staged == ["shard-000000000000-000000000016.h5"]  # computed before the failure, in id order
+    report = inspect(str(out))
+    assert report.ok and report.unfinished_overwrite.startswith("an --overwrite stopped before its result was complete")
+    assert "\n  overwrite   an --overwrite stopped" in format_report(report)
     with caplog.at_level(logging.WARNING, logger="jacobeam"):  # the old config: its result is complete
         assert runner.run(_config(root / "data", out), [], show_progress=False).manifest["run"]["samples_computed"] == 0
     assert "an --overwrite stopped before its result was complete left 1 file(s)" in caplog.text
@@ -286,6 +290,7 @@ def test_an_overwrite_that_fails_leaves_the_old_result_whole_and_the_same_comman
     for name, values in _view(out).items():
         np.testing.assert_array_equal(values, _view(fresh)[name])
     assert verify(out, samples=4).ok
+    assert inspect(str(out)).unfinished_overwrite is None
 
 
 def test_overwrite_on_this_runs_own_partial_result_resumes_it(clean, tmp_path):
