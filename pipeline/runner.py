@@ -455,10 +455,12 @@ def _run_leased(
     faults.reached("plan")
     ranges = spec.ranges()
     to_read = sum(stop - start for start, stop in map(shard_ids, spec.stale))  # kept where they read as before
+    removed = spec.removed_in(0, spec.num_samples)  # ids of input files gone: taken, stored no more
     log.info(
-        "%d samples of shape %s in %d file(s) -> %d shard(s) in %s (%d samples already complete, %d to read again, "
-        "%d unreadable file(s))", spec.num_samples, spec.sample_shape, len(spec.files), len(ranges), spec.output_dir,
-        already_done, to_read, len(spec.file_rejects),
+        "%d samples of shape %s in %d file(s)%s -> %d shard(s) in %s (%d samples already complete, %d to read again, "
+        "%d unreadable file(s))", spec.num_samples, spec.sample_shape, len(spec.files),
+        f" ({removed} of them removed: {len(spec.removed)} input file(s) gone)" if removed else "", len(ranges),
+        spec.output_dir, already_done, to_read, len(spec.file_rejects),
     )
     _warn_idle_workers(spec, options)
     progress = ShardProgress(spec, already_done) if show_progress and is_local(options) else contextlib.nullcontext()

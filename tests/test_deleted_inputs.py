@@ -143,6 +143,7 @@ def test_a_deleted_npy_file_of_many_rows_leaves_its_rows_across_shards(tmp_path,
 
     said = capsys.readouterr()
     assert "1 input file(s) gone since the last run: their 13 sample(s) leave the result" in said.err
+    assert "in 2 file(s) (13 of them removed: 1 input file(s) gone) -> 4 shard(s)" in said.err
     assert "removed: 13 sample(s) of 1 input file(s) gone" in said.out and ", 13 removed)" in said.out
     assert cli.main(["inspect", str(out)]) == cli.OK
     assert "removed     13 sample(s) of 1 input file(s) deleted" in capsys.readouterr().out
