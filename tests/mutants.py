@@ -4,11 +4,13 @@ in every sample of a batch, on the inputs users have (docs/verifying.md, "How th
 A mutant takes a batch's datasets as the engine returned them (and a ``Batch``: what else a bug could
 have used) and returns the datasets a faulty engine would have: the results scaled, negated or zeroed,
 one row replaced, the rows of another output (with the stored ``output_index`` still the right one), a
-reduction computed wrongly, the small rows negated, or each batch's samples shifted by one.
+reduction computed wrongly, the small rows negated, each batch's samples shifted by one, a softmax's small
+probabilities zeroed, or a ``top_k``'s last rank the smallest output.
 
 The inputs: standard-normal images, images with flat regions (the README's bars) through the README's
 model (Conv2D without bias, ReLU, MaxPool, Dense), a tanh MLP whose units saturate, and a softmax
-classifier whose probabilities are peaked.
+classifier whose probabilities are peaked, and one more confident still (some samples' second largest
+probability below 1e-5).
 """
 
 from __future__ import annotations
@@ -79,6 +81,16 @@ def peaked_softmax(dtype: str = "float32") -> keras.Model:
     return model
 
 
+def confident_softmax(dtype: str = "float32", factor: float = 2.0) -> keras.Model:
+    """The peaked softmax with its logits ``factor`` times larger still: at 2, the second largest probability of
+    some samples below 1e-5, ``1 - p`` of the largest still some hundreds of float32's units; at 3, of one
+    sample 1.2e-8, which float32 cannot resolve."""
+    model = peaked_softmax(dtype)
+    kernel, bias = model.layers[1].get_weights()
+    model.layers[1].set_weights([factor * kernel, factor * bias])
+    return model
+
+
 def inputs(case: str, n: int) -> tuple[Callable[[], keras.Model], np.ndarray, np.ndarray]:
     """``(model factory, samples, labels)`` of one kind of input."""
     rng = np.random.default_rng(5)
@@ -91,10 +103,12 @@ def inputs(case: str, n: int) -> tuple[Callable[[], keras.Model], np.ndarray, np
         return tanh_mlp, (6 * rng.normal(size=(n, 12))).astype(np.float32), rng.integers(0, 10, n)
     if case == "peaked_softmax":
         return peaked_softmax, rng.normal(size=(n, 12)).astype(np.float32), rng.integers(0, 10, n)
+    if case == "confident_softmax":
+        return confident_softmax, rng.normal(size=(n, 12)).astype(np.float32), rng.integers(0, 10, n)
     raise ValueError(case)
 
 
-CASES = ("gaussian", "flat_images", "saturated_tanh", "peaked_softmax")
+CASES = ("gaussian", "flat_images", "saturated_tanh", "peaked_softmax", "confident_softmax")
 
 
 @dataclasses.dataclass
@@ -187,6 +201,32 @@ def _rolled(datasets: dict, batch: Batch) -> dict:
     return {name: np.roll(values, -1, axis=0) for name, values in datasets.items()}
 
 
+def _small_outputs_zeroed(datasets: dict, batch: Batch) -> dict | None:
+    """A softmax's probabilities at most 1e-5 of the sample's largest stored as 0 (where there are none, the
+    smallest): each is computed to its own relative precision, a log-probability of -inf is no rounding."""
+    output = np.asarray(datasets["output"], np.float64).reshape(len(batch.x), -1)
+    if not np.allclose(output.sum(axis=1), 1.0, atol=1e-5) or (output < 0).any():
+        return None  # not probabilities: judged at the scale of the largest output
+    small = output <= output.max(axis=1, keepdims=True) * 1e-5  # far below the largest's tolerance, 1e-4 of it
+    none = ~small.any(axis=1)
+    small[none] = output[none] == output[none].min(axis=1, keepdims=True)
+    return {**datasets, "output": np.where(small, 0.0, output).reshape(datasets["output"].shape).astype(datasets["output"].dtype)}
+
+
+def _last_choice_smallest(datasets: dict, batch: Batch) -> dict | None:
+    """``top_k``: the last rank's row is the smallest output's (``output_index`` saying so, its rows that
+    output's): a choice float32 could not have made, which a band as wide as the largest output hid."""
+    if batch.options.outputs.rule != "top_k":
+        return None
+    output = np.asarray(datasets["output"], np.float64).reshape(len(batch.x), -1)
+    index = np.array(datasets["output_index"])
+    index[:, -1] = np.argmin(output, axis=1)
+    rows = np.take_along_axis(batch.full, index[:, :, None], axis=1)
+    name = result(datasets)
+    return {**datasets, "output_index": index.astype(datasets["output_index"].dtype),
+            name: rows.reshape(datasets[name].shape).astype(datasets[name].dtype)}
+
+
 MUTANTS: dict[str, Callable[[dict, Batch], dict | None]] = {
     "scaled_1.5": _on_result(lambda rows, batch: 1.5 * rows),
     "negated": _on_result(lambda rows, batch: -rows),
@@ -196,6 +236,8 @@ MUTANTS: dict[str, Callable[[dict, Batch], dict | None]] = {
     "wrong_reduction": _wrong_reduction,
     "small_rows_negated": _on_result(_small_rows_negated),
     "batch_rolled": _rolled,
+    "small_outputs_zeroed": _small_outputs_zeroed,
+    "last_choice_smallest": _last_choice_smallest,
 }
 
 

@@ -137,6 +137,8 @@ def test_every_mutant_stops_the_run_at_the_defaults_and_fails_verify(quickstart,
     raw = _quickstart_config(quickstart, tmp_path / "out", **jacobian)
     if name == "wrong_reduction" and output != "projection":
         pytest.skip("nothing reduced to get wrong")
+    if name in _SOFTMAX_TOP_K:
+        pytest.skip("the quickstart's model has logits, and no top_k here: test_a_confident_softmax_s_...")
     _patch_mutant(monkeypatch, mutants.MUTANTS[name])
     with pytest.raises(SelfCheckError, match="self-check failed"):
         runner.run(config.validate(raw), [], show_progress=False)
@@ -145,3 +147,33 @@ def test_every_mutant_stops_the_run_at_the_defaults_and_fails_verify(quickstart,
     assert manifest["self_check"]["mismatches"]
     monkeypatch.undo()
     assert not verify(tmp_path / "out", samples=8).ok
+
+
+_SOFTMAX_TOP_K = ("small_outputs_zeroed", "last_choice_smallest")  # faults of probabilities, of top_k's rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _SOFTMAX_TOP_K)
+def test_a_confident_softmax_s_small_probabilities_and_top_k_choices_are_checked(tmp_path, monkeypatch, name):
+    """A softmax classifier whose second largest probabilities go below 1e-5, ``outputs: {top_k: 3}``: its
+    small probabilities stored as 0, or its third choice the least likely class (with that class's rows),
+    stop the run and fail ``verify``; judged at the largest probability's scale alone, both passed. The
+    same run unmutated passes both."""
+    _, x, _ = mutants.inputs("confident_softmax", 40)
+    (tmp_path / "data").mkdir()
+    np.save(tmp_path / "data" / "x.npy", x)
+    mutants.confident_softmax().save(tmp_path / "softmax.keras")
+    raw = {"model": {"path": str(tmp_path / "softmax.keras")}, "input": {"paths": [str(tmp_path / "data" / "*.npy")]},
+           "output": {"path": str(tmp_path / "out")}, "jacobian": {"outputs": {"top_k": 3}}}
+    runner.run(config.validate(raw), [], show_progress=False)
+    assert verify(tmp_path / "out", samples=40).ok
+    raw["output"]["path"] = str(tmp_path / "wrong")
+    _patch_mutant(monkeypatch, mutants.MUTANTS[name])
+    with pytest.raises(SelfCheckError, match="self-check failed"):
+        runner.run(config.validate(raw), [], show_progress=False)
+    raw["jacobian"]["self_check"] = {"on_mismatch": "warn"}
+    runner.run(config.validate(raw), [], show_progress=False)
+    monkeypatch.undo()
+    report = verify(tmp_path / "wrong", samples=40)
+    dataset = "output differs" if name == "small_outputs_zeroed" else "output_index: stored rows"
+    assert len([p for p in report.problems if dataset in p]) == 40, report.problems  # every sample

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from jacobeam.transforms import self_check
+from jacobeam.transforms.engine import JacobianEngine
+from jacobeam.transforms.engine.models import wrap_model
 from jacobeam.transforms.spec import SelfCheck, ShardRange
 from tests import mutants
 
@@ -121,3 +123,24 @@ def test_rows_are_chosen_again_by_the_check():
         records = _verdicts(engine, batch, wrong)
         assert [r["dataset"] for r in records] == ["output_index"] * CHECKED, records
         assert all(r["verdict"] == "mismatch" and "the reference chooses" in r["detail"] for r in records)
+
+
+def test_a_row_float32_cannot_compute_bounds_no_value_by_its_noise():
+    """A softmax so confident that ``1 - p`` of one sample's largest probability is 1.2e-8: float32 rounds it
+    away, and its own per-sample gradient of that row is 75% off the float64 truth. The noise widens the bound
+    only up to ``MAX_BOUND``: the stored float32 values fail, saying why, and so do zeros and the row negated
+    (within 3x the row's scale, which a bound of 4x the noise passed)."""
+    _, batch, _ = mutants.batch("confident_softmax", "all")  # its inputs
+    model = mutants.confident_softmax(factor=3.0)
+    engine = JacobianEngine(wrap_model(model, "confident"), (12,), mutants.OUTPUTS["all"])
+    stored = engine(batch.x)
+    checker = self_check.SelfChecker(engine, SelfCheck())
+    one = lambda values: {k: v[6:7] for k, v in values.items()}  # noqa: E731 - 1 - p = 1.2e-8
+    record = checker.check([batch.x[6:7]], one(stored), 6)
+    assert record["verdict"] == "mismatch" and record["bound"] == self_check.MAX_BOUND, record
+    assert record["noise"]["jacobian"] * self_check.NOISE_FACTOR > self_check.MAX_BOUND
+    assert "the compute dtype cannot compute this value (compute_dtype: float64, or model.logits: true for a softmax's" \
+           in self_check.mismatch_text(record)
+    for factor in (0.0, -1.0):
+        assert checker.check([batch.x[6:7]], one({**stored, "jacobian": factor * stored["jacobian"]}), 6)["verdict"] == "mismatch"
+    assert checker.check([batch.x[3:4]], {k: v[3:4] for k, v in stored.items()}, 3)["verdict"] == "ok"  # resolved

@@ -149,7 +149,7 @@ def test_wrong_values_behind_a_matching_checksum_are_caught_by_recomputation(cop
     assert [p for p in report.problems if p.startswith("sample")] == [
         "sample 21 (shards/shard-000000000016-000000000032.h5 row 5): jacobian differs from the reference "
         "(tf.GradientTape gradient of one sample, one output row per copy, float64 copy of the model) by max relative "
-        "error 0.01, bound 0.0001 (tolerance 0.0001, or 4x the error of an independent per-sample computation)"
+        "error 0.01, bound 0.0001 (tolerance 0.0001, or 4x the error of an independent per-sample computation, at most 0.25)"
     ], report.problems
 
 
@@ -328,7 +328,8 @@ def _two_rows_judged(stored_offsets):
     from jacobeam.transforms.self_check import _Judgement
 
     checker = SimpleNamespace(tolerance=1e-4, compute="float32", _floor=float(np.finfo(np.float32).tiny),
-                              plain=SimpleNamespace(split_rows=lambda name, values, rows: np.reshape(values, (rows, -1))))
+                              plain=SimpleNamespace(split_rows=lambda name, values, rows: np.reshape(values, (rows, -1)),
+                                                    least_scales=lambda name, rows: np.zeros(rows)))
     truth = np.array([[1.0, 0.5, 0.2], [1.0, 0.3, 0.1]])
     own = truth + np.array([[2e-4, 0, 0], [0, 0, 0]])
     stored = truth + np.array([[stored_offsets[0], 0, 0], [0, stored_offsets[1], 0]])
@@ -357,7 +358,8 @@ def test_a_row_float32_cannot_make_finite_bounds_nothing_and_a_wrong_value_fails
     from jacobeam.transforms.self_check import _Judgement
 
     checker = SimpleNamespace(tolerance=1e-4, compute="float32", _floor=float(np.finfo(np.float32).tiny),
-                              plain=SimpleNamespace(split_rows=lambda name, values, rows: np.reshape(values, (rows, -1))))
+                              plain=SimpleNamespace(split_rows=lambda name, values, rows: np.reshape(values, (rows, -1)),
+                                                    least_scales=lambda name, rows: np.zeros(rows)))
     truth, own = np.array([[23.2633], [4.5]]), np.array([[np.inf], [4.5]])
 
     def judged(value):

@@ -19,7 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from jacobeam.transforms.engine.models import last_activation
+from jacobeam.transforms.reference_datasets import least_scales, probability_rows
 from jacobeam.transforms.self_check import (
+    PROBABILITIES,
     TRUTH_FLOAT64,
     _finfo,
     _Judgement,
@@ -33,11 +36,20 @@ _ONE_ROW = ("output", "objective", "frobenius")
 
 
 class _Rows:
-    """How the parameter side's datasets split into judged rows (``_Judgement``'s ``plain``)."""
+    """How the parameter side's datasets split into judged rows (``_Judgement``'s ``plain``); the outputs
+    of a model ending in a softmax or a sigmoid as themselves and their logs, as on the input side
+    (``transforms.reference_datasets``)."""
 
-    @staticmethod
-    def split_rows(name: str, values: np.ndarray, rows: int) -> np.ndarray:
+    def __init__(self, log_floor: float | None = None):
+        self.log_floor = log_floor
+
+    def least_scales(self, name: str, rows: int) -> np.ndarray:
+        return least_scales(name, rows, self.log_floor)
+
+    def split_rows(self, name: str, values: np.ndarray, rows: int) -> np.ndarray:
         values = np.asarray(values, np.float64)
+        if name == "output" and self.log_floor is not None:
+            return probability_rows(values, self.log_floor)
         if name in _ONE_ROW:
             return values.reshape(1, -1)
         if name == "frobenius_by_layer":
@@ -56,8 +68,9 @@ class ParameterSelfChecker:
         self.selection = engine.options.outputs
         self.side = engine.side
         self.tolerance = reference.tolerance(reference.RTOL[self.compute], engine.options.store_dtype)
-        self.plain = _Rows()
         self._floor = float(_finfo(store_dtype(engine.options.store_dtype)).tiny)
+        probabilities = last_activation(getattr(engine.model, "keras_model", None)) in PROBABILITIES
+        self.plain = _Rows(self._floor if probabilities else None)
         self.method = "tf.GradientTape gradient of the weights for one sample, one row at a time"
         self.truth = TRUTH_FLOAT64
         self._functions: dict[str, Any] | None = None
@@ -220,7 +233,7 @@ class ParameterSelfChecker:
         got = np.asarray(stored.get("output_index", np.zeros((1, 0))), np.int64).reshape(-1)
         if np.array_equal(got, want):
             return want[None], None
-        if selection.rule in ("argmax", "top_k") and tied(self.tolerance, y_truth, y_own, got, want):
+        if selection.rule in ("argmax", "top_k") and tied(self.tolerance, y_truth, y_own, got, want, self.plain.log_floor):
             return got[None], None
         return want[None], f"output_index: stored rows {got.tolist()}, the reference chooses {want.tolist()} ({why})"
 

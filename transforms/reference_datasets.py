@@ -10,7 +10,10 @@ or drawn again here, from the configuration, for the same reason.
 
 Also here: how each dataset splits into rows (``split_rows``), so that each stored row is judged at its own
 scale, and the scale a dataset is judged at where its largest entry is not it (``trace``, ``diagonal``,
-``logabsdet``).
+``logabsdet``). The outputs of a model ending in a softmax or a sigmoid are probabilities, each computed to
+its own relative precision (``log p_i`` is ``z_i - logsumexp(z)`` to float32's absolute precision), so
+they are judged as their logs too: at the largest probability's scale alone, a class at 1e-6 zeroed, or
+the 3rd largest class exchanged for one at 1e-25, would pass.
 
 Numpy only; TensorFlow only to open a vectors file that may be remote.
 """
@@ -46,6 +49,24 @@ def projection(d: int, dim: int, kind: str, seed: int) -> np.ndarray:
     return draws / np.sqrt(dim)
 
 
+def probability_rows(values: np.ndarray, log_floor: float) -> np.ndarray:
+    """Probabilities as the two rows they are judged as: themselves, and their logs (each clipped at
+    ``log_floor``)."""
+    flat = np.asarray(values, np.float64).reshape(-1)
+    with np.errstate(invalid="ignore"):
+        return np.stack([flat, np.log(np.maximum(flat, log_floor))])
+
+
+def least_scales(name: str, rows: int, log_floor: float | None) -> np.ndarray:
+    """Per judged row of a dataset, the least scale it is judged at: 1 for the log of probabilities (an
+    absolute error there is a relative one of the probability; ``log p`` near 0 has no precision of its
+    own), 0 for the rest."""
+    least = np.zeros(rows)
+    if name == "output" and log_floor is not None:
+        least[1] = 1.0
+    return least
+
+
 class ReferenceDatasets:
     """The datasets of one sample from its outputs and Jacobian (see the module docstring).
 
@@ -53,8 +74,12 @@ class ReferenceDatasets:
     inputs differentiated by. The matrices of a product are read when the object is made.
     """
 
-    def __init__(self, options: EngineOptions, output_shape, input_shapes, input_names, wrt):
+    def __init__(self, options: EngineOptions, output_shape, input_shapes, input_names, wrt,
+                 log_floor: float | None = None):
         self.kind = options.reduce.kind
+        # The outputs are probabilities (``log_outputs``): judged as their logs too, each clipped at this
+        # smallest normal number of the store dtype (below it a stored value has no relative precision).
+        self.log_floor = log_floor
         self.output_shape = tuple(int(d) for d in output_shape)
         self.input_shapes = [tuple(int(d) for d in shape) for shape in input_shapes]
         self.input_names, self.wrt = list(input_names), list(wrt)
@@ -156,11 +181,18 @@ class ReferenceDatasets:
             return float(np.abs(finite).max()) if finite.size else 0.0
         return float(np.abs(np.diagonal(jacobian)).sum())
 
+    def least_scales(self, name: str, rows: int) -> np.ndarray:
+        """Per row of ``split_rows``, the least scale it is judged at (``least_scales``)."""
+        return least_scales(name, rows, self.log_floor)
+
     def split_rows(self, name: str, values: np.ndarray, rows: int) -> np.ndarray:
         """One sample's dataset ``values`` ``(1, ...)`` as ``(rows, entries)`` float64: one row per output
         row (``rows`` of them: of the Jacobian, its selected rows, a row-wise reduction or projection) or per
-        vector of a product (``vjp``, ``jvp``, ``basis_projection``); one row for the outputs and the scalars."""
+        vector of a product (``vjp``, ``jvp``, ``basis_projection``); one row for the outputs and the scalars,
+        and a second, their logs, for outputs that are probabilities (``log_floor``)."""
         values = np.asarray(values, np.float64)
+        if name == "output" and self.log_floor is not None:
+            return probability_rows(values, self.log_floor)
         if name in _ONE_ROW or self.kind == "max_abs_over_outputs":
             return values.reshape(1, -1)
         if self.kind in ("vjp", "jvp", "basis"):

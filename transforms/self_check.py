@@ -30,7 +30,7 @@ The rule, per checked sample (``_Judgement``):
   per-sample reference itself in one pass over the samples checked together and, where the stored value
   is beyond the bound the first gives, again with one more copy per batch (in reverse mode: oneDNN rounds
   other batch shapes differently); without a float64 copy, the spread of the two;
-- a row fails when its error exceeds ``max(tolerance, NOISE_FACTOR * noise)``: the tolerance of the
+- a row fails when its error exceeds ``min(max(tolerance, NOISE_FACTOR * noise), MAX_BOUND)``: the tolerance of the
   compute dtype (``reference.RTOL``, at least twice the store dtype's epsilon) where the model is
   well-conditioned, and clearly worse than float32 itself where it is not; a noise that is not finite
   counts as none (it would bound nothing), and a row whose stored value and truth disagree on which
@@ -44,7 +44,8 @@ The rule, per checked sample (``_Judgement``):
   row's) fails however different those derivatives are from each other (the README's flat images:
   about 5x the Jacobian's largest entry);
 - stored rows (``output_index``) other than the check's choice fail, unless the outputs chosen are,
-  rank by rank, within float32's noise of the largest ones (a tie: then either choice is right).
+  rank by rank, within float32's noise of the largest ones (a tie: then either choice is right), compared
+  as their logs where they are probabilities (``tied``).
 
 Every check records the stored value's error against the truth and the noise, per dataset its worst
 row's, so the manifest reports the run's precision (``summary``).
@@ -76,6 +77,11 @@ SEED = 0x5E1FC  # with the shard's first id: which samples a shard checks
 PER_IDS = 4096  # jacobian.self_check.samples are per this many ids of a shard (the default shard's size)
 OK, KINK, MISMATCH = "ok", "kink", "mismatch"
 NOISE_FACTOR = 4  # "clearly worse": a value 10x the noise fails; batched and per-sample float32 measured within 1x
+# However noisy the compute dtype is on a row, no error beyond this share of the row's scale passes: a row
+# float32 cannot compute (a saturated softmax's, where 1 - p rounds away: its own gradient 75% off the
+# truth) would otherwise pass any value within 3x its scale, zeros and the negated row included. Float32's
+# largest noise measured on a real net, ResNet50's, is 2.6e-2 (bound 0.1).
+MAX_BOUND = 0.25
 KINK_DIRECTIONS = 3  # seeded moves of the sample at each of KINK_UNITS, each both ways
 # Units of rounding the sample is moved by: one, and 16, since float32 round-off accumulates through a deep
 # net: a ReLU of ResNet-20 at 1.6e-7 (5e-7 in float64) went the other way in the engine's batched float32,
@@ -83,6 +89,9 @@ KINK_DIRECTIONS = 3  # seeded moves of the sample at each of KINK_UNITS, each bo
 KINK_UNITS = (1, 16)
 KINK_NOTE = "at a kink: within float32's noise of the derivative at a point a few rounding units away, not at the sample"
 TRUTH_FLOAT64 = "float64 copy of the model"
+# Last activations whose outputs are probabilities, each computed to its own relative precision: judged as
+# their logs too (``ReferenceDatasets.log_floor``), and rows chosen by them compared so (``tied``).
+PROBABILITIES = ("softmax", "sigmoid")
 # Reverse-mode references pull rows back through this many bytes of copies at most per call.
 REFERENCE_BUDGET = 2**30
 
@@ -138,6 +147,7 @@ class SelfChecker:
 
     def __init__(self, engine, options: SelfCheck):
         from jacobeam.transforms.engine import reference
+        from jacobeam.transforms.engine.models import last_activation
         from jacobeam.transforms.reference_datasets import ReferenceDatasets
         from jacobeam.transforms.spec import store_dtype
 
@@ -146,11 +156,12 @@ class SelfChecker:
         self.compute = engine.options.compute_dtype
         self.selection = engine.options.outputs
         self.tolerance = reference.tolerance(reference.RTOL[self.compute], engine.options.store_dtype)
-        self.plain = ReferenceDatasets(engine.options, engine.output_shape, engine.input_shapes, engine.input_names,
-                                       engine.wrt)
         # Below the store dtype's smallest normal number its relative precision is gone: no row is judged
         # against a smaller scale.
         self._floor = float(_finfo(store_dtype(engine.options.store_dtype)).tiny)
+        probabilities = last_activation(getattr(engine.model, "keras_model", None)) in PROBABILITIES
+        self.plain = ReferenceDatasets(engine.options, engine.output_shape, engine.input_shapes, engine.input_names,
+                                       engine.wrt, log_floor=self._floor if probabilities else None)
         # Forward mode with input-side vectors (jvp, project, an input basis): the JVPs run along them, as
         # the engine's do, rather than along every input entry; the vectors are the reference's own.
         self._directions = self.plain.directions if self.forward else None
@@ -397,7 +408,7 @@ class SelfChecker:
             return want[None], None
         if selection.rule in ("argmax", "top_k"):
             own = self._outputs_of(self.compute, mine)[0] if self.compute != "float64" else truth
-            if tied(self.tolerance, truth, own, got, want):
+            if tied(self.tolerance, truth, own, got, want, self.plain.log_floor):
                 return got[None], None
         return want[None], f"output_index: stored rows {got.tolist()}, the reference chooses {want.tolist()} ({why})"
 
@@ -445,13 +456,21 @@ def verdict(checker, judged: _Judgement, rows_differ: str | None, moved, sample_
     return record, nearest_bound
 
 
-def tied(tolerance: float, truth: np.ndarray, own: np.ndarray, got: np.ndarray, want: np.ndarray) -> bool:
+def tied(tolerance: float, truth: np.ndarray, own: np.ndarray, got: np.ndarray, want: np.ndarray,
+         log_floor: float | None = None) -> bool:
     """Whether the stored rows ``got`` are as good a choice as ``want``: distinct outputs whose true values
     are, rank by rank, within float32's noise of the largest ones (measured: the compute dtype's own
-    outputs ``own`` against the truth's)."""
+    outputs ``own`` against the truth's) or within ``tolerance`` of the largest output. Probabilities
+    (``log_floor``: ``ReferenceDatasets.log_floor``) are compared as their logs, absolutely: their order is
+    the same, and a class at 1e-25 is not within float32's noise of one at 1e-7."""
     if len(got) != len(want) or len(set(got.tolist())) != len(got) or not all(0 <= i < len(truth) for i in got):
         return False
-    band = max(tolerance * float(np.abs(truth).max()), NOISE_FACTOR * float(np.abs(own - truth).max()))
+    scale = float(np.abs(truth).max())
+    if log_floor is not None:
+        with np.errstate(invalid="ignore"):
+            truth, own = (np.log(np.maximum(np.asarray(v, np.float64), log_floor)) for v in (truth, own))
+        scale = 1.0
+    band = max(tolerance * scale, NOISE_FACTOR * float(np.abs(own - truth).max()))
     return bool(np.all(np.abs(truth[got] - truth[want]) <= band))
 
 
@@ -474,9 +493,10 @@ class _Judgement:
     the two disagree on which entries are finite); the row's scale is its own largest true entry, at least
     the largest deviation of the compute dtype's own per-sample computations (``owns``: the row's float32
     noise; a row float32 cannot resolve is judged against that noise), the compute dtype's epsilon of the
-    dataset's largest entry, and the store dtype's smallest normal number; ``error_r`` and ``noise_r`` are
-    the deviations of the stored value and of the own computations over that scale, and the row fails when
-    ``error_r > max(tolerance, NOISE_FACTOR * noise_r)``. ``trace``, ``diagonal`` and ``logabsdet`` have one
+    dataset's largest entry, the store dtype's smallest normal number, and the dataset's least scale for
+    the row (``least_scales``: 1 for the logs of probabilities); ``error_r`` and ``noise_r`` are the
+    deviations of the stored value and of the own computations over that scale, and the row fails when
+    ``error_r > min(max(tolerance, NOISE_FACTOR * noise_r), MAX_BOUND)``. ``trace``, ``diagonal`` and ``logabsdet`` have one
     row and a scale of their own (``ReferenceDatasets.scale``).
     """
 
@@ -495,12 +515,13 @@ class _Judgement:
             scale = finite.max(axis=1, initial=0.0) if scales[name] is None else np.full(len(t), scales[name])
             if name != "logabsdet":  # compared absolutely
                 scale = np.maximum(scale, eps * float(finite.max(initial=0.0)))
+            scale = np.maximum(scale, checker.plain.least_scales(name, len(t)))
             # A row the own computations cannot even make finite (float32 overflowing where the truth does
             # not) has no noise to widen its bound by: an infinite bound would pass any value, inf included.
             noise = np.where(np.isfinite(noise), noise, 0.0)
             self._scale[name] = np.maximum(np.maximum(scale, noise), checker._floor)
             relative_noise = noise / self._scale[name]
-            self._bound[name] = np.maximum(checker.tolerance, NOISE_FACTOR * relative_noise)
+            self._bound[name] = np.minimum(np.maximum(checker.tolerance, NOISE_FACTOR * relative_noise), MAX_BOUND)
             self._rows[name] = self._error(name, truth[name])
             self.errors[name] = float(self._rows[name].max(initial=0.0))
             self.noise[name] = float(relative_noise.max(initial=0.0))
@@ -549,10 +570,14 @@ def mismatch_text(check: Mapping[str, Any]) -> str:
     its error and its bound."""
     if "detail" in check:
         return check["detail"]
+    noise = (check.get("noise") or {}).get(check["dataset"], 0.0)
+    beyond = noise == "inf" or NOISE_FACTOR * float(noise) > MAX_BOUND
     return (f"{check['dataset']} differs from the reference ({check['reference']}, {check['truth']}) by max relative "
             f"error {check['max_rel_error']}, bound {check['bound']} (tolerance {check['tolerance']:g}, or "
-            f"{NOISE_FACTOR}x the error of an independent per-sample computation)"
-            + "".join(f"; {name} too" for name in check.get("failing", []) if name != check["dataset"]))
+            f"{NOISE_FACTOR}x the error of an independent per-sample computation, at most {MAX_BOUND:g})"
+            + "".join(f"; {name} too" for name in check.get("failing", []) if name != check["dataset"])
+            + (f"; that independent computation is {noise} off the truth too: the compute dtype cannot compute this "
+               "value (compute_dtype: float64, or model.logits: true for a softmax's probabilities)" if beyond else ""))
 
 
 def _over(errors: np.ndarray, bounds: np.ndarray) -> np.ndarray:

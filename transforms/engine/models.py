@@ -257,6 +257,21 @@ def _activation_name(layer: Any) -> str | None:
     return name if isinstance(name, str) else getattr(activation, "__name__", type(activation).__name__)
 
 
+def last_activation(keras_model: keras.Model | None) -> str | None:
+    """The activation the model's outputs end in: ``softmax`` for a last ``Softmax`` layer, the activation's
+    name for a layer with one (``sigmoid``, ``linear``, ...); None where there is none or no Keras model."""
+    if keras_model is None:
+        return None
+    try:
+        last = keras_model.outputs[0]._keras_history.operation
+    except (AttributeError, IndexError, ValueError, TypeError):
+        layers = getattr(keras_model, "layers", None) or []
+        last = layers[-1] if layers else None
+    if last is None:
+        return None
+    return "softmax" if type(last).__name__ == "Softmax" else _activation_name(last)
+
+
 def without_softmax(model: keras.Model, source: str = "the model") -> keras.Model:
     """A new functional model computing ``model``'s logits: its last layer's softmax removed (``model.logits``).
 

@@ -209,16 +209,9 @@ def rows_shape(side, selection, output_shape: tuple[int, ...]) -> tuple[int, ...
 def outputs_are_probabilities(keras_model) -> bool:
     """Whether the model's last layer ends in a softmax (its outputs are probabilities, not logits): then a
     margin or a loss is of its logits (``objective_model``)."""
-    from jacobeam.transforms.engine.models import _activation_name
+    from jacobeam.transforms.engine.models import last_activation
 
-    try:
-        last = keras_model.outputs[0]._keras_history.operation
-    except (AttributeError, IndexError, ValueError, TypeError):
-        layers = getattr(keras_model, "layers", None) or []
-        last = layers[-1] if layers else None
-    if last is None:
-        return False
-    return type(last).__name__ == "Softmax" or _activation_name(last) == "softmax"
+    return last_activation(keras_model) == "softmax"
 
 
 def objective_model(model, objective: str):
