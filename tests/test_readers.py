@@ -176,6 +176,27 @@ def test_native_npy_batches_equal_the_python_slices_across_files_and_rejected_ro
         assert [i for r in rejected for i in range(r.start, r.stop)] == sorted(bad & set(range(shard.start, shard.stop)))
 
 
+def test_a_npy_file_rewritten_in_another_dtype_after_the_plan_is_read_as_its_values_not_its_bytes(tmp_path, rng):
+    """Planned as float32, rewritten as float64 with the same values before its rows are read (a scheduled
+    job's file replaced mid-run): the native reader read its float64 bytes as float32 rows, garbage that was
+    stored and reported done. A header other than the plan's leaves it to the Python reader (its values)."""
+    from jacobeam.transforms import read
+
+    data = tmp_path / "data"
+    data.mkdir()
+    arrays = [rng.normal(size=(n, 12)).astype(np.float32) for n in (10, 10)]
+    for i, array in enumerate(arrays):
+        np.save(data / f"part-{i}.npy", array)
+    spec = _npy_job(tmp_path, 4)
+    shard = spec.ranges()[0]
+    assert read._npy_segments(spec, shard)
+    np.save(data / "part-1.npy", arrays[1].astype(np.float64))  # grown: the size check passes
+
+    assert read._npy_segments(spec, shard) is None
+    batches = list(read.shard_batches(spec, shard, read.range_findings(spec)))
+    np.testing.assert_array_equal(np.concatenate([b.inputs for b in batches]), np.concatenate(arrays))
+
+
 def test_native_npy_batches_are_whole_across_files_shorter_than_a_batch(tmp_path, rng):
     """Files of 3, 2 (float64) and 9 rows, batches of 4: the second file only partly completes the batch
     the first began; every batch but the last is whole, in id order, with the files' values (np.load)."""

@@ -215,7 +215,8 @@ class _Segment:
 def _npy_segments(spec: JobSpec, shard: ShardRange) -> list[_Segment] | None:
     """The range's samples as segments of local ``.npy`` files whose rows can be read as raw records,
     or None where some are not (other formats, remote files, labels, dtypes other than plain numbers, a
-    file that ends before the range's rows: the Python reader finds which rows are missing) or where the
+    file that ends before the range's rows: the Python reader finds which rows are missing; a file whose
+    header differs from the plan's, rewritten since: the Python reader says how) or where the
     range spans more than ``_MOST_SEGMENTS`` files."""
     if spec.engine.needs_labels:
         return None
@@ -226,7 +227,7 @@ def _npy_segments(spec: JobSpec, shard: ShardRange) -> list[_Segment] | None:
             return None
         if source.key is not None or file_format(source.path) != "npy" or not storage.is_local(source.path):
             return None
-        offset = arrays.npy_data_offset(source.path)
+        offset = arrays.npy_data_offset(source.path, source.dtype, source.sample_shape)
         if offset is None or os.path.getsize(source.path) < offset + source.row(stop) * row_bytes(source):
             return None
         segments.append(_Segment(source, offset, start, stop))

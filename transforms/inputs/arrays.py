@@ -335,14 +335,16 @@ def describe(path: str, key: Key, sample_shape: Shape | None = None, image: Imag
     )
 
 
-def npy_data_offset(path: str) -> int | None:
+def npy_data_offset(path: str, dtype: str, sample_shape: tuple[int, ...]) -> int | None:
     """Where a local ``.npy`` file's rows begin, when their bytes can be read as they lie (C order, a plain
-    numeric dtype in this machine's byte order); else None."""
+    numeric dtype in this machine's byte order) as rows of ``sample_shape`` in ``dtype`` (the plan's: a file
+    rewritten since, float64 where it was float32, say, would be read as other bytes); else None."""
     try:
         with open(path, "rb") as stream:
-            shape, fortran_order, dtype = _npy_header(stream)
+            shape, fortran_order, found = _npy_header(stream)
             offset = stream.tell()
     except (OSError, ValueError, EOFError):
         return None  # the slice reader reports what is wrong with it
-    plain = dtype.kind in "fiu" and dtype.isnative and not (fortran_order and len(shape) > 1)
-    return offset if plain else None
+    plain = found.kind in "fiu" and found.isnative and not (fortran_order and len(shape) > 1)
+    planned = found == np.dtype(dtype) and tuple(shape[1:]) == tuple(sample_shape)
+    return offset if plain and planned else None
