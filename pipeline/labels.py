@@ -80,7 +80,14 @@ def _folder_labels(
                 f"{source.path}: not in a class subfolder of {root or ' or '.join(roots)} (jacobian.labels.folders: "
                 "each file's label is the subfolder that holds it); move it into one, or out of the input folder"
             )
-        classes[source.path] = inside.split("/", 1)[0]
+        name = inside.split("/", 1)[0]
+        if name.startswith("."):  # a glob's * matches hidden folders; a folder given as it is leaves them out
+            raise InputError(
+                f"{source.path}: in the hidden folder {name!r} of {root}, which is no class (jacobian.labels.folders: "
+                "hidden folders are not classes, as in Keras); give input.paths the folder itself (hidden files "
+                "are left out), or narrow the glob"
+            )
+        classes[source.path] = name
     differences: list[str] = []
     if fixed is not None:
         names = list(fixed)

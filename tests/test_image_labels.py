@@ -139,6 +139,14 @@ def test_hidden_files_and_folders_of_an_image_folder_are_not_inputs_nor_classes(
     assert manifest["labels"]["class_names"] == ["cat", "dog"]
     check_rows(out, {path: pixels[path] for path in sorted(pixels)},
                {str(images / "cat/c1.png"): 0, str(images / "dog/d1.png"): 1})
+    # A glob's * matches hidden folders: the checkpoint was a class ".ipynb_checkpoints" that came first,
+    # every label shifted by one, and nothing said so.
+    (images / "dog" / "._d1.png").unlink()  # a glob's * matches it too: an image that cannot be decoded
+    glob = label_job(images, tmp_path / "glob", {"folders": True})
+    glob["input"]["paths"] = [str(images / "*" / "*.png")]
+    with pytest.raises(InputError, match=r"c1-checkpoint.png: in the hidden folder '.ipynb_checkpoints' of .*images, "
+                       r"which is no class"):
+        run(glob)
 
 
 def test_images_of_formats_not_read_in_a_folder_are_named_in_a_warning(tmp_path, caplog):
