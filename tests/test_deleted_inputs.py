@@ -222,6 +222,18 @@ def test_a_file_deleted_then_put_back_after_a_run_that_did_not_finish_is_compute
     assert verify(out, samples=2, inputs="all").ok
 
 
+def test_inspect_takes_a_file_named_like_a_glob_for_itself(tmp_path):
+    """A file named ``s[1].npy`` was looked up as the glob ``s[1].npy`` (which matches ``s1.npy``), not found,
+    and called deleted by ``inspect`` while it was there."""
+    from jacobeam.pipeline.inspect_output import inspect
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    _write(data, {"a": 7, "s[1]": 5})
+    _run(_npy_job(data, out))
+    report = inspect(str(out))
+    assert report.ok and report.gone == [] and report.stale == []
+
+
 def test_inspect_names_input_files_deleted_since_until_a_run_takes_them_out(tmp_path, capsys):
     data, out = tmp_path / "data", tmp_path / "out"
     _write(data, SIZES)
