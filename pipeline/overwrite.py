@@ -1,66 +1,26 @@
-"""``--overwrite`` of a folder holding another run's result, with no moment at which it holds neither.
+"""``--overwrite`` of a folder holding another run's result, with no moment at which it holds neither
+(``transforms.replace``).
 
 The new result is computed in a folder of its own inside the output folder, ``OUT/.jacobeam-overwrite``
-(``layout.OVERWRITE_DIR``): a run like any other there, resumed there when interrupted. Until its
-manifest is committed there, the old result is whole and readable, and a failed or interrupted
-overwrite leaves it so. ``finish`` then moves the new result in: it removes the old manifest (the old
-result ends there), then the old files (the view first), moves the new files in (shards first, the
-view last), writes the manifest at the top and removes the staged one. Each step
-can be done again, so a run stopped among them is finished by the next run of the folder, before it
-plans. Every removal and move is a commit of the run holding the folder's lease (``guard``).
+(``staging``): a run like any other there, resumed there when interrupted. Until its manifest is
+committed there, the old result is whole and readable, and a failed or interrupted overwrite leaves it
+so. ``finish`` then moves the new result in (``replace.move_in``); a run stopped while moving is finished
+by the next run of the folder, before it plans.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
-import os
 from typing import Any
 
 from jacobeam.pipeline.folder import read_folder
-from jacobeam.transforms.finalize import remove_temp_files, write_manifest
 from jacobeam.transforms.output import fence, storage
-from jacobeam.transforms.output.layout import (
-    AGGREGATES,
-    CHECKSUM_SUFFIXES,
-    ENGINE_PLAN,
-    INPUTS_PREVIOUS,
-    INPUTS_TABLE,
-    LEASE,
-    MANIFEST,
-    OVERWRITE_DIR,
-    REJECTED_FILE,
-    SHARDS_DIR,
-    VIEW,
-    is_checksum_file,
-    is_shard_file,
-)
-from jacobeam.transforms.testing import faults
+from jacobeam.transforms.output.layout import SHARDS_DIR
+from jacobeam.transforms.replace import move_in, pending, staging
+
+__all__ = ["finish", "pending", "staging", "unfinished", "warn_unfinished"]
 
 log = logging.getLogger(__name__)
-
-# The staged result's files other than its shards, in the order they are moved in: the view, which
-# points at the shards, once they are all there.
-_FILES = (INPUTS_TABLE, REJECTED_FILE, AGGREGATES, ENGINE_PLAN, VIEW)
-
-
-def staging(root: str) -> str:
-    """Where an ``--overwrite`` of the folder ``root`` computes the new result."""
-    return storage.join(storage.normalize(root), OVERWRITE_DIR)
-
-
-def pending(root: str) -> dict[str, Any] | None:
-    """The manifest an ``--overwrite`` of ``root`` committed in its staging folder and has not moved in
-    yet (None: there is none)."""
-    path = storage.join(staging(root), MANIFEST)
-    if not storage.exists(path):
-        return None
-    try:
-        manifest = json.loads(storage.read_text(path))
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) and "run_key" in manifest and "shards" in manifest else None
 
 
 def unfinished(root: str) -> str | None:
@@ -84,62 +44,4 @@ def finish(root: str, output_path: str, guard: fence.Fence | None) -> dict[str, 
     """Replace ``root``'s result with the one an ``--overwrite`` committed in its staging folder, if one
     did (``pending``); returns the manifest now at the top (None: nothing to finish). ``output_path``:
     ``output.path`` as the run names the folder, which the moved manifest records."""
-    manifest = pending(root)
-    if manifest is None:
-        return None
-    root, staged = storage.normalize(root), staging(root)
-    log.info("%s: the --overwrite committed in %s replaces the folder's result", root, OVERWRITE_DIR)
-    remove_temp_files(staged, guard=guard)
-    new = _staged_files(staged)
-    # The engine's plan is only a cache, kept under its key: the new run's, or an old one never used again.
-    named = {shard["file"] for shard in manifest["shards"]} | {VIEW, INPUTS_TABLE, REJECTED_FILE, ENGINE_PLAN}
-    named |= {AGGREGATES} if manifest.get("aggregates") else set()
-    named |= {name + suffix for name in named for suffix in CHECKSUM_SUFFIXES}
-    with fence.held(guard):
-        storage.delete(storage.join(root, MANIFEST))
-    # Every file but the new result's moved in already (a run stopped among the moves moved some), the old
-    # view first: it would read the old shards and the new ones as one result while they are swapped.
-    moved = named - set(new)
-    old = sorted((path for path in read_folder(root).owned if _relative(root, path) not in moved),
-                 key=lambda path: _relative(root, path) != VIEW)
-    if old:
-        with fence.held(guard):
-            storage.delete(*old)
-    for name in new:
-        with fence.held(guard):
-            storage.rename(storage.join(staged, name), storage.join(root, name))
-        faults.reached("overwrite_move")
-    top = copy.deepcopy(manifest)
-    top["output_dir"] = root
-    top["config"]["output"]["path"] = output_path
-    write_manifest(root, top, guard)
-    faults.reached("overwrite_moved")
-    with fence.held(guard):
-        storage.delete(storage.join(staged, MANIFEST), storage.join(staged, INPUTS_PREVIOUS),
-                       storage.join(staged, LEASE))
-    _remove_if_empty(staged)
-    return top
-
-
-def _staged_files(staged: str) -> list[str]:
-    """The staged result's files to move in, relative to the staging folder, in the order to move them: each
-    shard before its checksum sidecar (which marks a remote shard complete), the view last."""
-    shards = sorted(name for name in storage.listdir(storage.join(staged, SHARDS_DIR))
-                    if is_shard_file(name) or is_checksum_file(name))
-    top = set(storage.listdir(staged))
-    return [f"{SHARDS_DIR}/{name}" for name in shards] + [name for name in _FILES if name in top]
-
-
-def _relative(root: str, path: str) -> str:
-    return path[len(root):].lstrip("/")
-
-
-def _remove_if_empty(staged: str) -> None:
-    """The local staging folder, emptied (a remote one is gone with its last object)."""
-    if not storage.is_local(staged):
-        return
-    for folder in (os.path.join(staged, SHARDS_DIR), staged):
-        try:
-            os.rmdir(folder)
-        except OSError:
-            pass
+    return move_in(root, output_path, guard, lambda folder: read_folder(folder).owned)

@@ -178,7 +178,8 @@ def test_write_shards_refuses_a_folder_holding_another_runs_result_unless_told_t
 def test_building_a_pipeline_touches_nothing_and_a_failed_one_holds_nothing(tmp_path, samples):
     """``WriteShards(replace=True)`` claims the folder when the pipeline runs, not when it is built: a
     pipeline built and never run leaves another run's result byte for byte and takes no lease. One that
-    fails holds nothing afterwards: no lease file, no lease or heartbeat left in the process."""
+    fails holds nothing afterwards (no lease file, no lease or heartbeat left in the process) and has not
+    touched the result it was to replace."""
     import threading
 
     from jacobeam.transforms.output import lease
@@ -199,6 +200,15 @@ def test_building_a_pipeline_touches_nothing_and_a_failed_one_holds_nothing(tmp_
             _ = failing | beam.Create(keyed) | ComputeJacobians(MODEL, SHAPE, other.engine) | WriteShards(other, replace=True)
     assert not (out / LEASE).exists() and not lease._held
     assert not [t for t in threading.enumerate() if t.name == "jacobeam lease heartbeat"]
+    # The replacement was written in a folder of its own: the failed one left the old result as it was
+    # (it had removed it when it began), and the next one moves its result in.
+    kept = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and ".jacobeam-overwrite" not in p.parts}
+    assert kept == before and verify.verify(str(out), samples=2).ok
+    replaced = _write(other, samples[:20], replace=True)
+    assert replaced["output_dir"] == str(out) and sorted(p.name for p in out.iterdir()) == [
+        "inputs.h5", "jacobians.h5", "manifest.json", "rejected.jsonl", "shards"]
+    assert verify.verify(str(out), samples=4).ok and not lease._held
 
 
 def test_write_shards_into_a_folder_another_live_run_holds_is_refused_as_busy(tmp_path, samples):

@@ -26,10 +26,11 @@ from jacobeam.transforms.finalize import Finalize
 from jacobeam.transforms.inputs.readers import shape_from_record, shape_record
 from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.metrics import ShardMetrics
-from jacobeam.transforms.output import lease
-from jacobeam.transforms.output.claim import claim, release
+from jacobeam.transforms.output import fence, lease
+from jacobeam.transforms.output.claim import claim, owned_files, release
 from jacobeam.transforms.output.layout import PIPELINE_INPUT, shard_name
 from jacobeam.transforms.output.shards import ShardRecord
+from jacobeam.transforms.replace import move_in, staging
 from jacobeam.transforms.spec import (
     EngineOptions,
     JobSpec,
@@ -211,17 +212,20 @@ class WriteShards(beam.PTransform):
             carry their shard (``ReadSamples`` -> ``ComputeJacobians``): then every stored range of the
             plan must arrive (``jacobeam run`` instead computes each range with ``ComputeShards``, which
             keeps shards already complete and holds no whole shard in memory).
-        replace: remove another run's result found in the output folder (only files jacobeam wrote)
-            instead of refusing to write there.
+        replace: replace another run's result found in the output folder (only files jacobeam wrote)
+            instead of refusing to write there: the new result is written in a folder of its own inside
+            it (``.jacobeam-overwrite``) and moved in once complete (``transforms.replace``), so a
+            pipeline that fails leaves the old result whole.
 
     Returns:
         A single-element ``PCollection`` holding the manifest (a dict, as written to
         ``manifest.json``).
 
     Building the step reads and writes nothing. Its first step, when the pipeline runs, takes the
-    output folder's lease (``transforms.output.claim``; a local, S3 or GCS folder) and checks (or, with
-    ``replace``, removes) what the folder holds; every commit then proves the lease is still this run's
-    (``transforms.output.fence``), and the last step frees it, after the manifest.
+    output folder's lease (``transforms.output.claim``; a local, S3 or GCS folder) and checks what the
+    folder holds (with ``replace``, also the staging folder's lease, clearing what a failed replacement
+    left there); every commit then proves the lease is still this run's (``transforms.output.fence``),
+    and the last step frees it, after the manifest (with ``replace``, once the new result is moved in).
 
     Raises (when the pipeline runs):
         LeaseBusy: another run is writing the output folder.
@@ -236,14 +240,16 @@ class WriteShards(beam.PTransform):
         super().__init__()
         if lease.supported(spec.output_dir):  # its commits prove the lease its first step takes
             spec = dataclasses.replace(spec, run_id=spec.run_id or uuid.uuid4().hex[:12], fenced=True)
-        self._spec, self._replace = spec, replace
+        self._spec = spec
+        # Where the shards and manifest are written: with replace, the folder's staging folder.
+        self._written = dataclasses.replace(spec, output_dir=staging(spec.output_dir)) if replace else spec
 
     def expand(self, batches):
-        spec = self._spec
+        spec, written = self._spec, self._written
         claimed = (
             batches.pipeline
             | "Folder" >> beam.Create([None])
-            | "Claim" >> beam.ParDo(_ClaimFn(spec, self._replace))
+            | "Claim" >> beam.ParDo(_ClaimFn(spec, written))
         )
         if spec.open_ended:
             keyed = batches | "ByShard" >> beam.FlatMap(_split_by_shard, spec.samples_per_shard)
@@ -255,35 +261,44 @@ class WriteShards(beam.PTransform):
             keyed
             | "GroupShards" >> beam.GroupByKey()
             | "JoinShards" >> beam.Map(join)
-            | "Write" >> beam.ParDo(WriteShardFn(spec), beam.pvalue.AsSingleton(claimed))
-            | "Finalize" >> Finalize(spec)
-            | "Release" >> beam.Map(_release, spec)
+            | "Write" >> beam.ParDo(WriteShardFn(written), beam.pvalue.AsSingleton(claimed))
+            | "Finalize" >> Finalize(written)
+            | "Release" >> beam.Map(_release, spec, written)
         )
 
 
 class _ClaimFn(beam.DoFn):
     """The folder claimed when the pipeline runs (``transforms.output.claim``), not when it is built: the
-    lease taken and another run's result checked (or removed, ``replace``). The lease's heartbeat runs in
-    this DoFn's process; ``_release`` frees the lease after the manifest, and ``teardown`` (the pipeline's
-    end, also a failed one's) stops the heartbeat and frees a lease still held."""
+    lease taken and another run's result checked. Where the result is written elsewhere first (``written``,
+    ``WriteShards(replace=True)``), the output folder's lease is taken and that folder claimed, what a
+    replacement that failed left there removed. The leases' heartbeats run in this DoFn's process;
+    ``_release`` frees them after the manifest, and ``teardown`` (the pipeline's end, also a failed one's)
+    stops the heartbeats and frees leases still held."""
 
-    def __init__(self, spec: JobSpec, replace: bool):
-        self._spec, self._replace = spec, replace
-        self._lease = None
+    def __init__(self, spec: JobSpec, written: JobSpec):
+        self._spec, self._written = spec, written
+        self._leases: list[lease.Lease] = []
 
     @no_annotations
     def process(self, _: None) -> Iterator[str]:
-        self._lease = claim(self._spec, self._replace)
-        yield self._spec.run_id
+        spec, written = self._spec, self._written
+        if written.output_dir != spec.output_dir and spec.fenced:
+            self._leases.append(lease.Lease(spec.output_dir, run_id=spec.run_id).acquire())
+        held = claim(written, replace=written.output_dir != spec.output_dir)
+        self._leases += [held] if held is not None else []
+        yield spec.run_id
 
     def teardown(self) -> None:
-        if self._lease is not None:
-            self._lease.release()
-            self._lease = None
+        while self._leases:
+            self._leases.pop().release()
 
 
 @no_annotations
-def _release(manifest: dict, spec: JobSpec) -> dict:
-    """The manifest, once the run's lease is freed: the run is over."""
+def _release(manifest: dict, spec: JobSpec, written: JobSpec) -> dict:
+    """The manifest, once the run's lease is freed: the run is over. A result written in the staging folder
+    (``WriteShards(replace=True)``) is moved in first, replacing the folder's (``transforms.replace``)."""
+    if written.output_dir != spec.output_dir:
+        release(written)
+        manifest = move_in(spec.output_dir, spec.output_dir, fence.of(spec), owned_files)
     release(spec)
     return manifest

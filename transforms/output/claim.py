@@ -52,7 +52,7 @@ def claim(spec: JobSpec, replace: bool = False) -> lease.Lease | None:
         if others:
             log.warning("WriteShards: replacing another run's result in %s", root)
             with fence.held(fence.of(spec)):
-                storage.delete(*_owned_files(root))
+                storage.delete(*owned_files(root))
     except BaseException:
         if held is not None:
             held.release()
@@ -91,7 +91,8 @@ def other_runs(spec: JobSpec) -> list[str]:
     return found
 
 
-def _owned_files(root: str) -> list[str]:
+def owned_files(root: str) -> list[str]:
+    """The files of the folder ``root`` with jacobeam's names (a result's, a killed run's temporary files)."""
     shards = storage.join(root, SHARDS_DIR)
     inside = [
         storage.join(shards, name) for name in storage.listdir(shards)

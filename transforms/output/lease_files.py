@@ -101,6 +101,8 @@ class _LocalFile:
             return True
 
     def refresh(self, data: bytes) -> bool:
+        if not os.path.isdir(self.folder):  # removed with the lease in it (a staging folder moved in)
+            return False
         with self.locked():
             found = self.read()
             if found is None or found[0] != self._mine:
@@ -110,6 +112,8 @@ class _LocalFile:
             return True
 
     def remove(self) -> None:
+        if not os.path.isdir(self.folder):  # removed with the lease in it (a staging folder moved in)
+            return
         with self.locked():
             found = self.read()
             if found is not None and found[0] == self._mine:
