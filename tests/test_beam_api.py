@@ -221,3 +221,16 @@ def test_write_shards_into_a_folder_another_live_run_holds_is_refused_as_busy(tm
     with pytest.raises(LeaseBusy, match=rf"output folder {out} is being written by run 0123456789ab"):
         _write(spec, samples)
     assert sorted(p.name for p in out.iterdir()) == [LEASE]
+
+
+def test_one_write_shards_applied_twice_in_a_pipeline_is_refused_when_built(tmp_path, samples):
+    """Its second application claimed the folder as a retry of the first (one run id) and wrote a second
+    result over the first's: a folder of one's manifest and the other's shards, called complete."""
+    spec = pipeline_spec(str(tmp_path / "out"), MODEL, SHAPE, EngineOptions(batch_size=4), samples_per_shard=8)
+    write = WriteShards(spec)
+    pipeline = beam.Pipeline(runner=FnApiRunner())
+    computed = pipeline | beam.Create(list(enumerate(samples))) | ComputeJacobians(MODEL, SHAPE, spec.engine)
+    _ = computed | "A" >> write
+    with pytest.raises(ValueError, match=r"WriteShards to .*out is applied twice in one pipeline: .*make one WriteShards"):
+        _ = computed | "B" >> write
+    assert not (tmp_path / "out").exists()

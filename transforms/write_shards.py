@@ -243,9 +243,16 @@ class WriteShards(beam.PTransform):
         self._spec = spec
         # Where the shards and manifest are written: with replace, the folder's staging folder.
         self._written = dataclasses.replace(spec, output_dir=staging(spec.output_dir)) if replace else spec
+        self._applied: set[int] = set()  # the pipelines (ids) it is applied in
 
     def expand(self, batches):
         spec, written = self._spec, self._written
+        # One instance is one run id: applied twice in a pipeline, its second claim took the first's lease
+        # for its own (a retried claim), and two results were written into one folder.
+        if id(batches.pipeline) in self._applied:
+            raise ValueError(f"WriteShards to {spec.output_dir} is applied twice in one pipeline: a WriteShards writes "
+                             "one folder once; make one WriteShards per output folder")
+        self._applied.add(id(batches.pipeline))
         claimed = (
             batches.pipeline
             | "Folder" >> beam.Create([None])
