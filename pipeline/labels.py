@@ -59,7 +59,7 @@ def file_labels(
 # --- class subfolders ------------------------------------------------------------------------------------
 
 
-def _root(pattern: str) -> str:
+def class_root(pattern: str) -> str:
     """The folder whose subfolders are the classes: a folder given as it is; a glob's part before its first
     wildcard (``data/train/*/*.png``: ``data/train``)."""
     parts = storage.absolute(pattern).rstrip("/").split("/")
@@ -70,7 +70,7 @@ def _root(pattern: str) -> str:
 def _folder_labels(
     patterns: Sequence[str], files: Sequence[SourceFile], fixed: list[str] | None, recorded: list[str] | None
 ) -> tuple[dict[str, int], list[str], list[str]]:
-    roots = sorted({_root(p) for p in patterns}, key=len, reverse=True)  # the deepest root that holds a file
+    roots = sorted({class_root(p) for p in patterns}, key=len, reverse=True)  # the deepest root that holds a file
     classes: dict[str, str] = {}  # path -> class name
     for source in files:
         root = next((r for r in roots if source.path.startswith(r + "/")), None)

@@ -120,12 +120,18 @@ def recompute(
     engine = _RecordedEngine(loaded, manifest, tuple(int(d) for d in read_attrs(first)["output_shape"]))
     checker = checker_for(engine, SelfCheck())
     several = len(engine.input_names) > 1
+    labels = manifest.get("labels") or {}
+    classes = labels.get("class_names") if labels.get("source") == "folders" else None
     for sample_id, source, read in _read_samples(report.samples, manifest_sources(manifest), open_samples):
-        # jacobian.labels folders or table: the file's label, as the manifest's table of input files records it.
+        # jacobian.labels folders or table: the file's label, as the manifest's table of input files records it
+        # (a class folder's derived again from the file's path).
         label = source.label if source.label is not None else (
             _label(source, sample_id, engine.label_key) if engine.label_key else None)
-        xs = [np.asarray(read[n] if several else read) for n in engine.input_names]
         file, row = where[sample_id]
+        at = f"sample {sample_id} ({file} row {row})"
+        if source.label is not None and classes is not None:
+            label = _folder_label(source, classes, manifest, report, at)
+        xs = [np.asarray(read[n] if several else read) for n in engine.input_names]
         with storage.open_h5(storage.join(root, file)) as h5:
             count = len(h5[SAMPLE_ID])
             stored = {}  # every per-sample dataset of the shard, this sample's row
@@ -138,7 +144,6 @@ def recompute(
         flagged = bool(stored.pop(NONFINITE, [False])[0])
         stored.pop(SAMPLE_ID, None)
         nonfinite = not all(np.isfinite(v).all() for v in stored.values() if v.dtype.kind == "f")
-        at = f"sample {sample_id} ({file} row {row})"
         if flagged != nonfinite:
             finite = "not all" if nonfinite else "all"
             report.problems.append(f"{at}: nonfinite flag {flagged}, but its stored values are {finite} finite")
@@ -180,6 +185,27 @@ def tally(checked: dict[str, dict[str, Any]], record: dict[str, Any], nearest_bo
         seen["samples"] += 1
     if record["verdict"] == KINK:
         checked[record["dataset"]]["kinks"] += 1
+
+
+def _folder_label(source, classes: list[str], manifest: dict[str, Any], report: Report, at: str) -> int:
+    """A file's label under ``jacobian.labels.folders``, derived again: the index among the recorded
+    ``class_names`` of the folder directly below its input folder that holds it (where the file is under
+    one of the recorded ``input.paths``). One other than the label the manifest records for the file is a
+    problem; the sample is judged with the label derived."""
+    from jacobeam.pipeline.labels import class_root
+
+    path = storage.absolute(source.path)
+    roots = [root for root in map(class_root, manifest["config"]["input"]["paths"]) if path.startswith(root + "/")]
+    if not roots:  # a copied project's inputs, elsewhere than the recorded paths: the record is all there is
+        return source.label
+    name = path[len(max(roots, key=len)) + 1:].split("/", 1)[0]
+    if name not in classes:
+        report.problems.append(f"{at}: {source.path} is in no class folder of {classes}")
+        return source.label
+    if classes.index(name) != source.label:
+        report.problems.append(f"{at}: label {source.label} recorded for {source.path}, but its class folder {name!r} "
+                               f"is class {classes.index(name)} of {classes}")
+    return classes.index(name)
 
 
 def _label(source, sample_id: int, key: str) -> int:

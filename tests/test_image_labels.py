@@ -83,6 +83,32 @@ def test_class_subfolders_label_saliency_and_a_day_of_new_files(tmp_path, capsys
     assert verify(out, samples=6).ok
 
 
+def test_verify_derives_a_class_folder_s_label_again_from_the_file_s_path(tmp_path, monkeypatch):
+    """A planner that numbered the classes wrongly (each folder's index shifted by one) stored every image
+    with another class's row, consistently: the run's check and verify read the manifest's labels, and
+    passed it. verify derives each file's label again, from its folder and the recorded class names."""
+    from jacobeam.pipeline import labels
+
+    images, out = tmp_path / "images", tmp_path / "out"
+    write_images(images, ["cat/c1.png", "dog/d1.png", "frog/f1.png"])
+    planned = labels._folder_labels
+
+    def shifted(*args, **kwargs):
+        by_path, names, differences = planned(*args, **kwargs)
+        return {path: (label + 1) % len(names) for path, label in by_path.items()}, names, differences
+
+    monkeypatch.setattr(labels, "_folder_labels", shifted)
+    run(label_job(images, out, {"folders": True}))
+    monkeypatch.undo()
+    report = verify(out, samples=3)
+    assert [p for p in report.problems if "recorded for" in p] == [
+        f"sample {i} (shards/shard-000000000000-000000000003.h5 row {i}): label {(i + 1) % 3} recorded for "
+        f"{images / name}/{name[0]}1.png, but its class folder {name!r} is class {i} of ['cat', 'dog', 'frog']"
+        for i, name in enumerate(["cat", "dog", "frog"])
+    ], report.problems
+    assert len([p for p in report.problems if "differs from the reference" in p or "output_index" in p]) == 3
+
+
 def test_a_new_class_folder_after_the_recorded_ones_is_added_one_among_them_is_refused(tmp_path):
     images, out = tmp_path / "images", tmp_path / "out"
     pixels = write_images(images, ["cat/c1.png", "dog/d1.png"])
