@@ -27,7 +27,7 @@ from jacobeam.transforms.inputs.readers import shape_from_record, shape_record
 from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.metrics import ShardMetrics
 from jacobeam.transforms.output import fence, lease
-from jacobeam.transforms.output.claim import claim, owned_files, release
+from jacobeam.transforms.output.claim import BUSY_HINT, claim, owned_files, release
 from jacobeam.transforms.output.layout import PIPELINE_INPUT, shard_name
 from jacobeam.transforms.output.shards import ShardRecord
 from jacobeam.transforms.replace import move_in, staging
@@ -117,7 +117,8 @@ def _join_shard(element: tuple[int, Sequence[JacobianBatch]]) -> JacobianBatch:
     start, stop = int(ids[0]), int(ids[-1]) + 1
     if len(ids) != stop - start or (len(ids) > 1 and (np.diff(ids) != 1).any()):
         repeated = ids[1:][np.diff(ids) == 0]
-        problem = f"id {int(repeated[0])} twice" if len(repeated) else "a gap in the ids"
+        after = ids[:-1][np.diff(ids) > 1]
+        problem = f"id {int(repeated[0])} twice" if len(repeated) else f"a gap in the ids (id {int(after[0]) + 1} missing)"
         raise OutputError(f"WriteShards: the shard of {span(start, stop)} holds {problem}; ids must be 0 to n-1, each once")
     datasets = {name: values[order] for name, values in joined.datasets.items()}
     return dataclasses.replace(joined, ids=ids, datasets=datasets, shard=ShardRange(start, stop))
@@ -290,7 +291,7 @@ class _ClaimFn(beam.DoFn):
     def process(self, _: None) -> Iterator[str]:
         spec, written = self._spec, self._written
         if written.output_dir != spec.output_dir and spec.fenced:
-            self._leases.append(lease.Lease(spec.output_dir, run_id=spec.run_id).acquire())
+            self._leases.append(lease.Lease(spec.output_dir, run_id=spec.run_id, busy_hint=BUSY_HINT).acquire())
         held = claim(written, replace=written.output_dir != spec.output_dir)
         self._leases += [held] if held is not None else []
         yield spec.run_id

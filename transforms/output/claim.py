@@ -34,6 +34,9 @@ from jacobeam.transforms.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
+# A pipeline of one's own has no --wait: it runs again once the other run has ended.
+BUSY_HINT = "run the pipeline again once that run has ended, or write another output_dir"
+
 
 def claim(spec: JobSpec, replace: bool = False) -> lease.Lease | None:
     """Take ``spec.output_dir``'s lease as run ``spec.run_id`` (a local, S3 or GCS folder; ``LeaseBusy``
@@ -41,7 +44,7 @@ def claim(spec: JobSpec, replace: bool = False) -> lease.Lease | None:
     remove that result (only files with jacobeam's names) instead of refusing. Returns the lease (None
     where the folder has none), which the caller releases; ``release`` frees it from any process."""
     root = spec.output_dir
-    held = lease.Lease(root, run_id=spec.run_id).acquire() if spec.fenced else None
+    held = lease.Lease(root, run_id=spec.run_id, busy_hint=BUSY_HINT).acquire() if spec.fenced else None
     try:
         others = other_runs(spec)
         if others and not replace:

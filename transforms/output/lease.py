@@ -142,9 +142,11 @@ class Lease:
     ``release`` (or the ``with`` block's end). ``run_id``: the holder's id, a new one by default (a
     pipeline's ``JobSpec.run_id``, which its commits prove, ``transforms.output.fence``)."""
 
-    def __init__(self, folder: str, stale_seconds: float | None = None, run_id: str = ""):
+    def __init__(self, folder: str, stale_seconds: float | None = None, run_id: str = "",
+                 busy_hint: str = "retry later or pass --wait"):
         heartbeat, stale = faults.lease_seconds() or (HEARTBEAT_SECONDS, STALE_SECONDS)
         self.folder = folder
+        self._busy_hint = busy_hint  # what LeaseBusy tells to do: the command line's, or a pipeline's
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self._file = lease_file(folder, self.run_id)
         self.path = self._file.path
@@ -210,7 +212,7 @@ class Lease:
         return self
 
     def _busy(self, record: dict) -> LeaseBusy:
-        return LeaseBusy(f"output folder {self.folder} is being written by {describe(record)}; retry later or pass --wait")
+        return LeaseBusy(f"output folder {self.folder} is being written by {describe(record)}; {self._busy_hint}")
 
     def _beat(self) -> None:
         while not self._stop.wait(self._heartbeat_seconds):
