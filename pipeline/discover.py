@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import stat
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -47,16 +48,21 @@ def list_inputs(patterns: list[str]) -> dict[str, str]:
     for given in patterns:
         # Absolute: Beam matches a glob without a folder part ("*.npy") against nothing, and workers
         # need not share the launcher's working directory.
-        pattern = storage.absolute(given)
-        folder = not any(c in pattern for c in "*?[") and (pattern.endswith("/") or storage.is_folder(pattern))
-        glob = storage.join(pattern, "**") if folder else pattern
+        if storage.is_local(given) and os.path.isdir(given):  # a folder, whatever its name holds ("exp[1]")
+            pattern, folder = storage.absolute(given), True
+            glob = storage.join(escaped(pattern), "**")
+        else:
+            pattern = glob_of(given)
+            folder = not _WILDCARD.search(given) and (pattern.endswith("/") or storage.is_folder(pattern))
+            glob = storage.join(pattern, "**") if folder else pattern
         if storage.is_local(glob):
             found = _local_match(glob)
         else:
             (match,) = FileSystems.match([glob])
             found = {m.path: _stamp(m) for m in match.metadata_list}
         if folder:
-            shown = {path: stamp for path, stamp in found.items() if not _hidden(path[len(glob) - len("**"):])}
+            inside = len(storage.join(pattern, ""))  # the matched paths' part below the folder
+            shown = {path: stamp for path, stamp in found.items() if not _hidden(path[inside:])}
             found = {path: stamp for path, stamp in shown.items() if path.lower().endswith(IMAGE_SUFFIXES)}
             _warn_other_images(given, shown)
         if not found:
@@ -66,6 +72,36 @@ def list_inputs(patterns: list[str]) -> dict[str, str]:
         paths.update(found)  # not a new dict per pattern: a list of a million files took hours
     ordered = sorted(paths)  # a local listing is in order already, but where a folder sorts after a file
     return paths if ordered == list(paths) else {path: paths[path] for path in ordered}
+
+
+_WILDCARD = re.compile(r"[*?[]")
+
+
+def escaped(path: str) -> str:
+    """``path`` as a glob matching only itself: each wildcard character in brackets (``exp[1]``: ``exp[[]1]``)."""
+    return _WILDCARD.sub(lambda found: f"[{found.group(0)}]", path)
+
+
+def glob_of(given: str) -> str:
+    """An ``input.paths`` entry as an absolute glob: a relative one joined to the working directory as that
+    folder itself (a ``[`` in its name is not a glob's: every relative path failed to match)."""
+    if not storage.is_local(given) or os.path.isabs(given):
+        return given
+    return os.path.normpath(os.path.join(escaped(os.getcwd()), given)) + ("/" if given.endswith("/") else "")
+
+
+def glob_root(given: str) -> str:
+    """The literal folder an ``input.paths`` entry names before its first wildcard (``data/train/*/*.png``:
+    ``data/train``; ``exp[[]1]/*.png``: ``exp[1]``), absolute; a folder given as it is, that folder."""
+    if storage.is_local(given) and os.path.isdir(given):
+        return storage.absolute(given).rstrip("/")
+    parts = glob_of(given).rstrip("/").split("/")
+    literal = []
+    for part in parts:
+        if _WILDCARD.search(re.sub(r"\[[*?[]\]", "", part)):  # a wildcard not in brackets of its own
+            break
+        literal.append(re.sub(r"\[([*?[])\]", r"\1", part))
+    return "/".join(literal)
 
 
 def _warn_other_images(given: str, paths) -> None:
@@ -99,7 +135,9 @@ def _local_match(pattern: str) -> dict[str, str]:
     if prefix == pattern:
         candidates: Iterable[str] = [pattern] if os.path.isfile(pattern) else []
     else:
-        match = re.compile(FileSystem.translate_pattern(pattern)).match
+        with warnings.catch_warnings():  # "[[]", a "[" escaped (``escaped``), is a "possible nested set" to re
+            warnings.simplefilter("ignore", FutureWarning)
+            match = re.compile(FileSystem.translate_pattern(pattern)).match
         top = prefix if prefix.endswith("/") else os.path.dirname(prefix)
 
         def walk() -> Iterator[str]:

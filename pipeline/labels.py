@@ -25,13 +25,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jacobeam.pipeline.config import Config
+from jacobeam.pipeline.discover import glob_root
 from jacobeam.transforms.errors import InputError
 from jacobeam.transforms.inputs.types import SourceFile
 from jacobeam.transforms.output import storage
 from jacobeam.transforms.output.layout import INPUT_LABELS, SAMPLES_SHA256
 from jacobeam.transforms.output.shards import attr_text
-
-_WILDCARDS = "*?["
 
 
 def file_labels(
@@ -59,18 +58,10 @@ def file_labels(
 # --- class subfolders ------------------------------------------------------------------------------------
 
 
-def class_root(pattern: str) -> str:
-    """The folder whose subfolders are the classes: a folder given as it is; a glob's part before its first
-    wildcard (``data/train/*/*.png``: ``data/train``)."""
-    parts = storage.absolute(pattern).rstrip("/").split("/")
-    fixed = next((i for i, part in enumerate(parts) if any(c in part for c in _WILDCARDS)), len(parts))
-    return "/".join(parts[:fixed])
-
-
 def _folder_labels(
     patterns: Sequence[str], files: Sequence[SourceFile], fixed: list[str] | None, recorded: list[str] | None
 ) -> tuple[dict[str, int], list[str], list[str]]:
-    roots = sorted({class_root(p) for p in patterns}, key=len, reverse=True)  # the deepest root that holds a file
+    roots = sorted({glob_root(p) for p in patterns}, key=len, reverse=True)  # the deepest root that holds a file
     classes: dict[str, str] = {}  # path -> class name
     for source in files:
         root = next((r for r in roots if source.path.startswith(r + "/")), None)

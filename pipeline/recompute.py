@@ -192,10 +192,10 @@ def _folder_label(source, classes: list[str], manifest: dict[str, Any], report: 
     ``class_names`` of the folder directly below its input folder that holds it (where the file is under
     one of the recorded ``input.paths``). One other than the label the manifest records for the file is a
     problem; the sample is judged with the label derived."""
-    from jacobeam.pipeline.labels import class_root
+    from jacobeam.pipeline.discover import glob_root
 
     path = storage.absolute(source.path)
-    roots = [root for root in map(class_root, manifest["config"]["input"]["paths"]) if path.startswith(root + "/")]
+    roots = [root for root in map(glob_root, manifest["config"]["input"]["paths"]) if path.startswith(root + "/")]
     if not roots:  # a copied project's inputs, elsewhere than the recorded paths: the record is all there is
         return source.label
     name = path[len(max(roots, key=len)) + 1:].split("/", 1)[0]

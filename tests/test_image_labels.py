@@ -83,6 +83,26 @@ def test_class_subfolders_label_saliency_and_a_day_of_new_files(tmp_path, capsys
     assert verify(out, samples=6).ok
 
 
+def test_a_folder_whose_name_holds_a_bracket(tmp_path, monkeypatch):
+    """``exp[1]``: given as a folder it matched no files (``[1]`` read as a glob's character class), a
+    working directory so named failed every relative path, and an escaped glob (``exp[[]1]/*/*.png``) took
+    ``exp[1]`` for the class of every image. Now each names its own folders, and the labels are the classes'."""
+    experiment = tmp_path / "exp[1]"
+    images = experiment / "train"
+    pixels = write_images(images, ["cat/c1.png", "dog/d1.png"])
+    classes = {str(images / "cat/c1.png"): 0, str(images / "dog/d1.png"): 1}
+    for name, given in (("folder", str(images)), ("escaped", str(tmp_path / "exp[[]1]" / "train" / "*" / "*.png"))):
+        raw = label_job(images, tmp_path / name, {"folders": True})
+        raw["input"]["paths"] = [given]
+        assert run(raw)["labels"]["class_names"] == ["cat", "dog"], name
+        check_rows(tmp_path / name, {path: pixels[path] for path in sorted(pixels)}, classes)
+    monkeypatch.chdir(experiment)  # relative paths, from a working directory whose name holds the bracket
+    raw = label_job(images, tmp_path / "relative", {"folders": True})
+    raw["input"]["paths"] = ["train/*/*.png"]
+    assert run(raw)["labels"]["class_names"] == ["cat", "dog"]
+    check_rows(tmp_path / "relative", {path: pixels[path] for path in sorted(pixels)}, classes)
+
+
 def test_verify_derives_a_class_folder_s_label_again_from_the_file_s_path(tmp_path, monkeypatch):
     """A planner that numbered the classes wrongly (each folder's index shifted by one) stored every image
     with another class's row, consistently: the run's check and verify read the manifest's labels, and
