@@ -48,9 +48,9 @@ def list_inputs(patterns: list[str]) -> dict[str, str]:
     for given in patterns:
         # Absolute: Beam matches a glob without a folder part ("*.npy") against nothing, and workers
         # need not share the launcher's working directory.
-        if storage.is_local(given) and os.path.isdir(given):  # a folder, whatever its name holds ("exp[1]")
-            pattern, folder = storage.absolute(given), True
-            glob = storage.join(escaped(pattern), "**")
+        if storage.is_local(given) and os.path.exists(given):  # a file or folder, whatever its name holds ("exp[1]")
+            pattern, folder = storage.absolute(given), os.path.isdir(given)
+            glob = storage.join(escaped(pattern), "**") if folder else escaped(pattern)
         else:
             pattern = glob_of(given)
             folder = not _WILDCARD.search(given) and (pattern.endswith("/") or storage.is_folder(pattern))
@@ -95,13 +95,20 @@ def glob_root(given: str) -> str:
     ``data/train``; ``exp[[]1]/*.png``: ``exp[1]``), absolute; a folder given as it is, that folder."""
     if storage.is_local(given) and os.path.isdir(given):
         return storage.absolute(given).rstrip("/")
-    parts = glob_of(given).rstrip("/").split("/")
     literal = []
-    for part in parts:
-        if _WILDCARD.search(re.sub(r"\[[*?[]\]", "", part)):  # a wildcard not in brackets of its own
+    for part in glob_of(given).rstrip("/").split("/"):
+        if _wild(part):
             break
-        literal.append(re.sub(r"\[([*?[])\]", r"\1", part))
-    return "/".join(literal)
+        literal.append(_ESCAPED.sub(r"\1", part))
+    return "/".join(literal) or "/"
+
+
+_ESCAPED = re.compile(r"\[([*?[])\]")  # a wildcard character in brackets of its own: that character
+
+
+def _wild(pattern: str) -> bool:
+    """Whether a glob holds a wildcard (not only characters in brackets of their own)."""
+    return bool(_WILDCARD.search(_ESCAPED.sub("", pattern)))
 
 
 def _warn_other_images(given: str, paths) -> None:
@@ -131,14 +138,14 @@ def _local_match(pattern: str) -> dict[str, str]:
 
     if pattern.endswith("/"):
         pattern += "*"
-    prefix = re.match(r"^[^[*?]*", pattern).group(0)
-    if prefix == pattern:
-        candidates: Iterable[str] = [pattern] if os.path.isfile(pattern) else []
+    if not _wild(pattern):  # one file, its name as it is
+        literal = _ESCAPED.sub(r"\1", pattern)
+        candidates: Iterable[str] = [literal] if os.path.isfile(literal) else []
     else:
         with warnings.catch_warnings():  # "[[]", a "[" escaped (``escaped``), is a "possible nested set" to re
             warnings.simplefilter("ignore", FutureWarning)
             match = re.compile(FileSystem.translate_pattern(pattern)).match
-        top = prefix if prefix.endswith("/") else os.path.dirname(prefix)
+        top = glob_root(pattern)  # the literal folder before the first wildcard
 
         def walk() -> Iterator[str]:
             for folder, folders, names in os.walk(top):

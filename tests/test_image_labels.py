@@ -96,6 +96,12 @@ def test_a_folder_whose_name_holds_a_bracket(tmp_path, monkeypatch):
         raw["input"]["paths"] = [given]
         assert run(raw)["labels"]["class_names"] == ["cat", "dog"], name
         check_rows(tmp_path / name, {path: pixels[path] for path in sorted(pixels)}, classes)
+    from jacobeam.pipeline.discover import list_inputs
+
+    odd = images / "cat" / "c[2].png"  # a file so named, listed by its name: the glob "c[2].png" is c2.png's
+    odd.write_bytes((images / "cat" / "c1.png").read_bytes())
+    assert list(list_inputs([str(odd)])) == [str(odd)]
+    odd.unlink()
     monkeypatch.chdir(experiment)  # relative paths, from a working directory whose name holds the bracket
     raw = label_job(images, tmp_path / "relative", {"folders": True})
     raw["input"]["paths"] = ["train/*/*.png"]
