@@ -124,15 +124,16 @@ def place_files(
         path, old_stop = as_now(entry["path"]), entry["first_id"] + entry["num_samples"]
         end = max(end, old_stop)
         now = current.get(path)
-        if now is None and not entry.get("removed") and entry["num_samples"] and exists(path) and (twin := copy_of(path)):
+        if now is None and not entry.get("removed") and entry["num_samples"] and exists(path):
+            twin = copy_of(path)
+            if twin is None:
+                # Still there, no longer matched: a narrowed glob, not a deletion (which would drop its samples
+                # and renumber them for good when the glob is put back).
+                differences.append(f"input file {path} is no longer matched by input.paths but is still there "
+                                   f"(its {entry['num_samples']} sample(s) are in this result; to take them out, "
+                                   "delete or move the file)")
+                continue
             path = twin  # the original's file, still there: the copy's, beside this run's files, is gone
-        elif now is None and not entry.get("removed") and entry["num_samples"] and exists(path):
-            # Still there, no longer matched: a narrowed glob, not a deletion (which would drop its samples
-            # and renumber them for good when the glob is put back).
-            differences.append(f"input file {path} is no longer matched by input.paths but is still there (its "
-                               f"{entry['num_samples']} sample(s) are in this result; to take them out, delete or "
-                               "move the file)")
-            continue
         if now is None or entry.get("removed"):
             # A file gone keeps its ids, marked removed: its samples leave the result, the others stay
             # where they are. One without ids (unreadable) just goes. A file of that path found again

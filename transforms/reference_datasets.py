@@ -49,12 +49,16 @@ def projection(d: int, dim: int, kind: str, seed: int) -> np.ndarray:
     return draws / np.sqrt(dim)
 
 
-def probability_rows(values: np.ndarray, log_floor: float) -> np.ndarray:
-    """Probabilities as the two rows they are judged as: themselves, and their logs (each clipped at
-    ``log_floor``)."""
-    flat = np.asarray(values, np.float64).reshape(-1)
+def clipped_log(values: np.ndarray, log_floor: float) -> np.ndarray:
+    """The logs of probabilities, each clipped at ``log_floor`` (NaN stays NaN)."""
     with np.errstate(invalid="ignore"):
-        return np.stack([flat, np.log(np.maximum(flat, log_floor))])
+        return np.log(np.maximum(np.asarray(values, np.float64), log_floor))
+
+
+def probability_rows(values: np.ndarray, log_floor: float) -> np.ndarray:
+    """Probabilities as the two rows they are judged as: themselves, and their logs (``clipped_log``)."""
+    flat = np.asarray(values, np.float64).reshape(-1)
+    return np.stack([flat, clipped_log(flat, log_floor)])
 
 
 def least_scales(name: str, rows: int, log_floor: float | None) -> np.ndarray:
@@ -77,7 +81,7 @@ class ReferenceDatasets:
     def __init__(self, options: EngineOptions, output_shape, input_shapes, input_names, wrt,
                  log_floor: float | None = None):
         self.kind = options.reduce.kind
-        # The outputs are probabilities (``log_outputs``): judged as their logs too, each clipped at this
+        # Where the outputs are probabilities: they are judged as their logs too, each clipped at this
         # smallest normal number of the store dtype (below it a stored value has no relative precision).
         self.log_floor = log_floor
         self.output_shape = tuple(int(d) for d in output_shape)

@@ -467,9 +467,9 @@ def tied(tolerance: float, truth: np.ndarray, own: np.ndarray, got: np.ndarray, 
         return False
     scale = float(np.abs(truth).max())
     if log_floor is not None:
-        with np.errstate(invalid="ignore"):
-            truth, own = (np.log(np.maximum(np.asarray(v, np.float64), log_floor)) for v in (truth, own))
-        scale = 1.0
+        from jacobeam.transforms.reference_datasets import clipped_log
+
+        truth, own, scale = clipped_log(truth, log_floor), clipped_log(own, log_floor), 1.0
     band = max(tolerance * scale, NOISE_FACTOR * float(np.abs(own - truth).max()))
     return bool(np.all(np.abs(truth[got] - truth[want]) <= band))
 

@@ -290,9 +290,10 @@ class _ClaimFn(beam.DoFn):
     @no_annotations
     def process(self, _: None) -> Iterator[str]:
         spec, written = self._spec, self._written
-        if written.output_dir != spec.output_dir and spec.fenced:
+        staged = written.output_dir != spec.output_dir
+        if staged and spec.fenced:
             self._leases.append(lease.Lease(spec.output_dir, run_id=spec.run_id, busy_hint=BUSY_HINT).acquire())
-        held = claim(written, replace=written.output_dir != spec.output_dir)
+        held = claim(written, replace=staged)
         self._leases += [held] if held is not None else []
         yield spec.run_id
 
